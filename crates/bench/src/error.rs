@@ -1,0 +1,32 @@
+//! The crate's one error type.
+
+use tokenpath_timeline::TimelineError;
+
+/// Errors of the bench crate.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// A records file could not be read.
+    #[error("cannot read {path}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A records file is not valid.
+    #[error("{path}:{line}: not a request record: {reason}")]
+    BadRecord {
+        /// The file.
+        path: String,
+        /// 1-based line (0 for a whole-file JSON document).
+        line: usize,
+        /// Why.
+        reason: String,
+    },
+    /// A run with no request in it.
+    #[error("no requests to report on")]
+    NoRequests,
+    /// A metric definition refused its input.
+    #[error(transparent)]
+    Timeline(#[from] TimelineError),
+}

@@ -1,0 +1,12 @@
+//! The load generator's library: workloads, the arrival process, the client that records what it
+//! observed, and the reports built from those records.
+//!
+//! Every number a report prints is computed by the `timeline` crate; this crate only decides
+//! which records go in (the steady-state window) and how the results are laid out. Keeping the
+//! report separate from the load generator means a saved run can be re-analysed later with another
+//! window or SLO without re-running it (`tokenpath report`).
+
+mod error;
+pub mod report;
+
+pub use error::BenchError;

@@ -1,0 +1,298 @@
+//! A run's report: which records count (the steady-state window), the summary of every metric,
+//! per-stage distributions, tail attribution and goodput, laid out so the JSON keys read
+//! `metric_unit.stat` (`summary.ttft_ms.p99`, `stages.prefill_ms.p99`, `summary.goodput_rps`).
+
+use crate::BenchError;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use tokenpath_timeline::{
+    goodput, tail_attribution, throughput, ClientRecord, Goodput, NOutSource, Outcome, SloSpec, Stage,
+    Summary, TailAttribution, TailMetric, Throughput, Window,
+};
+
+/// What to put in a report.
+#[derive(Clone, Debug, Default)]
+pub struct ReportOptions {
+    /// Seconds after the first scheduled send that are warm-up (excluded).
+    pub warmup_s: f64,
+    /// Seconds before the last request ended that are drain (excluded).
+    pub cooldown_s: f64,
+    /// SLOs for goodput, if any.
+    pub slo: Option<SloSpec>,
+}
+
+/// The summary block of a report.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SummaryBlock {
+    /// Requests that ended in the window.
+    pub requests: u64,
+    /// Of which completed.
+    pub completed: u64,
+    /// Of which failed.
+    pub failed: u64,
+    /// Client TTFT (`t_first − t_send`), ms.
+    pub ttft_ms: Option<Summary>,
+    /// TTFT from the schedule (`t_first − t_sched`), ms.
+    pub ttft_from_sched_ms: Option<Summary>,
+    /// Server-observed TTFT, ms, when the server sent `timing`.
+    pub server_ttft_ms: Option<Summary>,
+    /// TPOT, ms.
+    pub tpot_ms: Option<Summary>,
+    /// Chunk gap (time between token-bearing events), ms.
+    pub chunk_gap_ms: Option<Summary>,
+    /// Per-token ITL, ms.
+    pub itl_ms: Option<Summary>,
+    /// E2E (`t_last − t_send`), ms.
+    pub e2e_ms: Option<Summary>,
+    /// Client schedule lag (`t_send − t_sched`), ms.
+    pub schedule_lag_ms: Option<Summary>,
+    /// Rates over the window.
+    #[serde(flatten)]
+    pub throughput: Throughput,
+    /// Good requests per second, when SLOs were given.
+    pub goodput_rps: Option<f64>,
+    /// Output tokens of good requests per second.
+    pub token_goodput_per_s: Option<f64>,
+    /// Fraction of requests meeting every SLO.
+    pub attainment: Option<f64>,
+}
+
+/// A whole report.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Report {
+    /// The steady-state window on the client's clock.
+    pub window: Window,
+    /// Every metric's summary.
+    pub summary: SummaryBlock,
+    /// Per-stage distributions from the server's `timing`, keyed `<stage>_ms`.
+    pub stages: BTreeMap<String, Summary>,
+    /// Where the p99 tails come from.
+    pub tail: Vec<TailAttribution>,
+    /// SLO detail (per-SLO attainment), when SLOs were given.
+    pub goodput: Option<Goodput>,
+    /// Failed requests by kind.
+    pub errors: BTreeMap<String, u64>,
+    /// Where N_out came from, by source.
+    pub n_out_sources: BTreeMap<String, u64>,
+    /// Things the reader must know to trust the numbers.
+    pub notes: Vec<String>,
+}
+
+fn summarize<I: IntoIterator<Item = f64>>(values: I) -> Option<Summary> {
+    Summary::from_samples(&values.into_iter().collect::<Vec<_>>())
+}
+
+const NS_PER_MS: f64 = 1e6;
+
+impl Report {
+    /// Builds the report of `records` under `opts`.
+    pub fn build(records: &[ClientRecord], opts: &ReportOptions) -> Result<Report, BenchError> {
+        let start = records.iter().map(|r| r.t_sched).min().ok_or(BenchError::NoRequests)?;
+        let end = records.iter().filter_map(|r| r.t_end().or(Some(r.t_send))).max().unwrap_or(start) + 1;
+        let s2ns = |s: f64| (s.max(0.0) * 1e9) as u64;
+        let window = Window::new(start + s2ns(opts.warmup_s), end.saturating_sub(s2ns(opts.cooldown_s)))?;
+        let in_window: Vec<&ClientRecord> = window.ended_in(records).collect();
+        let ok: Vec<&ClientRecord> = in_window.iter().copied().filter(|r| r.is_ok()).collect();
+        let ms = |ns: u64| ns as f64 / NS_PER_MS;
+
+        let tput = throughput(records, window);
+        let good = opts.slo.as_ref().map(|spec| goodput(records, window, spec));
+        let summary = SummaryBlock {
+            requests: in_window.len() as u64,
+            completed: tput.completed,
+            failed: tput.failed,
+            ttft_ms: summarize(ok.iter().filter_map(|r| r.ttft_ns()).map(ms)),
+            ttft_from_sched_ms: summarize(ok.iter().filter_map(|r| r.ttft_from_sched_ns()).map(ms)),
+            server_ttft_ms: summarize(ok.iter().filter_map(|r| r.server.as_ref()?.ttft_ms)),
+            tpot_ms: summarize(ok.iter().filter_map(|r| r.tpot_ns()).map(|v| v / NS_PER_MS)),
+            chunk_gap_ms: summarize(ok.iter().flat_map(|r| r.chunk_gaps_ns()).map(ms)),
+            itl_ms: summarize(ok.iter().flat_map(|r| r.per_token_itl_ns()).map(|v| v / NS_PER_MS)),
+            e2e_ms: summarize(ok.iter().filter_map(|r| r.e2e_ns()).map(ms)),
+            schedule_lag_ms: summarize(in_window.iter().map(|r| ms(r.schedule_lag_ns()))),
+            throughput: tput,
+            goodput_rps: good.as_ref().map(|g| g.goodput_rps),
+            token_goodput_per_s: good.as_ref().map(|g| g.token_goodput_per_s),
+            attainment: good.as_ref().map(|g| g.attainment),
+        };
+
+        let mut stages = BTreeMap::new();
+        for stage in Stage::ALL {
+            let vals = ok.iter().filter_map(|r| r.server.as_ref()?.stage_ms(stage));
+            if let Some(s) = summarize(vals) {
+                stages.insert(format!("{}_ms", stage.name()), s);
+            }
+        }
+        let ok_owned: Vec<ClientRecord> = ok.iter().map(|r| (*r).clone()).collect();
+        let tail = [TailMetric::Ttft, TailMetric::E2e]
+            .into_iter()
+            .filter_map(|m| tail_attribution(&ok_owned, m, 99.0))
+            .collect();
+
+        let mut errors = BTreeMap::new();
+        for r in &in_window {
+            if let Outcome::Failed { kind, .. } = &r.outcome {
+                *errors.entry(kind.clone()).or_insert(0) += 1;
+            }
+        }
+        let mut n_out_sources = BTreeMap::new();
+        for r in &ok {
+            let key = match r.n_out().map(|(_, s)| s) {
+                Some(NOutSource::Usage) => "usage",
+                Some(NOutSource::Retokenized) => "retokenized",
+                Some(NOutSource::Events) => "stream_events",
+                None => "unknown",
+            };
+            *n_out_sources.entry(key.to_owned()).or_insert(0) += 1;
+        }
+
+        let mut notes = Vec::new();
+        if n_out_sources.keys().any(|k| k != "usage") {
+            notes.push(
+                "some responses had no `usage`: their output token counts are estimates".to_owned(),
+            );
+        }
+        if summary.ttft_ms.is_some_and(|s| s.p999_low_samples) {
+            notes.push("fewer than 1000 samples: p99.9 is the largest few values, not a tail estimate".into());
+        }
+        if stages.is_empty() {
+            notes.push("the server sent no `timing`: no per-stage breakdown".into());
+        }
+        Ok(Report { window, summary, stages, tail, goodput: good, errors, n_out_sources, notes })
+    }
+
+    /// A plain-text table for the terminal.
+    pub fn render_table(&self) -> String {
+        let mut out = String::new();
+        let s = &self.summary;
+        let t = &s.throughput;
+        let _ = writeln!(
+            out,
+            "window {:.1} s: {} requests ({} completed, {} failed)",
+            t.window_s, s.requests, s.completed, s.failed
+        );
+        let _ = writeln!(out, "{:<22}{:>10}{:>10}{:>10}{:>10}{:>10}{:>8}", "metric (ms)", "mean", "p50", "p90", "p99", "max", "n");
+        let rows: [(&str, &Option<Summary>); 8] = [
+            ("TTFT (from send)", &s.ttft_ms),
+            ("TTFT (from schedule)", &s.ttft_from_sched_ms),
+            ("TTFT (server)", &s.server_ttft_ms),
+            ("TPOT", &s.tpot_ms),
+            ("chunk gap", &s.chunk_gap_ms),
+            ("ITL (per token)", &s.itl_ms),
+            ("E2E", &s.e2e_ms),
+            ("client schedule lag", &s.schedule_lag_ms),
+        ];
+        let stage_rows = self.stages.iter().map(|(k, v)| (k.as_str(), v));
+        for (name, sum) in rows.iter().filter_map(|(n, s)| Some((*n, s.as_ref()?))).chain(stage_rows) {
+            let _ = writeln!(
+                out,
+                "{:<22}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>8}",
+                name, sum.mean, sum.p50, sum.p90, sum.p99, sum.max, sum.count
+            );
+        }
+        let _ = writeln!(
+            out,
+            "requests/s {:.2} (offered {:.2}, sent {:.2}) | input tok/s {:.1} (cached {:.1}) | output tok/s {:.1} | total tok/s {:.1}",
+            t.requests_per_s, t.offered_rps, t.achieved_send_rps, t.input_tokens_per_s,
+            t.cached_input_tokens_per_s, t.output_tokens_per_s, t.total_tokens_per_s
+        );
+        if let Some(g) = &self.goodput {
+            let per: Vec<String> =
+                g.per_slo.iter().map(|(m, a)| format!("{m} {:.1}%", a * 100.0)).collect();
+            let _ = writeln!(
+                out,
+                "goodput {:.2} req/s, {:.1} tok/s; attainment {:.1}% ({})",
+                g.goodput_rps, g.token_goodput_per_s, g.attainment * 100.0, per.join(", ")
+            );
+        }
+        for a in &self.tail {
+            let _ = writeln!(out, "{a}");
+        }
+        for (kind, n) in &self.errors {
+            let _ = writeln!(out, "errors {kind}: {n}");
+        }
+        for n in &self.notes {
+            let _ = writeln!(out, "note: {n}");
+        }
+        out
+    }
+}
+
+/// Reads records from a bench JSON file (an object with a `requests` array) or from JSON Lines
+/// (one record per line).
+pub fn load_records(path: &std::path::Path) -> Result<Vec<ClientRecord>, BenchError> {
+    let name = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| BenchError::Read { path: name.clone(), source })?;
+    let bad = |line: usize, e: serde_json::Error| BenchError::BadRecord { path: name.clone(), line, reason: e.to_string() };
+    if text.trim_start().starts_with('{') {
+        if let Ok(doc) = serde_json::from_str::<serde_json::Value>(&text) {
+            if let Some(reqs) = doc.get("requests") {
+                return serde_json::from_value(reqs.clone()).map_err(|e| bad(0, e));
+            }
+        }
+    }
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| serde_json::from_str(l).map_err(|e| bad(i + 1, e)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenpath_timeline::{RequestId, ServerTiming, StreamEvent, Usage};
+
+    const MS: u64 = 1_000_000;
+
+    fn rec(id: u64, send_ms: u64, first_ms: u64, n: u32) -> ClientRecord {
+        let mut r = ClientRecord::new(RequestId(id), send_ms * MS, send_ms * MS, true);
+        r.events.push(StreamEvent { at_ns: (send_ms + 1) * MS, tokens: 0 });
+        for i in 0..u64::from(n) {
+            r.events.push(StreamEvent { at_ns: (first_ms + 10 * i) * MS, tokens: 1 });
+        }
+        r.usage = Some(Usage { prompt_tokens: 50, completion_tokens: u64::from(n), cached_tokens: None });
+        let mut t = ServerTiming::default();
+        t.stages_ms.insert(Stage::Queue, (first_ms - send_ms) as f64 * 0.5);
+        t.stages_ms.insert(Stage::Prefill, (first_ms - send_ms) as f64 * 0.5);
+        r.server = Some(t);
+        r
+    }
+
+    #[test]
+    fn report_keys_and_window() {
+        let mut records: Vec<ClientRecord> = (0..20).map(|i| rec(i, i * 100, i * 100 + 40, 5)).collect();
+        records[19].outcome = Outcome::Failed { kind: "http_503".into(), message: "overloaded".into() };
+        let opts = ReportOptions { warmup_s: 0.25, slo: Some("ttft:45ms".parse().unwrap()), ..Default::default() };
+        let report = Report::build(&records, &opts).unwrap();
+        // Requests 0 and 1 end before 250 ms (80 ms + 40 tokens...): warm-up excluded.
+        assert_eq!(report.summary.requests, 18);
+        assert_eq!(report.summary.failed, 1);
+        assert_eq!(report.errors["http_503"], 1);
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["summary"]["ttft_ms"]["p99"], 40.0);
+        assert_eq!(json["summary"]["tpot_ms"]["p50"], 10.0);
+        assert_eq!(json["stages"]["prefill_ms"]["p99"], 20.0);
+        assert!(json["summary"]["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert_eq!(json["summary"]["attainment"], 17.0 / 18.0);
+        assert!(report.render_table().contains("TTFT p99 tail"));
+    }
+
+    #[test]
+    fn loads_jsonl_and_bench_json_and_names_bad_lines() {
+        let dir = std::env::temp_dir().join(format!("tp-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let recs = vec![rec(1, 0, 30, 3), rec(2, 10, 50, 2)];
+        let jsonl: String = recs.iter().map(|r| serde_json::to_string(r).unwrap() + "\n").collect();
+        std::fs::write(dir.join("a.jsonl"), &jsonl).unwrap();
+        assert_eq!(load_records(&dir.join("a.jsonl")).unwrap(), recs);
+        let doc = serde_json::json!({ "summary": {}, "requests": recs });
+        std::fs::write(dir.join("b.json"), doc.to_string()).unwrap();
+        assert_eq!(load_records(&dir.join("b.json")).unwrap(), recs);
+        std::fs::write(dir.join("c.jsonl"), format!("{jsonl}{{\"id\": 3}}\n")).unwrap();
+        let err = load_records(&dir.join("c.jsonl")).unwrap_err();
+        assert!(err.to_string().contains(":3:"), "{err}");
+        assert!(matches!(Report::build(&[], &ReportOptions::default()), Err(BenchError::NoRequests)));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
