@@ -2,14 +2,48 @@
 //! `timing` extension, worker messages, and KV transfer framing.
 //!
 //! One crate owns the bytes so that a format change is one diff, and so every decoder of
-//! untrusted input sits in one place with its bounds, typed errors and fuzz target. It starts with
-//! the timing extension's two renderings (the JSON `timing` object, defined by the `timeline`
-//! crate, and the W3C `Server-Timing` header); the OpenAI types land with `tokenpath serve`.
+//! untrusted input sits in one place with its bounds, typed errors and fuzz target. The modules
+//! follow the two directions bytes travel: the server side parses and validates requests
+//! ([`chat`], [`completion`], [`params`]) and renders responses, chunks and errors ([`response`],
+//! [`stream`], [`error`]); the client side (the bench, talking to *any* OpenAI-compatible server)
+//! decodes SSE ([`sse`]) and reads chunks leniently ([`view`]). Requests are strict (unknown
+//! fields are a 400, as at OpenAI) because a silently ignored parameter is a wrong benchmark;
+//! responses are lenient because other servers add fields we must not choke on. HTTP status codes
+//! are not here: [`ErrorKind`] is what the gateway maps to a status.
+
+pub mod chat;
+pub mod completion;
+pub mod error;
+pub mod params;
+pub mod response;
+pub mod sse;
+pub mod stream;
+pub mod view;
+mod wire;
+
+pub use chat::{parse_chat_request, ChatCompletionRequest, ChatMessage, ContentPart, MessageContent, Role};
+pub use completion::{parse_completion_request, CompletionRequest, PromptInput};
+pub use error::{ApiError, ErrorBody, ErrorDetail, ErrorKind};
+pub use params::{
+    GenerationParams, GenerationRequest, Limits, Prompt, PromptMessage, StreamOptions,
+    COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_STOP_SEQUENCES,
+};
+pub use response::{
+    chat_completion_id, completion_id, ChatChoice, ChatCompletionResponse, CompletionChoice,
+    CompletionResponse, FinishReason, PromptTokensDetails, ResponseMessage, Usage,
+};
+pub use sse::{SseDecoder, SseEvent, DEFAULT_MAX_EVENT_BYTES};
+pub use stream::{
+    sse_event, ChatChunkChoice, ChatCompletionChunk, ChatStream, CompletionChunk, CompletionStream,
+    Delta, SSE_DONE,
+};
+pub use view::{parse_response_body, parse_stream_chunk, StreamChunkView};
 
 use tokenpath_timeline::{ServerTiming, Stage};
 
-/// Errors decoding wire formats.
-#[derive(Debug, thiserror::Error)]
+/// Errors decoding or validating wire formats. One enum for the crate; the gateway turns it into
+/// an OpenAI error body with [`ProtocolError::api_error`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ProtocolError {
     /// A message larger than its bound.
     #[error("{what} is {len} bytes, over the {max}-byte limit")]
@@ -21,6 +55,41 @@ pub enum ProtocolError {
         /// The limit.
         max: u64,
     },
+    /// A request the server will not run: malformed JSON, a wrong type, an unknown field, a value
+    /// out of range or a feature we do not support. `message` is in OpenAI's wording style and is
+    /// sent to the client as is.
+    #[error("{message}")]
+    InvalidRequest {
+        /// The offending request parameter (`temperature`, `messages[1].content`), when known.
+        param: Option<String>,
+        /// What is wrong, for the client.
+        message: String,
+    },
+    /// A response (body or stream event) from a server that is not what an OpenAI-compatible
+    /// server sends: not JSON, not an object, or a known field with an impossible type.
+    #[error("invalid response: {message}")]
+    InvalidResponse {
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl ProtocolError {
+    /// An [`ProtocolError::InvalidRequest`] about `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        ProtocolError::InvalidRequest { param: Some(param.into()), message: message.into() }
+    }
+
+    /// The OpenAI error this becomes on the wire (always an `invalid_request_error`: every
+    /// variant is a problem with bytes the peer sent).
+    pub fn api_error(&self) -> ApiError {
+        match self {
+            ProtocolError::InvalidRequest { param, message } => {
+                ApiError::invalid_request(message.clone(), param.clone())
+            }
+            other => ApiError::invalid_request(other.to_string(), None),
+        }
+    }
 }
 
 /// The JSON key of the timing extension in responses and in the last SSE chunk.
@@ -48,5 +117,17 @@ mod tests {
         t.stages_ms.insert(Stage::Decode, 1000.0);
         assert_eq!(server_timing_header(&t), "queue;dur=12.1, prefill;dur=240.5, decode;dur=1000.0");
         assert_eq!(server_timing_header(&ServerTiming::default()), "");
+    }
+
+    #[test]
+    fn protocol_errors_become_invalid_request_errors_with_their_param() {
+        let e = ProtocolError::invalid("temperature", "bad");
+        let api = e.api_error();
+        assert_eq!(api.kind, ErrorKind::InvalidRequest);
+        assert_eq!(api.body.error.param.as_deref(), Some("temperature"));
+        assert_eq!(api.body.error.message, "bad");
+        let big = ProtocolError::TooLarge { what: "SSE event", len: 9, max: 8 };
+        assert!(big.api_error().body.error.message.contains("8-byte limit"));
+        assert_eq!(big.api_error().body.error.param, None);
     }
 }

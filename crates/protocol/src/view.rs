@@ -1,0 +1,201 @@
+//! The bench's reading of one SSE `data:` payload (or one non-streamed body) from *any*
+//! OpenAI-compatible server — ours, vLLM, SGLang, llama.cpp server — reduced to what the metrics
+//! need: the text generated in this event, reasoning text (counted apart), `finish_reason`,
+//! `usage`, our `timing`, an in-stream error, and whether it is `[DONE]`.
+//!
+//! It walks a `serde_json::Value` instead of deserializing the typed chunks: servers differ in
+//! which fields they omit, null out or add (`reasoning_content` vs `reasoning`, `stop_reason`,
+//! `timings`), chat and completion chunks differ (`delta.content` vs `text`), and one reader for
+//! all of them is simpler and more forgiving than several strict types. Only a known field with an
+//! impossible type (`choices` not an array, `usage` with a string count) is an error; a `timing`
+//! object not in our shape is ignored, as another server may use that name for something else.
+
+use crate::response::{FinishReason, Usage};
+use crate::{ErrorDetail, ProtocolError};
+use serde_json::{Map, Value};
+use tokenpath_timeline::ServerTiming;
+
+/// What one event (or body) carries.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StreamChunkView {
+    /// The `[DONE]` sentinel.
+    pub done: bool,
+    /// Generated text in this event (`delta.content`, `text`, or `message.content`), all choices
+    /// concatenated.
+    pub text: String,
+    /// Reasoning text (`reasoning_content` or `reasoning`), kept apart from `text`.
+    pub reasoning_text: String,
+    /// The first non-null `finish_reason`.
+    pub finish_reason: Option<FinishReason>,
+    /// `usage`, when present and not null.
+    pub usage: Option<Usage>,
+    /// Our timing extension, when present and well-formed.
+    pub timing: Option<ServerTiming>,
+    /// An error object sent in place of a chunk (`{"error": {...}}`).
+    pub error: Option<ErrorDetail>,
+}
+
+impl StreamChunkView {
+    /// Whether the event carries at least one generated token (text or reasoning): what makes it
+    /// count for TTFT and inter-token gaps. Role-only, empty, usage and `[DONE]` events do not.
+    pub fn carries_tokens(&self) -> bool {
+        !self.text.is_empty() || !self.reasoning_text.is_empty()
+    }
+}
+
+/// Reads one SSE `data` payload of a chat or completion stream.
+pub fn parse_stream_chunk(data: &str) -> Result<StreamChunkView, ProtocolError> {
+    if data.trim() == "[DONE]" {
+        return Ok(StreamChunkView { done: true, ..Default::default() });
+    }
+    let v: Value = serde_json::from_str(data).map_err(|e| bad(format!("event is not JSON: {e}")))?;
+    view_of(v)
+}
+
+/// Reads a non-streamed chat or completion body (or an error body) the same way.
+pub fn parse_response_body(body: &[u8]) -> Result<StreamChunkView, ProtocolError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| bad(format!("body is not JSON: {e}")))?;
+    view_of(v)
+}
+
+fn bad(message: String) -> ProtocolError {
+    ProtocolError::InvalidResponse { message }
+}
+
+fn view_of(v: Value) -> Result<StreamChunkView, ProtocolError> {
+    let Value::Object(mut obj) = v else {
+        return Err(bad("expected a JSON object".to_owned()));
+    };
+    let mut view = StreamChunkView { error: error_of(&mut obj), ..Default::default() };
+    match obj.get("choices") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(choices)) => {
+            for c in choices {
+                read_choice(c, &mut view);
+            }
+        }
+        Some(_) => return Err(bad("`choices` is not an array".to_owned())),
+    }
+    match obj.remove("usage") {
+        None | Some(Value::Null) => {}
+        Some(u) => view.usage = Some(serde_json::from_value(u).map_err(|e| bad(format!("`usage`: {e}")))?),
+    }
+    if let Some(t) = obj.remove(crate::TIMING_FIELD) {
+        view.timing = serde_json::from_value(t).ok();
+    }
+    Ok(view)
+}
+
+fn read_choice(c: &Value, view: &mut StreamChunkView) {
+    fn s(v: Option<&Value>) -> &str {
+        v.and_then(Value::as_str).unwrap_or("")
+    }
+    let inner = c.get("delta").or_else(|| c.get("message"));
+    view.text.push_str(s(inner.and_then(|d| d.get("content"))));
+    view.text.push_str(s(c.get("text")));
+    let reasoning = inner.and_then(|d| d.get("reasoning_content").filter(|r| !r.is_null()).or_else(|| d.get("reasoning")));
+    view.reasoning_text.push_str(s(reasoning));
+    if view.finish_reason.is_none() {
+        view.finish_reason = c.get("finish_reason").and_then(Value::as_str).map(FinishReason::from_wire);
+    }
+}
+
+/// `{"error": {...}}`, `{"error": "text"}`, or old vLLM's top-level `{"object": "error", ...}`.
+fn error_of(obj: &mut Map<String, Value>) -> Option<ErrorDetail> {
+    let lenient = |v: Value| {
+        let text = v.to_string();
+        serde_json::from_value::<ErrorDetail>(v).unwrap_or(ErrorDetail {
+            message: text,
+            kind: String::new(),
+            param: None,
+            code: None,
+        })
+    };
+    match obj.remove("error") {
+        Some(Value::Null) | None => {}
+        Some(Value::String(message)) => {
+            return Some(ErrorDetail { message, kind: String::new(), param: None, code: None })
+        }
+        Some(e) => return Some(lenient(e)),
+    }
+    if obj.get("object").and_then(Value::as_str) == Some("error") {
+        return Some(lenient(Value::Object(obj.clone())));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn done_and_role_only_events_carry_no_tokens() {
+        let v = parse_stream_chunk(" [DONE] ").unwrap();
+        assert!(v.done && !v.carries_tokens());
+        let role = r#"{"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#;
+        let v = parse_stream_chunk(role).unwrap();
+        assert!(!v.done && !v.carries_tokens() && v.finish_reason.is_none());
+    }
+
+    #[test]
+    fn vllm_chat_chunk_with_reasoning() {
+        let c = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",
+            "choices":[{"index":0,"delta":{"reasoning_content":"think","content":null},"logprobs":null,
+            "finish_reason":null,"stop_reason":null}]}"#;
+        let v = parse_stream_chunk(c).unwrap();
+        assert_eq!((v.text.as_str(), v.reasoning_text.as_str()), ("", "think"));
+        assert!(v.carries_tokens());
+        let newer = r#"{"choices":[{"delta":{"reasoning":"r2"}}]}"#;
+        assert_eq!(parse_stream_chunk(newer).unwrap().reasoning_text, "r2");
+    }
+
+    #[test]
+    fn completion_chunk_and_final_usage_chunk() {
+        let c = r#"{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" hi","logprobs":null,"finish_reason":"length"}],"usage":null}"#;
+        let v = parse_stream_chunk(c).unwrap();
+        assert_eq!(v.text, " hi");
+        assert_eq!(v.finish_reason, Some(FinishReason::Length));
+        assert_eq!(v.usage, None);
+        let u = r#"{"id":"x","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12,
+            "prompt_tokens_details":{"cached_tokens":2}},"timing":{"stages_ms":{"prefill":3.5},"cached_tokens":2}}"#;
+        let v = parse_stream_chunk(u).unwrap();
+        assert_eq!(v.usage, Some(Usage::new(5, 7, 2)));
+        assert_eq!(v.timing.unwrap().stage_ms(tokenpath_timeline::Stage::Prefill), Some(3.5));
+    }
+
+    #[test]
+    fn llama_cpp_chunk_with_foreign_timings_field() {
+        let c = r#"{"choices":[{"finish_reason":"stop","index":0,"delta":{}}],"created":1,"id":"chatcmpl-z",
+            "model":"gpt-3.5-turbo","object":"chat.completion.chunk","usage":{"completion_tokens":4,
+            "prompt_tokens":9,"total_tokens":13},"timings":{"prompt_n":9,"predicted_ms":30.1},"timing":"n/a"}"#;
+        let v = parse_stream_chunk(c).unwrap();
+        assert_eq!(v.finish_reason, Some(FinishReason::Stop));
+        assert_eq!(v.usage.map(|u| u.completion_tokens), Some(4));
+        assert_eq!(v.timing, None, "a foreign `timing` is ignored, not an error");
+    }
+
+    #[test]
+    fn in_stream_errors_in_several_dialects() {
+        let ours = r#"{"error":{"message":"boom","type":"server_error","param":null,"code":null}}"#;
+        assert_eq!(parse_stream_chunk(ours).unwrap().error.unwrap().message, "boom");
+        let old_vllm = r#"{"object":"error","message":"too long","type":"BadRequestError","param":null,"code":400}"#;
+        let e = parse_stream_chunk(old_vllm).unwrap().error.unwrap();
+        assert_eq!((e.message.as_str(), e.code.as_deref()), ("too long", Some("400")));
+        assert_eq!(parse_stream_chunk(r#"{"error":"plain"}"#).unwrap().error.unwrap().message, "plain");
+    }
+
+    #[test]
+    fn non_streamed_bodies_read_the_same_way() {
+        let b = br#"{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"Hello"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+        let v = parse_response_body(b).unwrap();
+        assert_eq!(v.text, "Hello");
+        assert_eq!(v.usage.map(|u| u.total_tokens), Some(2));
+    }
+
+    #[test]
+    fn garbage_is_a_typed_error() {
+        for bad in ["", "{", "[1]", "42", r#"{"choices":3}"#, r#"{"usage":{"prompt_tokens":"x"}}"#] {
+            assert!(matches!(parse_stream_chunk(bad), Err(ProtocolError::InvalidResponse { .. })), "{bad}");
+        }
+    }
+}
