@@ -1,0 +1,342 @@
+//! The paged KV cache: fixed-size blocks of f16 keys and values, a block table per sequence, and
+//! an allocator with reference counts so a prefix can be shared by several sequences.
+//!
+//! One contiguous arena holds every block (`[block][layer][k|v][slot][kv_dim]`), so a block is one
+//! contiguous run of bytes: exporting a sequence's KV to another process is a copy of whole blocks,
+//! and a block's lifetime is a counter, not an allocation. All mutation goes through `&mut self`;
+//! the worker that owns an engine owns its cache, so there is no lock here.
+
+use crate::error::{EngineError, Result};
+use half::f16;
+
+/// Index of a block in the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u32);
+
+/// Shape of the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Transformer layers.
+    pub n_layer: usize,
+    /// Width of one token's K (or V) in one layer.
+    pub kv_dim: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+impl KvLayout {
+    /// f16 elements of one (layer, K or V) slab of a block.
+    fn slab(&self) -> usize {
+        self.block_size * self.kv_dim
+    }
+
+    /// f16 elements of one whole block.
+    pub fn block_elems(&self) -> usize {
+        self.n_layer * 2 * self.slab()
+    }
+
+    /// Bytes of KV per token (all layers, K and V).
+    pub fn bytes_per_token(&self) -> usize {
+        self.n_layer * 2 * self.kv_dim * 2
+    }
+}
+
+/// The blocks of one sequence and how many tokens they hold.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct BlockTable {
+    blocks: Vec<BlockId>,
+    len: usize,
+}
+
+impl BlockTable {
+    /// Tokens whose K and V are stored.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The blocks, in sequence order.
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+}
+
+/// The arena and its allocator.
+#[derive(Debug)]
+pub struct KvCache {
+    layout: KvLayout,
+    data: Vec<f16>,
+    refs: Vec<u32>,
+    free: Vec<BlockId>,
+}
+
+impl KvCache {
+    /// A cache of `num_blocks` blocks. The arena is allocated up front: memory use is fixed and
+    /// known at start, never grown under load.
+    pub fn new(layout: KvLayout, num_blocks: usize) -> Result<Self> {
+        if layout.block_size == 0 || layout.kv_dim == 0 || layout.n_layer == 0 || num_blocks == 0 {
+            return Err(EngineError::InvalidArgument(format!("empty KV cache layout {layout:?} × {num_blocks}")));
+        }
+        let elems = layout
+            .block_elems()
+            .checked_mul(num_blocks)
+            .filter(|&n| num_blocks <= u32::MAX as usize && n <= isize::MAX as usize / 2)
+            .ok_or_else(|| EngineError::InvalidArgument(format!("KV cache of {num_blocks} blocks is too large")))?;
+        Ok(Self {
+            layout,
+            data: vec![f16::ZERO; elems],
+            refs: vec![0; num_blocks],
+            free: (0..num_blocks as u32).rev().map(BlockId).collect(),
+        })
+    }
+
+    /// The cache's shape.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Blocks in the arena.
+    pub fn total_blocks(&self) -> usize {
+        self.refs.len()
+    }
+
+    /// Blocks not referenced by anyone.
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Blocks referenced at least once.
+    pub fn used_blocks(&self) -> usize {
+        self.total_blocks() - self.free_blocks()
+    }
+
+    /// Reference count of a block.
+    pub fn refcount(&self, b: BlockId) -> u32 {
+        self.refs.get(b.0 as usize).copied().unwrap_or(0)
+    }
+
+    fn check(&self, b: BlockId) -> Result<usize> {
+        let i = b.0 as usize;
+        match self.refs.get(i) {
+            Some(&r) if r > 0 => Ok(i),
+            Some(_) => Err(EngineError::InvalidArgument(format!("block {} is not allocated", b.0))),
+            None => Err(EngineError::InvalidArgument(format!("block {} does not exist", b.0))),
+        }
+    }
+
+    /// Takes a free block with reference count 1.
+    pub fn allocate(&mut self) -> Result<BlockId> {
+        let b = self.free.pop().ok_or(EngineError::KvCacheFull { needed: 1, free: 0 })?;
+        self.refs[b.0 as usize] = 1;
+        Ok(b)
+    }
+
+    /// Adds a reference to an allocated block (sharing a prefix).
+    pub fn retain(&mut self, b: BlockId) -> Result<()> {
+        let i = self.check(b)?;
+        self.refs[i] += 1;
+        Ok(())
+    }
+
+    /// Drops a reference; the block is free again when none remain.
+    pub fn release(&mut self, b: BlockId) -> Result<()> {
+        let i = self.check(b)?;
+        self.refs[i] -= 1;
+        if self.refs[i] == 0 {
+            self.free.push(b);
+        }
+        Ok(())
+    }
+
+    /// Grows `table` so it can hold `new_len` tokens, all or nothing: when the cache cannot
+    /// supply every block needed, nothing is allocated and the table is unchanged.
+    pub fn reserve(&mut self, table: &mut BlockTable, new_len: usize) -> Result<()> {
+        let need_blocks = new_len.div_ceil(self.layout.block_size);
+        let missing = need_blocks.saturating_sub(table.blocks.len());
+        if missing > self.free.len() {
+            return Err(EngineError::KvCacheFull { needed: missing, free: self.free.len() });
+        }
+        for _ in 0..missing {
+            let b = self.allocate()?;
+            table.blocks.push(b);
+        }
+        Ok(())
+    }
+
+    /// Releases the blocks of `table` beyond the first `keep` (rolling back a failed reserve).
+    pub(crate) fn truncate_blocks(&mut self, table: &mut BlockTable, keep: usize) {
+        while table.blocks.len() > keep {
+            if let Some(b) = table.blocks.pop() {
+                // Blocks reserved by this table are allocated; a failure here would mean the
+                // allocator's books are already wrong, and there is nothing better to do.
+                let _ = self.release(b);
+            }
+        }
+    }
+
+    /// Marks `n` more tokens as stored (after their K/V were written).
+    pub(crate) fn advance(&self, table: &mut BlockTable, n: usize) {
+        table.len += n;
+        debug_assert!(table.len <= table.blocks.len() * self.layout.block_size);
+    }
+
+    /// Releases every block of `table` and empties it.
+    pub fn free_table(&mut self, table: &mut BlockTable) -> Result<()> {
+        for b in table.blocks.drain(..) {
+            self.release(b)?;
+        }
+        table.len = 0;
+        Ok(())
+    }
+
+    fn slab_offset(&self, b: BlockId, layer: usize, v: bool) -> usize {
+        let l = &self.layout;
+        b.0 as usize * l.block_elems() + (layer * 2 + usize::from(v)) * l.slab()
+    }
+
+    /// Writes the K and V of token position `pos` of `table` in `layer`.
+    pub(crate) fn write(&mut self, table: &BlockTable, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
+        let bs = self.layout.block_size;
+        let d = self.layout.kv_dim;
+        let b = table.blocks[pos / bs];
+        let slot = (pos % bs) * d;
+        for (is_v, src) in [(false, k), (true, v)] {
+            let off = self.slab_offset(b, layer, is_v) + slot;
+            for (dst, s) in self.data[off..off + d].iter_mut().zip(src) {
+                *dst = f16::from_f32(*s);
+            }
+        }
+    }
+
+    /// The K (or V) slab of one block in one layer: `block_size × kv_dim` f16 values.
+    pub(crate) fn slab(&self, b: BlockId, layer: usize, v: bool) -> &[f16] {
+        let off = self.slab_offset(b, layer, v);
+        &self.data[off..off + self.layout.slab()]
+    }
+
+    /// The raw bytes of the first `table.len()` tokens' blocks (whole blocks, the last one partly
+    /// filled), for moving a sequence's KV to another engine instance.
+    pub fn export(&self, table: &BlockTable) -> Vec<u8> {
+        let mut out = Vec::with_capacity(table.blocks.len() * self.layout.block_elems() * 2);
+        for b in &table.blocks {
+            let off = b.0 as usize * self.layout.block_elems();
+            for x in &self.data[off..off + self.layout.block_elems()] {
+                out.extend_from_slice(&x.to_bits().to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// Imports bytes produced by [`KvCache::export`] on an engine with the same layout as a new
+    /// sequence of `n_tokens` tokens. All or nothing: on any error no block stays allocated.
+    pub fn import(&mut self, bytes: &[u8], n_tokens: usize) -> Result<BlockTable> {
+        let per_block = self.layout.block_elems() * 2;
+        let n_blocks = n_tokens.div_ceil(self.layout.block_size);
+        if bytes.len() != n_blocks * per_block {
+            return Err(EngineError::InvalidArgument(format!(
+                "KV import of {n_tokens} tokens needs {} bytes, got {}",
+                n_blocks * per_block,
+                bytes.len()
+            )));
+        }
+        let mut table = BlockTable::default();
+        self.reserve(&mut table, n_tokens)?;
+        for (b, chunk) in table.blocks.iter().zip(bytes.chunks_exact(per_block)) {
+            let off = b.0 as usize * self.layout.block_elems();
+            for (dst, src) in self.data[off..off + per_block / 2].iter_mut().zip(chunk.chunks_exact(2)) {
+                *dst = f16::from_bits(u16::from_le_bytes([src[0], src[1]]));
+            }
+        }
+        table.len = n_tokens;
+        Ok(table)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn layout() -> KvLayout {
+        KvLayout { n_layer: 2, kv_dim: 4, block_size: 3 }
+    }
+
+    #[test]
+    fn reserve_is_all_or_nothing() {
+        let mut c = KvCache::new(layout(), 2).unwrap();
+        let mut t = BlockTable::default();
+        c.reserve(&mut t, 6).unwrap();
+        assert_eq!(c.free_blocks(), 0);
+        let mut u = BlockTable::default();
+        let err = c.reserve(&mut u, 1).unwrap_err();
+        assert!(matches!(err, EngineError::KvCacheFull { needed: 1, free: 0 }));
+        assert!(u.blocks().is_empty());
+        c.free_table(&mut t).unwrap();
+        assert_eq!(c.free_blocks(), 2);
+    }
+
+    #[test]
+    fn export_import_round_trip() {
+        let mut a = KvCache::new(layout(), 4).unwrap();
+        let mut t = BlockTable::default();
+        a.reserve(&mut t, 4).unwrap();
+        for pos in 0..4 {
+            for layer in 0..2 {
+                let k: Vec<f32> = (0..4).map(|i| (pos * 10 + layer * 100 + i) as f32).collect();
+                let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                a.write(&t, layer, pos, &k, &v);
+            }
+        }
+        a.advance(&mut t, 4);
+        let bytes = a.export(&t);
+        let mut b = KvCache::new(layout(), 4).unwrap();
+        let t2 = b.import(&bytes, 4).unwrap();
+        assert_eq!(b.export(&t2), bytes);
+        assert!(b.import(&bytes[1..], 4).is_err());
+        assert_eq!(b.used_blocks(), 2, "a failed import leaves nothing allocated");
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc,
+        Retain(usize),
+        Release(usize),
+    }
+
+    proptest! {
+        #[test]
+        fn allocator_keeps_counts_consistent(ops in proptest::collection::vec(
+            prop_oneof![Just(Op::Alloc), (0usize..8).prop_map(Op::Retain), (0usize..8).prop_map(Op::Release)],
+            0..200,
+        )) {
+            let mut c = KvCache::new(layout(), 8).unwrap();
+            let mut model = vec![0u32; 8];
+            for op in ops {
+                match op {
+                    Op::Alloc => match c.allocate() {
+                        Ok(b) => { prop_assert_eq!(model[b.0 as usize], 0); model[b.0 as usize] = 1; }
+                        Err(_) => prop_assert!(model.iter().all(|&r| r > 0)),
+                    },
+                    Op::Retain(i) => {
+                        let r = c.retain(BlockId(i as u32));
+                        prop_assert_eq!(r.is_ok(), model[i] > 0);
+                        if model[i] > 0 { model[i] += 1; }
+                    }
+                    Op::Release(i) => {
+                        let r = c.release(BlockId(i as u32));
+                        prop_assert_eq!(r.is_ok(), model[i] > 0);
+                        if model[i] > 0 { model[i] -= 1; }
+                    }
+                }
+                prop_assert_eq!(c.free_blocks(), model.iter().filter(|&&r| r == 0).count());
+                for (i, &r) in model.iter().enumerate() {
+                    prop_assert_eq!(c.refcount(BlockId(i as u32)), r);
+                }
+            }
+        }
+    }
+}

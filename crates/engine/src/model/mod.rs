@@ -1,0 +1,155 @@
+//! A Llama-family model loaded from GGUF: hyper-parameters, weight handles into the (memory-mapped)
+//! file, and the forward pass over a batch that mixes prefill chunks and decode steps.
+//!
+//! Weights are never copied out of the file: a [`Mat`] is a type, a shape and a byte range, turned
+//! into a borrowed [`QMatrix`] at use. Only the small norm vectors are decoded to f32 at load.
+//! The forward pass takes any mix of sequences and token counts in one call — a decode step is a
+//! one-token chunk — which is what continuous batching with chunked prefill needs from an engine.
+
+mod config;
+mod forward;
+
+pub use config::{ModelConfig, SUPPORTED_ARCHITECTURES};
+pub use forward::{BatchItem, ForwardOutput};
+
+use crate::error::{EngineError, Result};
+use crate::gguf::{Gguf, GgufIndex, TensorView};
+use crate::quant::{GgmlType, QMatrix};
+use std::ops::Range;
+use std::path::Path;
+
+/// Where a model's bytes live.
+#[derive(Debug)]
+pub enum ModelBytes {
+    /// Memory-mapped from a file.
+    Mapped(memmap2::Mmap),
+    /// In memory (tests, generated models).
+    Owned(Vec<u8>),
+}
+
+impl AsRef<[u8]> for ModelBytes {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            ModelBytes::Mapped(m) => m,
+            ModelBytes::Owned(v) => v,
+        }
+    }
+}
+
+/// A weight matrix: a type, a shape and where its bytes are in the file.
+#[derive(Debug, Clone)]
+pub struct Mat {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    range: Range<usize>,
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Mat,
+    wk: Mat,
+    wv: Mat,
+    wo: Mat,
+    ffn_norm: Vec<f32>,
+    w_gate: Mat,
+    w_up: Mat,
+    w_down: Mat,
+}
+
+/// A loaded model.
+#[derive(Debug)]
+pub struct Model {
+    file: Gguf<ModelBytes>,
+    config: ModelConfig,
+    token_embd: Mat,
+    output_norm: Vec<f32>,
+    output: Mat,
+    layers: Vec<Layer>,
+}
+
+impl Model {
+    /// Memory-maps and loads the GGUF file at `path`.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let io = |source| EngineError::Io { path: path.to_path_buf(), source };
+        let f = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: read-only mapping; see `gguf::GgufFile::open` for the caveat on concurrent
+        // modification of the file, which every mmap-based loader shares.
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(io)?;
+        Self::load(Gguf::parse(ModelBytes::Mapped(map))?)
+    }
+
+    /// Loads a model from bytes already in memory.
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Self> {
+        Self::load(Gguf::parse(ModelBytes::Owned(bytes))?)
+    }
+
+    fn load(file: Gguf<ModelBytes>) -> Result<Self> {
+        let config = ModelConfig::from_gguf(file.index())?;
+        let c = &config;
+        let mat = |name: &str, rows: usize, cols: usize| -> Result<Mat> {
+            let t = file.tensor(name)?;
+            t.matrix_checked(rows, cols)?;
+            Ok(Mat { ty: t.ty, rows, cols, range: range_of(&file, &t) })
+        };
+        let vec = |name: &str, n: usize| -> Result<Vec<f32>> {
+            let t = file.tensor(name)?;
+            if t.n_elements() != n as u64 {
+                return Err(EngineError::shape(format!("tensor `{name}`"), n, t.n_elements()));
+            }
+            t.dequantize()
+        };
+        let (d, kv, ff) = (c.n_embd, c.kv_dim(), c.n_ff);
+        let token_embd = mat("token_embd.weight", c.n_vocab, d)?;
+        let output =
+            if file.tensor_info("output.weight").is_some() { mat("output.weight", c.n_vocab, d)? } else { token_embd.clone() };
+        let layers = (0..c.n_layer)
+            .map(|i| {
+                let n = |s: &str| format!("blk.{i}.{s}.weight");
+                Ok(Layer {
+                    attn_norm: vec(&n("attn_norm"), d)?,
+                    wq: mat(&n("attn_q"), d, d)?,
+                    wk: mat(&n("attn_k"), kv, d)?,
+                    wv: mat(&n("attn_v"), kv, d)?,
+                    wo: mat(&n("attn_output"), d, d)?,
+                    ffn_norm: vec(&n("ffn_norm"), d)?,
+                    w_gate: mat(&n("ffn_gate"), ff, d)?,
+                    w_up: mat(&n("ffn_up"), ff, d)?,
+                    w_down: mat(&n("ffn_down"), d, ff)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let output_norm = vec("output_norm.weight", d)?;
+        Ok(Model { config, token_embd, output_norm, output, layers, file })
+    }
+
+    /// Hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The parsed GGUF metadata (tokenizer, chat template, ...).
+    pub fn gguf(&self) -> &GgufIndex {
+        self.file.index()
+    }
+
+    /// Size of the model file in bytes.
+    pub fn file_bytes(&self) -> usize {
+        self.file.bytes().len()
+    }
+
+    fn q(&self, m: &Mat) -> Result<QMatrix<'_>> {
+        // Shape and range were validated at load; re-checking here is cheap and keeps this
+        // non-panicking by construction.
+        let data = self.file.bytes().get(m.range.clone()).unwrap_or(&[]);
+        QMatrix::new(m.ty, m.rows, m.cols, data)
+    }
+}
+
+fn range_of(file: &Gguf<ModelBytes>, t: &TensorView<'_>) -> Range<usize> {
+    let base = file.bytes().as_ptr() as usize;
+    let start = t.data.as_ptr() as usize - base;
+    start..start + t.data.len()
+}

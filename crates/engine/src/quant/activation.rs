@@ -1,0 +1,188 @@
+//! Activation vectors prepared for the integer dot kernels.
+//!
+//! Decode is a matrix-vector product per weight matrix: the same activation vector meets every
+//! row. Following llama.cpp, the vector is quantized once to 8-bit blocks, so each row's dot
+//! product becomes an integer multiply-add over bytes (`vpmaddubsw`), which is what lets the
+//! kernel keep up with memory bandwidth. Two block shapes exist because the weight formats
+//! group differently: 32-element blocks for Q4_0/Q4_1/Q8_0 and 256-element super-blocks with
+//! 16-element partial sums for the K-quants (the sums fold the K-quants' minimums and Q6_K's
+//! -32 offset into one multiply per sub-block). F32/F16 weights take the vector as is.
+//!
+//! Unlike ggml's on-disk Q8_0, scales here are f32 (these blocks never touch a file), and the
+//! quantization is symmetric in [-127, 127] so the AVX2 sign trick can never meet -128.
+
+use super::ActivationKind;
+use crate::error::{EngineError, Result};
+
+/// 32 activations as i8 with scale `d`; `s = d * sum(qs)` serves the Q4_1 minimum term.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ8x32 {
+    /// Quantized values in [-127, 127].
+    pub qs: [i8; 32],
+    /// Scale: value ≈ qs · d.
+    pub d: f32,
+    /// `d * Σ qs`.
+    pub s: f32,
+}
+
+/// 256 activations as i8 with scale `d` and the sums of each 16-element group.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ8K {
+    /// Quantized values in [-127, 127].
+    pub qs: [i8; 256],
+    /// `Σ qs[16 g .. 16 g + 16]` for g in 0..16.
+    pub bsums: [i16; 16],
+    /// Scale: value ≈ qs · d.
+    pub d: f32,
+}
+
+/// An activation vector in the form one family of dot kernels consumes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum QuantizedActivation {
+    /// Unquantized, for F32/F16 weights.
+    F32(Vec<f32>),
+    /// For Q4_0 / Q4_1 / Q8_0 weights.
+    Q8x32(Vec<BlockQ8x32>),
+    /// For Q4_K / Q6_K weights.
+    Q8K(Vec<BlockQ8K>),
+}
+
+/// Symmetric i8 quantization of one block: returns (scale, inverse scale).
+fn block_scale(x: &[f32]) -> (f32, f32) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 && d.is_finite() { 1.0 / d } else { 0.0 };
+    (d, id)
+}
+
+#[inline]
+fn q8(v: f32, id: f32) -> i8 {
+    // `as` saturates and maps NaN to 0, so no input can produce -128 or panic.
+    (v * id).round().clamp(-127.0, 127.0) as i8
+}
+
+impl QuantizedActivation {
+    /// Prepares `x` for weights whose kernels take `kind`. `x.len()` must be a multiple of the
+    /// block size (32 or 256) for the quantized kinds.
+    pub fn new(kind: ActivationKind, x: &[f32]) -> Result<Self> {
+        let block = kind.block_size();
+        if x.len().checked_rem(block) != Some(0) {
+            return Err(EngineError::shape(
+                format!("activation quantization ({kind:?})"),
+                format!("a length that is a multiple of {block}"),
+                x.len(),
+            ));
+        }
+        Ok(match kind {
+            ActivationKind::F32 => Self::F32(x.to_vec()),
+            ActivationKind::Q8x32 => Self::Q8x32(
+                x.chunks_exact(32)
+                    .map(|c| {
+                        let (d, id) = block_scale(c);
+                        let mut qs = [0i8; 32];
+                        for (q, &v) in qs.iter_mut().zip(c) {
+                            *q = q8(v, id);
+                        }
+                        let sum: i32 = qs.iter().map(|&q| q as i32).sum();
+                        BlockQ8x32 { qs, d, s: d * sum as f32 }
+                    })
+                    .collect(),
+            ),
+            ActivationKind::Q8K => Self::Q8K(
+                x.chunks_exact(256)
+                    .map(|c| {
+                        let (d, id) = block_scale(c);
+                        let mut qs = [0i8; 256];
+                        for (q, &v) in qs.iter_mut().zip(c) {
+                            *q = q8(v, id);
+                        }
+                        let mut bsums = [0i16; 16];
+                        for (s, g) in bsums.iter_mut().zip(qs.chunks_exact(16)) {
+                            *s = g.iter().map(|&q| q as i16).sum();
+                        }
+                        BlockQ8K { qs, bsums, d }
+                    })
+                    .collect(),
+            ),
+        })
+    }
+
+    /// Which kernel family this activation feeds.
+    pub fn kind(&self) -> ActivationKind {
+        match self {
+            Self::F32(_) => ActivationKind::F32,
+            Self::Q8x32(_) => ActivationKind::Q8x32,
+            Self::Q8K(_) => ActivationKind::Q8K,
+        }
+    }
+
+    /// Number of activation elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Q8x32(v) => v.len() * 32,
+            Self::Q8K(v) => v.len() * 256,
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values this activation stands for (dequantized), for tests and error analysis.
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            Self::F32(v) => v.clone(),
+            Self::Q8x32(v) => v.iter().flat_map(|b| b.qs.map(|q| q as f32 * b.d)).collect(),
+            Self::Q8K(v) => v.iter().flat_map(|b| b.qs.map(|q| q as f32 * b.d)).collect(),
+        }
+    }
+}
+
+impl ActivationKind {
+    /// Elements per activation block (1 for F32).
+    pub fn block_size(self) -> usize {
+        match self {
+            ActivationKind::F32 => 1,
+            ActivationKind::Q8x32 => 32,
+            ActivationKind::Q8K => 256,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_blocks_are_symmetric_and_sums_match() {
+        let x: Vec<f32> = (0..256).map(|i| (i as f32 - 128.0) * 0.01).collect();
+        let QuantizedActivation::Q8K(b) = QuantizedActivation::new(ActivationKind::Q8K, &x).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert_eq!(b[0].qs[0], -127);
+        for g in 0..16 {
+            let s: i16 = b[0].qs[16 * g..16 * g + 16].iter().map(|&q| q as i16).sum();
+            assert_eq!(s, b[0].bsums[g]);
+        }
+        let a = QuantizedActivation::new(ActivationKind::Q8x32, &x).unwrap();
+        for (u, v) in a.to_f32().iter().zip(&x) {
+            assert!((u - v).abs() <= 1.28 / 127.0 / 2.0 + 1e-6);
+        }
+    }
+
+    #[test]
+    fn bad_length_and_non_finite_input_do_not_panic() {
+        assert!(QuantizedActivation::new(ActivationKind::Q8x32, &[1.0; 33]).is_err());
+        let mut x = vec![0f32; 32];
+        x[3] = f32::NAN;
+        x[4] = f32::INFINITY;
+        let a = QuantizedActivation::new(ActivationKind::Q8x32, &x).unwrap();
+        assert_eq!(a.len(), 32);
+        let zeros = QuantizedActivation::new(ActivationKind::Q8x32, &[0.0; 32]).unwrap();
+        assert!(zeros.to_f32().iter().all(|v| *v == 0.0));
+    }
+}

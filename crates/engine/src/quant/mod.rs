@@ -1,0 +1,240 @@
+//! Quantized tensor formats and the kernels that compute with them.
+//!
+//! The module is split by role so each piece can be tested against a simpler one:
+//! - `types`: the ggml type table (ids, block geometry, which types compute supports);
+//! - `reference`: scalar dequantize/quantize, the executable definition of each block layout;
+//! - `activation`: activation vectors quantized once per matvec to 8-bit blocks;
+//! - `dot_scalar` / `dot_avx2`: row · activation kernels, portable and AVX2+FMA+F16C;
+//! - `matrix`: [`QMatrix`], a borrowed 2-D weight with rayon-parallel matvec and dequantize.
+//!
+//! The functions here are the checked entry points: they validate lengths and types and return
+//! [`EngineError`] instead of panicking, then call the unchecked kernels. The kernel family is
+//! chosen at run time ([`Kernel::best`]); tests can force the scalar path to compare both.
+
+mod activation;
+#[cfg(target_arch = "x86_64")]
+mod dot_avx2;
+mod dot_scalar;
+mod matrix;
+mod reference;
+mod types;
+
+#[cfg(test)]
+mod tests;
+
+pub use activation::{BlockQ8K, BlockQ8x32, QuantizedActivation};
+pub use matrix::QMatrix;
+pub use types::{ActivationKind, GgmlType};
+
+use crate::error::{EngineError, Result};
+
+/// Which implementation of the dot kernels to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Portable Rust, any CPU.
+    Scalar,
+    /// x86_64 AVX2 + FMA + F16C. Requesting it on a CPU without those falls back to `Scalar`.
+    Avx2,
+}
+
+impl Kernel {
+    /// The fastest kernel family this CPU supports.
+    pub fn best() -> Kernel {
+        if Kernel::Avx2.is_available() {
+            Kernel::Avx2
+        } else {
+            Kernel::Scalar
+        }
+    }
+
+    /// Whether this CPU can run the kernel family.
+    pub fn is_available(self) -> bool {
+        match self {
+            Kernel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Kernel::Avx2 => false,
+        }
+    }
+}
+
+fn unsupported(ty: GgmlType, what: &str) -> EngineError {
+    EngineError::UnsupportedTensorType {
+        name: what.to_string(),
+        ty: ty.name().to_string(),
+        supported: GgmlType::supported_list(),
+    }
+}
+
+/// Bytes taken by `n` elements of `ty`; an error if `n` is not a whole number of blocks.
+pub fn row_bytes(ty: GgmlType, n: usize) -> Result<usize> {
+    ty.bytes_for(n as u64).and_then(|b| usize::try_from(b).ok()).ok_or_else(|| {
+        EngineError::shape(
+            format!("{ty} row"),
+            format!("a multiple of the block size {}", ty.block_size()),
+            format!("{n} elements"),
+        )
+    })
+}
+
+/// Dequantizes `bytes` (whole blocks of `ty`) into `out`; `out.len()` fixes the element count.
+pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+    if !ty.is_supported() {
+        return Err(unsupported(ty, "dequantize input"));
+    }
+    let need = row_bytes(ty, out.len())?;
+    if bytes.len() != need {
+        return Err(EngineError::shape(
+            format!("dequantize of {} {ty} elements", out.len()),
+            format!("{need} bytes"),
+            format!("{} bytes", bytes.len()),
+        ));
+    }
+    reference::dequantize(ty, bytes, out);
+    Ok(())
+}
+
+/// Dequantizes `n_elements` elements of `ty` from `bytes` into a new vector.
+pub fn dequantize(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<Vec<f32>> {
+    // Check before allocating, so a wrong count cannot request a huge buffer.
+    if row_bytes(ty, n_elements)? != bytes.len() {
+        return Err(EngineError::shape(
+            format!("dequantize of {n_elements} {ty} elements"),
+            format!("{} bytes", row_bytes(ty, n_elements)?),
+            format!("{} bytes", bytes.len()),
+        ));
+    }
+    let mut out = vec![0f32; n_elements];
+    dequantize_row(ty, bytes, &mut out)?;
+    Ok(out)
+}
+
+/// Quantizes `x` (whole blocks) to `ty`. Implemented for F32, F16, Q8_0, Q4_0 and Q4_1 with
+/// ggml's reference rounding; meant for writing test models, not for speed.
+pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(row_bytes(ty, x.len())?);
+    if reference::quantize(ty, x, &mut out) {
+        Ok(out)
+    } else {
+        Err(EngineError::InvalidArgument(format!(
+            "quantizing to {ty} is not implemented; available: F32, F16, Q8_0, Q4_0, Q4_1"
+        )))
+    }
+}
+
+/// Dot product of one weight row of `ty` with a prepared activation, using the best kernel.
+pub fn vec_dot(ty: GgmlType, row: &[u8], act: &QuantizedActivation) -> Result<f32> {
+    vec_dot_with(Kernel::best(), ty, row, act)
+}
+
+/// [`vec_dot`] with an explicit kernel family (tests compare `Scalar` with `Avx2`).
+pub fn vec_dot_with(kernel: Kernel, ty: GgmlType, row: &[u8], act: &QuantizedActivation) -> Result<f32> {
+    check_dot(ty, row.len(), act)?;
+    Ok(dot_unchecked(kernel.resolve(), ty, row, act))
+}
+
+/// Validates that `row_len` bytes of `ty` pair with `act`.
+pub(crate) fn check_dot(ty: GgmlType, row_len: usize, act: &QuantizedActivation) -> Result<()> {
+    let kind = ty.activation_kind().ok_or_else(|| unsupported(ty, "dot product operand"))?;
+    if kind != act.kind() {
+        return Err(EngineError::shape(
+            format!("activation for {ty} weights"),
+            format!("{kind:?} activation"),
+            format!("{:?} activation", act.kind()),
+        ));
+    }
+    let need = row_bytes(ty, act.len())?;
+    if row_len != need {
+        return Err(EngineError::shape(
+            format!("{ty} row for an activation of {} elements", act.len()),
+            format!("{need} bytes"),
+            format!("{row_len} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// A kernel choice checked against the CPU once (per matvec, not per row). Only
+/// [`Kernel::resolve`] builds one, so `Resolved(true)` proves AVX2+FMA+F16C were detected.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Resolved(bool);
+
+impl Kernel {
+    pub(crate) fn resolve(self) -> Resolved {
+        Resolved(self == Kernel::Avx2 && self.is_available())
+    }
+}
+
+/// Dots one row with several activations (all checked with [`check_dot`]), writing
+/// `out[b] = row · acts[b]`. On AVX2 the 32-block types unpack each weight block once for up to
+/// four activations; results are bit-identical to [`dot_unchecked`] one by one.
+pub(crate) fn dot_many_unchecked(
+    kernel: Resolved,
+    ty: GgmlType,
+    row: &[u8],
+    acts: &[QuantizedActivation],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel.0 && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
+        for (a, o) in acts.chunks(4).zip(out.chunks_mut(4)) {
+            let s = |i: usize| match &a[i] {
+                QuantizedActivation::Q8x32(v) => v.as_slice(),
+                _ => &[],
+            };
+            // SAFETY: `Resolved(true)` means the CPU features were detected; `check_dot` matched
+            // every activation's length and kind to the row.
+            unsafe {
+                match a.len() {
+                    4 => o.copy_from_slice(&dot_avx2::dot_q32_multi(ty, row, [s(0), s(1), s(2), s(3)])),
+                    3 => o.copy_from_slice(&dot_avx2::dot_q32_multi(ty, row, [s(0), s(1), s(2)])),
+                    2 => o.copy_from_slice(&dot_avx2::dot_q32_multi(ty, row, [s(0), s(1)])),
+                    _ => o.copy_from_slice(&dot_avx2::dot_q32_multi(ty, row, [s(0)])),
+                }
+            }
+        }
+        return;
+    }
+    for (o, a) in out.iter_mut().zip(acts) {
+        *o = dot_unchecked(kernel, ty, row, a);
+    }
+}
+
+/// The dot kernel without checks; callers must have run [`check_dot`] for the same shapes.
+#[inline]
+pub(crate) fn dot_unchecked(kernel: Resolved, ty: GgmlType, row: &[u8], act: &QuantizedActivation) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if kernel.0 {
+        // SAFETY: `Resolved(true)` means the CPU features were detected, and `check_dot`
+        // matched the lengths.
+        unsafe {
+            return match (ty, act) {
+                (GgmlType::F32, QuantizedActivation::F32(x)) => dot_avx2::dot_f32(row, x),
+                (GgmlType::F16, QuantizedActivation::F32(x)) => dot_avx2::dot_f16(row, x),
+                (GgmlType::Q4_0, QuantizedActivation::Q8x32(y)) => dot_avx2::dot_q4_0(row, y),
+                (GgmlType::Q4_1, QuantizedActivation::Q8x32(y)) => dot_avx2::dot_q4_1(row, y),
+                (GgmlType::Q8_0, QuantizedActivation::Q8x32(y)) => dot_avx2::dot_q8_0(row, y),
+                (GgmlType::Q4_K, QuantizedActivation::Q8K(y)) => dot_avx2::dot_q4_k(row, y),
+                (GgmlType::Q6_K, QuantizedActivation::Q8K(y)) => dot_avx2::dot_q6_k(row, y),
+                _ => f32::NAN,
+            };
+        }
+    }
+    let _ = kernel;
+    match (ty, act) {
+        (GgmlType::F32, QuantizedActivation::F32(x)) => dot_scalar::dot_f32(row, x),
+        (GgmlType::F16, QuantizedActivation::F32(x)) => dot_scalar::dot_f16(row, x),
+        (GgmlType::Q4_0, QuantizedActivation::Q8x32(y)) => dot_scalar::dot_q4_0(row, y),
+        (GgmlType::Q4_1, QuantizedActivation::Q8x32(y)) => dot_scalar::dot_q4_1(row, y),
+        (GgmlType::Q8_0, QuantizedActivation::Q8x32(y)) => dot_scalar::dot_q8_0(row, y),
+        (GgmlType::Q4_K, QuantizedActivation::Q8K(y)) => dot_scalar::dot_q4_k(row, y),
+        (GgmlType::Q6_K, QuantizedActivation::Q8K(y)) => dot_scalar::dot_q6_k(row, y),
+        // Excluded by `check_dot`; a NaN is louder than a silent zero if that ever changes.
+        _ => f32::NAN,
+    }
+}

@@ -1,0 +1,202 @@
+//! Choosing the next token from logits: greedy, temperature, top-k, top-p, OpenAI's presence and
+//! frequency penalties, and a seed that makes a run repeatable.
+//!
+//! The random stream is ChaCha8 seeded from the request's seed: it is specified independently of
+//! platform and crate version, so "same seed ⇒ same tokens" holds across machines, which a
+//! general-purpose fast RNG does not promise.
+
+use crate::error::{EngineError, Result};
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::HashMap;
+
+/// How to pick tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy; otherwise logits are divided by it before softmax.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Keep the smallest set whose probability reaches `top_p`; 1 = off.
+    pub top_p: f32,
+    /// Seed of the random stream; `None` draws one from the OS clock.
+    pub seed: Option<u64>,
+    /// Subtracted once from the logit of every token already generated (−2..=2).
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence from the logit of every token already generated (−2..=2).
+    pub frequency_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self { temperature: 1.0, top_k: 0, top_p: 1.0, seed: None, presence_penalty: 0.0, frequency_penalty: 0.0 }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        Self { temperature: 0.0, ..Self::default() }
+    }
+
+    /// Checks the ranges OpenAI documents.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(EngineError::InvalidArgument(m));
+        if !(0.0..=2.0).contains(&self.temperature) {
+            return bad(format!("temperature {} is outside 0..=2", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p {} is outside (0, 1]", self.top_p));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} {v} is outside -2..=2"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A sampler for one sequence: its parameters, its random stream and the counts of the tokens it
+/// generated (for the penalties).
+#[derive(Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    counts: HashMap<u32, u32>,
+    scratch: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    /// A sampler; the parameters must be valid.
+    pub fn new(params: SamplingParams) -> Result<Self> {
+        params.validate()?;
+        let seed = params.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        });
+        Ok(Self { params, rng: ChaCha8Rng::seed_from_u64(seed), counts: HashMap::new(), scratch: Vec::new() })
+    }
+
+    /// Picks the next token from `logits` (modified in place by the penalties) and records it.
+    pub fn sample(&mut self, logits: &mut [f32]) -> Result<u32> {
+        if logits.is_empty() {
+            return Err(EngineError::InvalidArgument("no logits to sample from".into()));
+        }
+        let p = &self.params;
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&tok, &n) in &self.counts {
+                if let Some(l) = logits.get_mut(tok as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+                }
+            }
+        }
+        let tok = if p.temperature == 0.0 { argmax(logits) } else { self.sample_random(logits) };
+        *self.counts.entry(tok).or_insert(0) += 1;
+        Ok(tok)
+    }
+
+    fn sample_random(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        let c = &mut self.scratch;
+        c.clear();
+        c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)));
+        // Sort by logit, ties by token id, so the candidate order is fully determined.
+        let cmp = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, cmp);
+            c.truncate(p.top_k);
+        }
+        c.sort_unstable_by(cmp);
+        let max = c[0].1;
+        let mut sum = 0.0f64;
+        for x in c.iter_mut() {
+            x.1 = (x.1 - max).exp();
+            sum += f64::from(x.1);
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0f64;
+            let mut keep = c.len();
+            for (i, x) in c.iter().enumerate() {
+                acc += f64::from(x.1) / sum;
+                if acc >= f64::from(p.top_p) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            c.truncate(keep);
+            sum = c.iter().map(|x| f64::from(x.1)).sum();
+        }
+        let r = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * sum;
+        let mut acc = 0.0f64;
+        for x in c.iter() {
+            acc += f64::from(x.1);
+            if r < acc {
+                return x.0;
+            }
+        }
+        c[c.len() - 1].0
+    }
+}
+
+/// Index of the largest logit (the first one on ties), as llama.cpp's greedy sampler picks.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![1.0, 3.0, 2.0, 3.0, -1.0, 0.5]
+    }
+
+    #[test]
+    fn greedy_takes_first_max() {
+        let mut s = Sampler::new(SamplingParams::greedy()).unwrap();
+        assert_eq!(s.sample(&mut logits()).unwrap(), 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_top_k_one_is_greedy() {
+        let params = SamplingParams { temperature: 1.0, seed: Some(42), ..Default::default() };
+        let run = |p: SamplingParams| {
+            let mut s = Sampler::new(p).unwrap();
+            (0..50).map(|_| s.sample(&mut logits()).unwrap()).collect::<Vec<_>>()
+        };
+        assert_eq!(run(params.clone()), run(params.clone()));
+        assert_ne!(run(params.clone()), run(SamplingParams { seed: Some(43), ..params.clone() }));
+        let top1 = run(SamplingParams { top_k: 1, ..params.clone() });
+        assert!(top1.iter().all(|&t| t == 1));
+        let top2 = run(SamplingParams { top_k: 2, ..params.clone() });
+        assert!(top2.iter().all(|&t| t == 1 || t == 3), "{top2:?}");
+        let nucleus = run(SamplingParams { top_p: 0.1, ..params });
+        assert!(nucleus.iter().all(|&t| t == 1), "{nucleus:?}");
+    }
+
+    #[test]
+    fn penalties_push_away_repeats() {
+        let mut s = Sampler::new(SamplingParams { frequency_penalty: 2.0, ..SamplingParams::greedy() }).unwrap();
+        let picks: Vec<u32> = (0..3).map(|_| s.sample(&mut logits()).unwrap()).collect();
+        assert_eq!(picks, vec![1, 3, 2], "after 1 and 3 were used once, 2 (logit 2.0) wins over 3.0 − 2");
+    }
+
+    #[test]
+    fn out_of_range_params_are_typed_errors() {
+        for p in [
+            SamplingParams { temperature: -0.5, ..Default::default() },
+            SamplingParams { top_p: 0.0, ..Default::default() },
+            SamplingParams { presence_penalty: 3.0, ..Default::default() },
+        ] {
+            assert!(matches!(Sampler::new(p), Err(EngineError::InvalidArgument(_))));
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! Chat templates: render the GGUF `tokenizer.chat_template` (HF Jinja) with minijinja.
+//!
+//! Model chat templates are written for Python's Jinja2 as HF `apply_chat_template` runs it:
+//! `trim_blocks` + `lstrip_blocks`, a `raise_exception` function, `bos_token`/`eos_token`
+//! variables, and Python string/dict methods called on values (`content.strip()`,
+//! `msg.get('x')`, `d.items()`) and HF's `tojson` (Python `json.dumps`, keys in insertion
+//! order, no HTML escaping). minijinja is Jinja2-compatible but has neither, so `pycompat.rs`
+//! supplies them (rather than pulling in minijinja-contrib). The template is compiled once;
+//! broken templates fail at `new` with `TemplateSyntax`, runtime failures (including
+//! `raise_exception`) with `TemplateRender`.
+
+use minijinja::value::Value;
+use minijinja::{Environment, Error, ErrorKind};
+
+use super::pycompat::{python_method, tojson};
+use super::TokenizerError;
+
+const NAME: &str = "chat_template";
+
+/// One chat message as the OpenAI API and HF templates see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// Convenience constructor.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into() }
+    }
+}
+
+/// A compiled chat template plus the BOS/EOS texts it may refer to.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl ChatTemplate {
+    /// Compiles `source` (the `tokenizer.chat_template` value). `bos_token`/`eos_token` are
+    /// the texts of the BOS/EOS tokens ("" when the vocabulary has none).
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, TokenizerError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_keep_trailing_newline(false);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.set_unknown_method_callback(python_method);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(NAME, source.to_string())
+            .map_err(|e| TokenizerError::TemplateSyntax(describe(&e)))?;
+        Ok(Self { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
+    }
+
+    /// Renders `messages`; with `add_generation_prompt` the template appends the opening of
+    /// the assistant turn.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let msgs: Vec<serde_json::Value> =
+            messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect();
+        self.render_json(&serde_json::Value::Array(msgs), add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// Renders arbitrary JSON messages (e.g. with `tool_calls`), with extra top-level
+    /// variables (`tools`, `date_string`, ...).
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, TokenizerError> {
+        let mut ctx = extra.clone();
+        ctx.insert("messages".into(), messages.clone());
+        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        ctx.insert("bos_token".into(), self.bos_token.clone().into());
+        ctx.insert("eos_token".into(), self.eos_token.clone().into());
+        let tmpl = self.env.get_template(NAME).map_err(|e| TokenizerError::TemplateRender(describe(&e)))?;
+        tmpl.render(Value::from_serialize(&ctx)).map_err(|e| TokenizerError::TemplateRender(describe(&e)))
+    }
+}
+
+fn describe(e: &Error) -> String {
+    match (e.line(), e.detail()) {
+        (Some(line), Some(d)) => format!("{} (line {line}): {d}", e.kind()),
+        (Some(line), None) => format!("{e} (line {line})"),
+        _ => e.to_string(),
+    }
+}
+
+fn raise_exception(msg: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, format!("raise_exception: {msg}")))
+}
+
+/// `strftime_now(fmt)` as HF passes it (Llama 3.x templates), in UTC; supports
+/// `%d %m %Y %y %b %B %H %M %S %j %%`.
+fn strftime_now(fmt: String) -> String {
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    strftime(&fmt, secs)
+}
+
+pub(crate) fn strftime(fmt: &str, unix_secs: u64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let days = (unix_secs / 86_400) as i64;
+    let sod = unix_secs % 86_400;
+    // Civil-from-days (H. Hinnant).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let cum = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = cum[(m - 1) as usize] + d + i64::from(leap && m > 2);
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y % 100)),
+            Some('b') => out.push_str(&MONTHS[(m - 1) as usize][..3]),
+            Some('B') => out.push_str(MONTHS[(m - 1) as usize]),
+            Some('H') => out.push_str(&format!("{:02}", sod / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", sod / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", sod % 60)),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHATML: &str = r"{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    #[test]
+    fn chatml_renders() {
+        let t = ChatTemplate::new(CHATML, "<|im_start|>", "<|im_end|>").expect("compiles");
+        let out = t.render(&[ChatMessage::new("user", "hi")], true).expect("renders");
+        assert_eq!(out, "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn python_methods_and_raise_exception() {
+        let src = "{% for m in messages %}{% if m.role not in ['user'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}[{{ m.content.strip() }}|{{ m.content.split()|length }}|{{ m.get('x', 'd') }}|{{ m.content.startswith((' a', 'q')) }}]{% endfor %}";
+        let t = ChatTemplate::new(src, "", "").expect("compiles");
+        assert_eq!(t.render(&[ChatMessage::new("user", " a b ")], false).expect("renders"), "[a b|2|d|True]");
+        let err = t.render(&[ChatMessage::new("bot", "x")], false).expect_err("raises");
+        assert!(matches!(err, TokenizerError::TemplateRender(ref m) if m.contains("bad role bot")), "{err}");
+    }
+
+    #[test]
+    fn broken_template_is_a_typed_error() {
+        assert!(matches!(
+            ChatTemplate::new("{% for x in %}", "", ""),
+            Err(TokenizerError::TemplateSyntax(_))
+        ));
+    }
+
+    #[test]
+    fn strftime_formats() {
+        // 2024-02-29 13:05:09 UTC
+        assert_eq!(
+            strftime("%d %b %Y %H:%M:%S %j %B %%", 1_709_211_909),
+            "29 Feb 2024 13:05:09 060 February %"
+        );
+    }
+}

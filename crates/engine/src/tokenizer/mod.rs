@@ -1,0 +1,31 @@
+//! GGUF-driven tokenizer and chat template for tokenpath's embedded engine.
+//!
+//! Everything here is built from the values a GGUF file's `tokenizer.*` metadata holds, and
+//! reproduces llama.cpp's behaviour token for token (llama.cpp is the project's correctness
+//! oracle, see `scripts/peer/tokenize.py`). Files refer to each other only through `super::`:
+//! - `vocab.rs`: [`Tokenizer`]: encode / decode, the GGUF entry point;
+//! - `pretokenize.rs`: llama.cpp's pre-tokenizers (`smollm`, `gpt-2`, `llama3`, `default`);
+//! - `bpe.rs`: rank-ordered merges; `special.rs`: special-token partition;
+//! - `unicode.rs`: code-point classes (Unicode general categories, GPT-2 byte map);
+//! - `stream.rs`: [`StreamDecoder`] for SSE; `chat.rs`: [`ChatTemplate`];
+//! - `error.rs`: [`TokenizerError`], wrapped by the engine's error enum;
+//! - `from_gguf.rs`: which `tokenizer.*` GGUF keys build all of the above.
+
+mod bpe;
+mod chat;
+mod error;
+mod from_gguf;
+mod pretokenize;
+mod pycompat;
+mod special;
+mod stream;
+mod unicode;
+mod vocab;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use error::TokenizerError;
+pub(crate) use unicode::byte_to_char_table;
+pub use from_gguf::{chat_template_from_gguf, tokenizer_from_gguf};
+pub use pretokenize::PreTokenizer;
+pub use stream::StreamDecoder;
+pub use vocab::{TokenType, Tokenizer};

@@ -1,0 +1,288 @@
+//! Python-isms for chat templates: the `str`/`dict` methods and the `tojson` filter that HF
+//! chat templates assume, as `ChatTemplate` installs them into minijinja.
+//!
+//! Templates are written against Python Jinja2 as HF `apply_chat_template` configures it, so
+//! they call Python methods on values (`content.strip()`, `m.get('k', d)`, `tool.items()`) and
+//! expect HF's `tojson`, which is `json.dumps(x, ensure_ascii=False)`: `", "`/`": "`
+//! separators, keys in insertion order, no HTML escaping (Jinja2's and minijinja's built-in
+//! `tojson` escape `<>&'` and compact the output, which would change prompts). Kept apart from
+//! `chat.rs` so the rendering API stays small and readable.
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Error, ErrorKind, State};
+
+fn str_arg(args: &[Value], i: usize) -> Result<Option<&str>, Error> {
+    match args.get(i) {
+        None => Ok(None),
+        Some(v) if v.is_none() || v.is_undefined() => Ok(None),
+        Some(v) => v
+            .as_str()
+            .map(Some)
+            .ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "expected a string argument")),
+    }
+}
+
+/// Python methods on strings and dicts that HF templates call.
+pub(crate) fn python_method(
+    _state: &State<'_, '_>,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
+    if let Some(s) = value.as_str() {
+        // Only string-argument methods read this; startswith/endswith/join take other types.
+        let chars =
+            if matches!(method, "startswith" | "endswith" | "join") { None } else { str_arg(args, 0)? };
+        let strip_set = |c: char| chars.map_or(c.is_whitespace(), |set| set.contains(c));
+        return Ok(match method {
+            "strip" => Value::from(s.trim_matches(strip_set)),
+            "lstrip" => Value::from(s.trim_start_matches(strip_set)),
+            "rstrip" => Value::from(s.trim_end_matches(strip_set)),
+            "upper" => Value::from(s.to_uppercase()),
+            "lower" => Value::from(s.to_lowercase()),
+            "title" => Value::from(title(s)),
+            "capitalize" => {
+                let mut cs = s.chars();
+                Value::from(
+                    cs.next()
+                        .map(|f| f.to_uppercase().chain(cs.flat_map(char::to_lowercase)).collect::<String>())
+                        .unwrap_or_default(),
+                )
+            }
+            "startswith" => Value::from(prefix_args(args)?.iter().any(|p| s.starts_with(p.as_str()))),
+            "endswith" => Value::from(prefix_args(args)?.iter().any(|p| s.ends_with(p.as_str()))),
+            "replace" => {
+                let (Some(from), Some(to)) = (str_arg(args, 0)?, str_arg(args, 1)?) else {
+                    return Err(Error::new(ErrorKind::MissingArgument, "replace(old, new)"));
+                };
+                Value::from(s.replace(from, to))
+            }
+            "split" => {
+                let parts: Vec<Value> = match chars {
+                    None => s.split_whitespace().map(Value::from).collect(),
+                    Some("") => return Err(Error::new(ErrorKind::InvalidOperation, "empty separator")),
+                    Some(sep) => s.split(sep).map(Value::from).collect(),
+                };
+                Value::from(parts)
+            }
+            "find" => {
+                Value::from(chars.and_then(|n| s.find(n)).map_or(-1, |b| s[..b].chars().count() as i64))
+            }
+            "count" => Value::from(chars.map_or(0, |n| {
+                if n.is_empty() {
+                    s.chars().count() + 1
+                } else {
+                    s.matches(n).count()
+                }
+            })),
+            "isdigit" => Value::from(!s.is_empty() && s.chars().all(|c| c.is_ascii_digit())),
+            "join" => {
+                let items =
+                    args.first().ok_or_else(|| Error::new(ErrorKind::MissingArgument, "join(iterable)"))?;
+                let parts: Vec<String> = items.try_iter()?.map(|v| v.to_string()).collect();
+                Value::from(parts.join(s))
+            }
+            "format" => return Err(Error::new(ErrorKind::UnknownMethod, "str.format is not supported")),
+            _ => return Err(Error::from(ErrorKind::UnknownMethod)),
+        });
+    }
+    if value.kind() == ValueKind::Map {
+        return match method {
+            "items" => {
+                let mut items = Vec::new();
+                for k in value.try_iter()? {
+                    let v = value.get_item(&k)?;
+                    items.push(Value::from(vec![k, v]));
+                }
+                Ok(Value::from(items))
+            }
+            "keys" => Ok(Value::from(value.try_iter()?.collect::<Vec<_>>())),
+            "values" => {
+                let vals: Result<Vec<_>, _> = value.try_iter()?.map(|k| value.get_item(&k)).collect();
+                Ok(Value::from(vals?))
+            }
+            "get" => {
+                let key = args.first().ok_or_else(|| Error::new(ErrorKind::MissingArgument, "get(key)"))?;
+                let v = value.get_item(key)?;
+                Ok(if v.is_undefined() { args.get(1).cloned().unwrap_or(Value::from(())) } else { v })
+            }
+            _ => Err(Error::from(ErrorKind::UnknownMethod)),
+        };
+    }
+    Err(Error::from(ErrorKind::UnknownMethod))
+}
+
+/// `startswith`/`endswith` accept a string or a tuple (list) of strings.
+fn prefix_args(args: &[Value]) -> Result<Vec<String>, Error> {
+    let first = args.first().ok_or_else(|| Error::new(ErrorKind::MissingArgument, "expected a prefix"))?;
+    if let Some(s) = first.as_str() {
+        return Ok(vec![s.to_string()]);
+    }
+    Ok(first.try_iter()?.map(|v| v.as_str().unwrap_or_default().to_string()).collect())
+}
+
+fn title(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut prev_cased = false;
+    for c in s.chars() {
+        if prev_cased {
+            out.extend(c.to_lowercase());
+        } else {
+            out.extend(c.to_uppercase());
+        }
+        prev_cased = c.is_alphabetic();
+    }
+    out
+}
+
+/// HF's `tojson`: `json.dumps(value, ensure_ascii=False, indent=None, sort_keys=False)`;
+/// accepts the `indent`, `ensure_ascii` and `sort_keys` keyword arguments.
+pub(crate) fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let json =
+        serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
+    let opts = JsonOpts {
+        indent,
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+        sort_keys: sort_keys.unwrap_or(false),
+    };
+    let mut out = String::new();
+    py_json(&json, &opts, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+struct JsonOpts {
+    indent: Option<usize>,
+    ensure_ascii: bool,
+    sort_keys: bool,
+}
+
+fn py_json(v: &serde_json::Value, o: &JsonOpts, level: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, level: usize| {
+        if let Some(n) = o.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * level));
+        }
+    };
+    let item_sep = if o.indent.is_some() { "," } else { ", " };
+    match v {
+        J::Null => out.push_str("null"),
+        J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        J::Number(n) => match n.as_f64().filter(|_| n.is_f64()) {
+            Some(f) => out.push_str(&py_float(f)),
+            None => out.push_str(&n.to_string()),
+        },
+        J::String(s) => py_str(s, o.ensure_ascii, out),
+        J::Array(items) => {
+            if items.is_empty() {
+                out.push_str("[]");
+                return;
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                py_json(item, o, level + 1, out);
+            }
+            newline(out, level);
+            out.push(']');
+        }
+        J::Object(map) => {
+            if map.is_empty() {
+                out.push_str("{}");
+                return;
+            }
+            let mut entries: Vec<(&String, &J)> = map.iter().collect();
+            if o.sort_keys {
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+            }
+            out.push('{');
+            for (i, (k, val)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                py_str(k, o.ensure_ascii, out);
+                out.push_str(": ");
+                py_json(val, o, level + 1, out);
+            }
+            newline(out, level);
+            out.push('}');
+        }
+    }
+}
+
+/// Python's `repr(float)` as `json.dumps` prints it.
+fn py_float(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
+    }
+    let a = f.abs();
+    if a != 0.0 && !(1e-4..1e16).contains(&a) {
+        // Rust: "1e20" / "1.5e-5"; Python: "1e+20" / "1.5e-05".
+        let s = format!("{f:e}");
+        let (mant, exp) = s.split_once('e').unwrap_or((&s, "0"));
+        let (sign, digits) = exp.strip_prefix('-').map_or(("+", exp), |d| ("-", d));
+        return format!("{mant}e{sign}{digits:0>2}");
+    }
+    let s = format!("{f}");
+    if s.contains('.') {
+        s
+    } else {
+        format!("{s}.0")
+    }
+}
+
+fn py_str(s: &str, ensure_ascii: bool, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (ensure_ascii && !c.is_ascii()) => {
+                let mut buf = [0u16; 2];
+                for unit in c.encode_utf16(&mut buf) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dumps(v: serde_json::Value, indent: Option<usize>) -> String {
+        let mut out = String::new();
+        py_json(&v, &JsonOpts { indent, ensure_ascii: false, sort_keys: false }, 0, &mut out);
+        out
+    }
+
+    #[test]
+    fn matches_python_json_dumps() {
+        let v = serde_json::json!({"b": [1, 2.5, 1e20, 1.0, null], "a": "é<&>\n\"", "e": {}, "f": []});
+        assert_eq!(
+            dumps(v.clone(), None),
+            r#"{"b": [1, 2.5, 1e+20, 1.0, null], "a": "é<&>\n\"", "e": {}, "f": []}"#
+        );
+        assert_eq!(dumps(serde_json::json!({"k": [1]}), Some(2)), "{\n  \"k\": [\n    1\n  ]\n}");
+        assert_eq!(py_float(1.5e-5), "1.5e-05");
+    }
+}

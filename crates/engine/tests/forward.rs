@@ -1,0 +1,225 @@
+//! The forward pass against a plain dense reference, and the batching invariants the serving path
+//! relies on: a batch gives each sequence the logits it would get alone, chunked prefill equals
+//! whole prefill, exported KV continues identically in another cache, and errors leak nothing.
+
+use half::f16;
+use tokenpath_engine::kv_cache::{BlockTable, KvCache};
+use tokenpath_engine::model::{BatchItem, Model};
+use tokenpath_engine::quant::GgmlType;
+use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
+use tokenpath_engine::EngineError;
+
+fn tiny(ty: GgmlType) -> Model {
+    Model::from_bytes(tiny_model_bytes(&TinySpec { ty, ..TinySpec::default() }).unwrap()).unwrap()
+}
+
+fn cache(m: &Model, blocks: usize) -> KvCache {
+    let c = m.config();
+    KvCache::new(
+        tokenpath_engine::kv_cache::KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), block_size: 4 },
+        blocks,
+    )
+    .unwrap()
+}
+
+fn run(m: &Model, kv: &mut KvCache, t: &mut BlockTable, tokens: &[u32], all: bool) -> Vec<f32> {
+    let mut b = [BatchItem { table: t, tokens, all_logits: all }];
+    m.forward(kv, &mut b).unwrap().logits.swap_remove(0)
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Dense f32 transformer written the obvious way from the dequantized weights: the definition the
+/// engine is checked against. K and V are rounded to f16 as the cache stores them.
+fn reference_logits(m: &Model, tokens: &[u32]) -> Vec<f32> {
+    let c = m.config().clone();
+    let bytes = tiny_model_bytes(&TinySpec::default()).unwrap(); // the F32 file `m` was loaded from
+    let file = tokenpath_engine::gguf::Gguf::parse(bytes).unwrap();
+    let w = |n: &str| file.tensor(n).unwrap().dequantize().unwrap();
+    let (d, hd, kvd) = (c.n_embd, c.head_dim, c.kv_dim());
+    let matvec = |wt: &[f32], x: &[f32], rows: usize| -> Vec<f32> {
+        (0..rows)
+            .map(|r| wt[r * x.len()..(r + 1) * x.len()].iter().zip(x).map(|(a, b)| a * b).sum())
+            .collect()
+    };
+    let norm = |x: &[f32], g: &[f32]| -> Vec<f32> {
+        let s = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + c.rms_eps).sqrt();
+        x.iter().zip(g).map(|(v, g)| v * s * g).collect()
+    };
+    let rope = |x: &mut [f32], pos: usize| {
+        for h in x.chunks_mut(hd) {
+            for i in (0..hd).step_by(2) {
+                let th = pos as f32 * c.rope_base.powf(-(i as f32) / hd as f32);
+                let (s, co) = th.sin_cos();
+                let (a, b) = (h[i], h[i + 1]);
+                h[i] = a * co - b * s;
+                h[i + 1] = a * s + b * co;
+            }
+        }
+    };
+    let emb = w("token_embd.weight");
+    let mut xs: Vec<Vec<f32>> =
+        tokens.iter().map(|&t| emb[t as usize * d..(t as usize + 1) * d].to_vec()).collect();
+    for l in 0..c.n_layer {
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        let (wq, wk, wv, wo) = (w(&n("attn_q")), w(&n("attn_k")), w(&n("attn_v")), w(&n("attn_output")));
+        let (an, fnw) = (w(&n("attn_norm")), w(&n("ffn_norm")));
+        let (wg, wu, wd) = (w(&n("ffn_gate")), w(&n("ffn_up")), w(&n("ffn_down")));
+        let f16r = |v: Vec<f32>| v.into_iter().map(|x| f16::from_f32(x).to_f32()).collect::<Vec<_>>();
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (p, x) in xs.iter().enumerate() {
+            let h = norm(x, &an);
+            let mut q = matvec(&wq, &h, d);
+            let mut k = matvec(&wk, &h, kvd);
+            rope(&mut q, p);
+            rope(&mut k, p);
+            qs.push(q);
+            ks.push(f16r(k));
+            vs.push(f16r(matvec(&wv, &h, kvd)));
+        }
+        for p in 0..xs.len() {
+            let mut att = vec![0f32; d];
+            for h in 0..c.n_head {
+                let kh = h / (c.n_head / c.n_head_kv);
+                let q = &qs[p][h * hd..(h + 1) * hd];
+                let sc: Vec<f32> = (0..=p)
+                    .map(|j| {
+                        q.iter().zip(&ks[j][kh * hd..(kh + 1) * hd]).map(|(a, b)| a * b).sum::<f32>()
+                            / (hd as f32).sqrt()
+                    })
+                    .collect();
+                let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = sc.iter().map(|s| (s - mx).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for j in 0..=p {
+                    for i in 0..hd {
+                        att[h * hd + i] += e[j] / z * vs[j][kh * hd + i];
+                    }
+                }
+            }
+            let o = matvec(&wo, &att, d);
+            let x = &mut xs[p];
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let h = norm(x, &fnw);
+            let (gt, up) = (matvec(&wg, &h, c.n_ff), matvec(&wu, &h, c.n_ff));
+            let act: Vec<f32> = gt.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let dn = matvec(&wd, &act, d);
+            x.iter_mut().zip(&dn).for_each(|(a, b)| *a += b);
+        }
+    }
+    let last = norm(xs.last().unwrap(), &w("output_norm.weight"));
+    matvec(&emb, &last, c.n_vocab)
+}
+
+#[test]
+fn forward_matches_dense_reference() {
+    let m = tiny(GgmlType::F32);
+    let tokens: Vec<u32> = (0..13).map(|i| (i * 37 + 5) % m.config().n_vocab as u32).collect();
+    let mut kv = cache(&m, 16);
+    let mut t = BlockTable::default();
+    let ours = run(&m, &mut kv, &mut t, &tokens, false);
+    let want = reference_logits(&m, &tokens);
+    let diff = max_diff(&ours, &want);
+    assert!(diff < 1e-3, "max logit difference {diff}");
+}
+
+#[test]
+fn chunked_prefill_equals_whole_prefill_and_decode_matches_all_logits() {
+    for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_1] {
+        let m = tiny(ty);
+        let tokens: Vec<u32> = (0..11).map(|i| (i * 11 + 3) % 200).collect();
+        let mut kv = cache(&m, 32);
+        let (mut a, mut b) = (BlockTable::default(), BlockTable::default());
+        let whole = run(&m, &mut kv, &mut a, &tokens, true);
+        let mut last = Vec::new();
+        for piece in tokens.chunks(3) {
+            last = run(&m, &mut kv, &mut b, piece, false);
+        }
+        let n_vocab = m.config().n_vocab;
+        assert!(max_diff(&whole[10 * n_vocab..], &last) < 1e-4, "{ty:?}");
+        assert_eq!(a.len(), 11);
+        kv.free_table(&mut a).unwrap();
+        kv.free_table(&mut b).unwrap();
+        assert_eq!(kv.used_blocks(), 0);
+    }
+}
+
+#[test]
+fn a_batch_gives_each_sequence_its_solo_logits() {
+    let m = tiny(GgmlType::Q8_0);
+    let mut kv = cache(&m, 64);
+    let prompts: [&[u32]; 3] = [&[5, 6, 7, 8, 9], &[100, 3], &[42, 43, 44, 45, 46, 47, 48, 49, 50]];
+    // Solo: prefill then one decode step each.
+    let mut solo = Vec::new();
+    for p in prompts {
+        let mut t = BlockTable::default();
+        run(&m, &mut kv, &mut t, p, false);
+        solo.push(run(&m, &mut kv, &mut t, &[77], false));
+        kv.free_table(&mut t).unwrap();
+    }
+    // Batched: prefill all three together, then decode all three together.
+    let mut tables = vec![BlockTable::default(), BlockTable::default(), BlockTable::default()];
+    {
+        let mut batch: Vec<BatchItem<'_>> = tables
+            .iter_mut()
+            .zip(prompts)
+            .map(|(table, tokens)| BatchItem { table, tokens, all_logits: false })
+            .collect();
+        m.forward(&mut kv, &mut batch).unwrap();
+    }
+    let step: Vec<Vec<f32>> = {
+        let mut batch: Vec<BatchItem<'_>> =
+            tables.iter_mut().map(|table| BatchItem { table, tokens: &[77], all_logits: false }).collect();
+        m.forward(&mut kv, &mut batch).unwrap().logits
+    };
+    for (i, (a, b)) in solo.iter().zip(&step).enumerate() {
+        assert!(max_diff(a, b) < 1e-4, "sequence {i}");
+    }
+}
+
+#[test]
+fn exported_kv_continues_identically_in_another_cache() {
+    let m = tiny(GgmlType::Q4_1);
+    let prompt: Vec<u32> = (10..27).collect();
+    let mut a = cache(&m, 16);
+    let mut ta = BlockTable::default();
+    run(&m, &mut a, &mut ta, &prompt, false);
+    let bytes = a.export(&ta);
+    let want = run(&m, &mut a, &mut ta, &[9], false);
+    let mut b = cache(&m, 16);
+    let mut tb = b.import(&bytes, prompt.len()).unwrap();
+    let got = run(&m, &mut b, &mut tb, &[9], false);
+    assert_eq!(got, want);
+}
+
+#[test]
+fn errors_leave_no_block_behind() {
+    let m = tiny(GgmlType::F32);
+    let mut kv = cache(&m, 3); // 12 tokens
+    let mut t = BlockTable::default();
+    let mut batch = [BatchItem { table: &mut t, tokens: &[1; 13], all_logits: false }];
+    assert!(matches!(m.forward(&mut kv, &mut batch), Err(EngineError::KvCacheFull { .. })));
+    assert_eq!((kv.used_blocks(), t.len(), t.blocks().len()), (0, 0, 0));
+
+    let mut t2 = BlockTable::default();
+    let mut u = BlockTable::default();
+    let mut batch = [
+        BatchItem { table: &mut t2, tokens: &[1, 2, 3], all_logits: false },
+        BatchItem { table: &mut u, tokens: &[1, 999_999], all_logits: false },
+    ];
+    let err = m.forward(&mut kv, &mut batch).unwrap_err();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    assert_eq!(kv.used_blocks(), 0);
+
+    let mut big = cache(&m, 128);
+    let mut t3 = BlockTable::default();
+    let long = vec![1u32; m.config().n_ctx + 1];
+    let mut batch = [BatchItem { table: &mut t3, tokens: &long, all_logits: false }];
+    assert!(matches!(m.forward(&mut big, &mut batch), Err(EngineError::ContextOverflow { .. })));
+    assert_eq!(big.used_blocks(), 0);
+}

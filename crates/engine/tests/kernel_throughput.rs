@@ -1,0 +1,104 @@
+//! Kernel throughput sanity check (ignored by default; numbers only mean something in release):
+//!     cargo test --release -p tokenpath-engine --test kernel_throughput -- --ignored --nocapture
+//!
+//! Measures matvec on SmolLM2's FFN shape (1536 × 576) in two regimes: one matrix hit over and
+//! over (cache-resident, kernel speed) and a sweep over ~100 MB of distinct matrices (like one
+//! decode step of the whole model, so DRAM-bound). Reported as weight GB/s; the machine streams
+//! ≈ 10 GB/s (DESIGN.md), which is the target for the sweep.
+
+use std::time::Instant;
+
+use tokenpath_engine::quant::{quantize, GgmlType, Kernel, QMatrix};
+
+fn weights(ty: GgmlType, rows: usize, cols: usize, seed: u32) -> Vec<u8> {
+    let x: Vec<f32> = (0..rows * cols)
+        .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    quantize(ty, &x).expect("quantize")
+}
+
+fn bench(ty: GgmlType) {
+    let (rows, cols) = (1536, 576);
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.01).sin()).collect();
+    let mut y = vec![0f32; rows];
+
+    let w = weights(ty, rows, cols, 1);
+    let m = QMatrix::new(ty, rows, cols, &w).expect("matrix");
+    for kernel in [Kernel::Scalar, Kernel::best()] {
+        let act = m.prepare_input(&x).expect("bench setup");
+        let iters = 2000;
+        let t = Instant::now();
+        for _ in 0..iters {
+            m.matvec_with(kernel, &act, &mut y).expect("bench setup");
+        }
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{ty} {rows}x{cols} cached, {kernel:?}: {:.1} us/matvec, {:.1} GB/s",
+            s / iters as f64 * 1e6,
+            (w.len() * iters) as f64 / s / 1e9
+        );
+    }
+
+    // One row, one thread: the kernel's own cost per block, without rayon or cache misses.
+    let act = m.prepare_input(&x).expect("bench setup");
+    let row = m.row(0).expect("bench setup");
+    let iters = 200_000;
+    let t = Instant::now();
+    let mut sink = 0f32;
+    for _ in 0..iters {
+        sink += tokenpath_engine::quant::vec_dot(ty, std::hint::black_box(row), &act).expect("bench setup");
+    }
+    let s = t.elapsed().as_secs_f64();
+    println!(
+        "{ty} single row-dot ({} blocks): {:.2} ns/block (sink {sink:.1})",
+        cols / ty.block_size(),
+        s / (iters * cols / ty.block_size()) as f64 * 1e9
+    );
+
+    // Batched decode: 16 sequences share each weight row (compute-bound rather than memory-bound).
+    let acts: Vec<_> = (0..16).map(|_| m.prepare_input(&x).expect("bench setup")).collect();
+    let mut out = vec![0f32; 16 * rows];
+    let iters = 200;
+    let t = Instant::now();
+    for _ in 0..iters {
+        m.matmul(&acts, &mut out).expect("bench setup");
+    }
+    let s = t.elapsed().as_secs_f64();
+    println!(
+        "{ty} {rows}x{cols} matmul x16: {:.1} us, {:.1} ns per row-dot",
+        s / iters as f64 * 1e6,
+        s / (iters * rows * 16) as f64 * 1e9
+    );
+
+    let n = (100 << 20) / w.len();
+    let all: Vec<Vec<u8>> = (0..n).map(|i| weights(ty, rows, cols, i as u32)).collect();
+    let mats: Vec<QMatrix<'_>> =
+        all.iter().map(|w| QMatrix::new(ty, rows, cols, w).expect("bench setup")).collect();
+    for threads in [1, rayon::current_num_threads()] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("bench setup");
+        pool.install(|| {
+            let t = Instant::now();
+            let sweeps = 5;
+            for _ in 0..sweeps {
+                for m in &mats {
+                    m.matvec(&x, &mut y).expect("bench setup");
+                }
+            }
+            let s = t.elapsed().as_secs_f64();
+            println!(
+                "{ty} sweep over {} MB, {threads} thread(s): {:.2} ms/sweep, {:.1} GB/s",
+                (n * w.len()) >> 20,
+                s / sweeps as f64 * 1e3,
+                (n * w.len() * sweeps) as f64 / s / 1e9
+            );
+        });
+    }
+}
+
+#[test]
+#[ignore = "benchmark; run in release with --ignored --nocapture"]
+fn matvec_throughput() {
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        bench(ty);
+    }
+}
