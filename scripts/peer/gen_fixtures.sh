@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the llama.cpp ground-truth fixtures from the corpus, using the peer
-# (scripts/setup-peer) and the project's scripts/peer/tokenize.py:
+# (scripts/setup-peer) and the project's scripts/peer/llama_tokenize.py:
 #   tests/fixtures/tokenizer_parity.json       [{text, parse_special, ids}]
 #   tests/fixtures/chat_template_expected.json [{messages, add_generation_prompt, expected}]
 set -euo pipefail
@@ -10,7 +10,7 @@ main="${TOKENPATH_MAIN:-/work/main}"
 source "$main/scripts/lib.sh"
 py="$("$main/scripts/setup-peer")"
 fx="$here/tests/fixtures"
-"$py" - "$main/scripts/peer/tokenize.py" "$TOKENPATH_MODEL" "$fx" <<'PY'
+"$py" - "$main/scripts/peer/llama_tokenize.py" "$TOKENPATH_MODEL" "$fx" <<'PY'
 import json, subprocess, sys
 tokenize, model, fx = sys.argv[1:]
 corpus = json.load(open(f"{fx}/tokenizer_corpus.json", encoding="utf-8"))

@@ -148,12 +148,11 @@ impl Report {
 
         let mut notes = Vec::new();
         if n_out_sources.keys().any(|k| k != "usage") {
-            notes.push(
-                "some responses had no `usage`: their output token counts are estimates".to_owned(),
-            );
+            notes.push("some responses had no `usage`: their output token counts are estimates".to_owned());
         }
         if summary.ttft_ms.is_some_and(|s| s.p999_low_samples) {
-            notes.push("fewer than 1000 samples: p99.9 is the largest few values, not a tail estimate".into());
+            notes
+                .push("fewer than 1000 samples: p99.9 is the largest few values, not a tail estimate".into());
         }
         if stages.is_empty() {
             notes.push("the server sent no `timing`: no per-stage breakdown".into());
@@ -171,7 +170,11 @@ impl Report {
             "window {:.1} s: {} requests ({} completed, {} failed)",
             t.window_s, s.requests, s.completed, s.failed
         );
-        let _ = writeln!(out, "{:<22}{:>10}{:>10}{:>10}{:>10}{:>10}{:>8}", "metric (ms)", "mean", "p50", "p90", "p99", "max", "n");
+        let _ = writeln!(
+            out,
+            "{:<22}{:>10}{:>10}{:>10}{:>10}{:>10}{:>8}",
+            "metric (ms)", "mean", "p50", "p90", "p99", "max", "n"
+        );
         let rows: [(&str, &Option<Summary>); 8] = [
             ("TTFT (from send)", &s.ttft_ms),
             ("TTFT (from schedule)", &s.ttft_from_sched_ms),
@@ -197,12 +200,14 @@ impl Report {
             t.cached_input_tokens_per_s, t.output_tokens_per_s, t.total_tokens_per_s
         );
         if let Some(g) = &self.goodput {
-            let per: Vec<String> =
-                g.per_slo.iter().map(|(m, a)| format!("{m} {:.1}%", a * 100.0)).collect();
+            let per: Vec<String> = g.per_slo.iter().map(|(m, a)| format!("{m} {:.1}%", a * 100.0)).collect();
             let _ = writeln!(
                 out,
                 "goodput {:.2} req/s, {:.1} tok/s; attainment {:.1}% ({})",
-                g.goodput_rps, g.token_goodput_per_s, g.attainment * 100.0, per.join(", ")
+                g.goodput_rps,
+                g.token_goodput_per_s,
+                g.attainment * 100.0,
+                per.join(", ")
             );
         }
         for a in &self.tail {
@@ -222,8 +227,13 @@ impl Report {
 /// (one record per line).
 pub fn load_records(path: &std::path::Path) -> Result<Vec<ClientRecord>, BenchError> {
     let name = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| BenchError::Read { path: name.clone(), source })?;
-    let bad = |line: usize, e: serde_json::Error| BenchError::BadRecord { path: name.clone(), line, reason: e.to_string() };
+    let text =
+        std::fs::read_to_string(path).map_err(|source| BenchError::Read { path: name.clone(), source })?;
+    let bad = |line: usize, e: serde_json::Error| BenchError::BadRecord {
+        path: name.clone(),
+        line,
+        reason: e.to_string(),
+    };
     if text.trim_start().starts_with('{') {
         if let Ok(doc) = serde_json::from_str::<serde_json::Value>(&text) {
             if let Some(reqs) = doc.get("requests") {
@@ -263,7 +273,8 @@ mod tests {
     fn report_keys_and_window() {
         let mut records: Vec<ClientRecord> = (0..20).map(|i| rec(i, i * 100, i * 100 + 40, 5)).collect();
         records[19].outcome = Outcome::Failed { kind: "http_503".into(), message: "overloaded".into() };
-        let opts = ReportOptions { warmup_s: 0.25, slo: Some("ttft:45ms".parse().unwrap()), ..Default::default() };
+        let opts =
+            ReportOptions { warmup_s: 0.25, slo: Some("ttft:45ms".parse().unwrap()), ..Default::default() };
         let report = Report::build(&records, &opts).unwrap();
         // Requests 0 and 1 end before 250 ms (80 ms + 40 tokens...): warm-up excluded.
         assert_eq!(report.summary.requests, 18);

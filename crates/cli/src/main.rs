@@ -1,6 +1,8 @@
 //! `tokenpath`: the one binary. Thin by design — argument parsing, logging set-up and printing;
 //! every decision lives in the library crates so it can be tested without a process.
 
+mod generate;
+
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use tokenpath_bench::report::{load_records, Report, ReportOptions};
@@ -16,6 +18,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Generate text from one prompt on the embedded CPU engine (default model: SmolLM2-135M).
+    Generate(generate::GenerateArgs),
     /// Summarise a saved run (bench JSON or JSON Lines of request records) with explicit metric
     /// definitions: TTFT, TPOT, chunk gap, ITL, E2E, throughput, goodput, per-stage tails.
     Report(ReportArgs),
@@ -55,6 +59,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Generate(args) => generate::run(args),
         Command::Report(args) => report(args),
     }
 }

@@ -1,5 +1,6 @@
 //! `tokenpath report` through the real binary: a saved run in, the explicit metrics out.
 
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 use std::process::Command;
 use tokenpath_timeline::{ClientRecord, RequestId, StreamEvent, Usage};
 

@@ -79,13 +79,17 @@ impl KvCache {
     /// known at start, never grown under load.
     pub fn new(layout: KvLayout, num_blocks: usize) -> Result<Self> {
         if layout.block_size == 0 || layout.kv_dim == 0 || layout.n_layer == 0 || num_blocks == 0 {
-            return Err(EngineError::InvalidArgument(format!("empty KV cache layout {layout:?} × {num_blocks}")));
+            return Err(EngineError::InvalidArgument(format!(
+                "empty KV cache layout {layout:?} × {num_blocks}"
+            )));
         }
         let elems = layout
             .block_elems()
             .checked_mul(num_blocks)
             .filter(|&n| num_blocks <= u32::MAX as usize && n <= isize::MAX as usize / 2)
-            .ok_or_else(|| EngineError::InvalidArgument(format!("KV cache of {num_blocks} blocks is too large")))?;
+            .ok_or_else(|| {
+                EngineError::InvalidArgument(format!("KV cache of {num_blocks} blocks is too large"))
+            })?;
         Ok(Self {
             layout,
             data: vec![f16::ZERO; elems],
@@ -314,7 +318,7 @@ mod tests {
             0..200,
         )) {
             let mut c = KvCache::new(layout(), 8).unwrap();
-            let mut model = vec![0u32; 8];
+            let mut model = [0u32; 8];
             for op in ops {
                 match op {
                     Op::Alloc => match c.allocate() {

@@ -19,3 +19,20 @@ pub mod tokenizer;
 
 pub use error::EngineError;
 pub use generate::{Engine, Finish, GenerateRequest, Generation};
+
+/// Where `scripts/setup` puts the default model: `$TOKENPATH_MODEL` if set, else
+/// `$TOKENPATH_CACHE` (default `$XDG_CACHE_HOME/tokenpath` or `~/.cache/tokenpath`) +
+/// `models/SmolLM2-135M-Instruct.Q4_1.gguf`.
+pub fn default_model_path() -> std::path::PathBuf {
+    use std::path::PathBuf;
+    if let Some(p) = std::env::var_os("TOKENPATH_MODEL") {
+        return PathBuf::from(p);
+    }
+    let cache = std::env::var_os("TOKENPATH_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"))
+            .join("tokenpath")
+    });
+    cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}

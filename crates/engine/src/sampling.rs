@@ -29,7 +29,14 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 1.0, top_k: 0, top_p: 1.0, seed: None, presence_penalty: 0.0, frequency_penalty: 0.0 }
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+        }
     }
 }
 
@@ -48,7 +55,9 @@ impl SamplingParams {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("top_p {} is outside (0, 1]", self.top_p));
         }
-        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+        for (name, v) in
+            [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
+        {
             if !(-2.0..=2.0).contains(&v) {
                 return bad(format!("{name} {v} is outside -2..=2"));
             }
@@ -184,7 +193,8 @@ mod tests {
 
     #[test]
     fn penalties_push_away_repeats() {
-        let mut s = Sampler::new(SamplingParams { frequency_penalty: 2.0, ..SamplingParams::greedy() }).unwrap();
+        let mut s =
+            Sampler::new(SamplingParams { frequency_penalty: 2.0, ..SamplingParams::greedy() }).unwrap();
         let picks: Vec<u32> = (0..3).map(|_| s.sample(&mut logits()).unwrap()).collect();
         assert_eq!(picks, vec![1, 3, 2], "after 1 and 3 were used once, 2 (logit 2.0) wins over 3.0 − 2");
     }

@@ -32,7 +32,16 @@ pub struct TinySpec {
 
 impl Default for TinySpec {
     fn default() -> Self {
-        Self { n_layer: 2, n_embd: 64, n_head: 4, n_head_kv: 2, n_ff: 128, n_ctx: 256, ty: GgmlType::F32, seed: 7 }
+        Self {
+            n_layer: 2,
+            n_embd: 64,
+            n_head: 4,
+            n_head_kv: 2,
+            n_ff: 128,
+            n_ctx: 256,
+            ty: GgmlType::F32,
+            seed: 7,
+        }
     }
 }
 

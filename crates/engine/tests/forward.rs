@@ -2,7 +2,10 @@
 //! relies on: a batch gives each sequence the logits it would get alone, chunked prefill equals
 //! whole prefill, exported KV continues identically in another cache, and errors leak nothing.
 
-use half::f16;
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
+
+mod support;
+
 use tokenpath_engine::kv_cache::{BlockTable, KvCache};
 use tokenpath_engine::model::{BatchItem, Model};
 use tokenpath_engine::quant::GgmlType;
@@ -32,90 +35,6 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-/// Dense f32 transformer written the obvious way from the dequantized weights: the definition the
-/// engine is checked against. K and V are rounded to f16 as the cache stores them.
-fn reference_logits(m: &Model, tokens: &[u32]) -> Vec<f32> {
-    let c = m.config().clone();
-    let bytes = tiny_model_bytes(&TinySpec::default()).unwrap(); // the F32 file `m` was loaded from
-    let file = tokenpath_engine::gguf::Gguf::parse(bytes).unwrap();
-    let w = |n: &str| file.tensor(n).unwrap().dequantize().unwrap();
-    let (d, hd, kvd) = (c.n_embd, c.head_dim, c.kv_dim());
-    let matvec = |wt: &[f32], x: &[f32], rows: usize| -> Vec<f32> {
-        (0..rows)
-            .map(|r| wt[r * x.len()..(r + 1) * x.len()].iter().zip(x).map(|(a, b)| a * b).sum())
-            .collect()
-    };
-    let norm = |x: &[f32], g: &[f32]| -> Vec<f32> {
-        let s = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + c.rms_eps).sqrt();
-        x.iter().zip(g).map(|(v, g)| v * s * g).collect()
-    };
-    let rope = |x: &mut [f32], pos: usize| {
-        for h in x.chunks_mut(hd) {
-            for i in (0..hd).step_by(2) {
-                let th = pos as f32 * c.rope_base.powf(-(i as f32) / hd as f32);
-                let (s, co) = th.sin_cos();
-                let (a, b) = (h[i], h[i + 1]);
-                h[i] = a * co - b * s;
-                h[i + 1] = a * s + b * co;
-            }
-        }
-    };
-    let emb = w("token_embd.weight");
-    let mut xs: Vec<Vec<f32>> =
-        tokens.iter().map(|&t| emb[t as usize * d..(t as usize + 1) * d].to_vec()).collect();
-    for l in 0..c.n_layer {
-        let n = |s: &str| format!("blk.{l}.{s}.weight");
-        let (wq, wk, wv, wo) = (w(&n("attn_q")), w(&n("attn_k")), w(&n("attn_v")), w(&n("attn_output")));
-        let (an, fnw) = (w(&n("attn_norm")), w(&n("ffn_norm")));
-        let (wg, wu, wd) = (w(&n("ffn_gate")), w(&n("ffn_up")), w(&n("ffn_down")));
-        let f16r = |v: Vec<f32>| v.into_iter().map(|x| f16::from_f32(x).to_f32()).collect::<Vec<_>>();
-        let mut qs = Vec::new();
-        let mut ks = Vec::new();
-        let mut vs = Vec::new();
-        for (p, x) in xs.iter().enumerate() {
-            let h = norm(x, &an);
-            let mut q = matvec(&wq, &h, d);
-            let mut k = matvec(&wk, &h, kvd);
-            rope(&mut q, p);
-            rope(&mut k, p);
-            qs.push(q);
-            ks.push(f16r(k));
-            vs.push(f16r(matvec(&wv, &h, kvd)));
-        }
-        for p in 0..xs.len() {
-            let mut att = vec![0f32; d];
-            for h in 0..c.n_head {
-                let kh = h / (c.n_head / c.n_head_kv);
-                let q = &qs[p][h * hd..(h + 1) * hd];
-                let sc: Vec<f32> = (0..=p)
-                    .map(|j| {
-                        q.iter().zip(&ks[j][kh * hd..(kh + 1) * hd]).map(|(a, b)| a * b).sum::<f32>()
-                            / (hd as f32).sqrt()
-                    })
-                    .collect();
-                let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let e: Vec<f32> = sc.iter().map(|s| (s - mx).exp()).collect();
-                let z: f32 = e.iter().sum();
-                for j in 0..=p {
-                    for i in 0..hd {
-                        att[h * hd + i] += e[j] / z * vs[j][kh * hd + i];
-                    }
-                }
-            }
-            let o = matvec(&wo, &att, d);
-            let x = &mut xs[p];
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            let h = norm(x, &fnw);
-            let (gt, up) = (matvec(&wg, &h, c.n_ff), matvec(&wu, &h, c.n_ff));
-            let act: Vec<f32> = gt.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-            let dn = matvec(&wd, &act, d);
-            x.iter_mut().zip(&dn).for_each(|(a, b)| *a += b);
-        }
-    }
-    let last = norm(xs.last().unwrap(), &w("output_norm.weight"));
-    matvec(&emb, &last, c.n_vocab)
-}
-
 #[test]
 fn forward_matches_dense_reference() {
     let m = tiny(GgmlType::F32);
@@ -123,7 +42,9 @@ fn forward_matches_dense_reference() {
     let mut kv = cache(&m, 16);
     let mut t = BlockTable::default();
     let ours = run(&m, &mut kv, &mut t, &tokens, false);
-    let want = reference_logits(&m, &tokens);
+    let bytes = tiny_model_bytes(&TinySpec::default()).unwrap(); // the F32 file `m` was loaded from
+    let want =
+        support::reference_logits(&tokenpath_engine::gguf::Gguf::parse(bytes).unwrap(), m.config(), &tokens);
     let diff = max_diff(&ours, &want);
     assert!(diff < 1e-3, "max logit difference {diff}");
 }
@@ -163,7 +84,7 @@ fn a_batch_gives_each_sequence_its_solo_logits() {
         kv.free_table(&mut t).unwrap();
     }
     // Batched: prefill all three together, then decode all three together.
-    let mut tables = vec![BlockTable::default(), BlockTable::default(), BlockTable::default()];
+    let mut tables = [BlockTable::default(), BlockTable::default(), BlockTable::default()];
     {
         let mut batch: Vec<BatchItem<'_>> = tables
             .iter_mut()

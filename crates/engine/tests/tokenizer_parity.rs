@@ -1,6 +1,6 @@
 //! Token-for-token parity with llama.cpp on the default model.
 //!
-//! `fixtures/tokenizer_parity.json` holds llama.cpp's output (via `scripts/peer/tokenize.py`,
+//! `fixtures/tokenizer_parity.json` holds llama.cpp's output (via `scripts/peer/llama_tokenize.py`,
 //! llama-cpp-python 0.3.36) for `fixtures/tokenizer_corpus.json`; regenerate it with
 //! `scripts/peer/gen_fixtures.sh`. Every entry must match exactly.
 

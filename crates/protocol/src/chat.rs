@@ -243,7 +243,6 @@ pub struct ChatCompletionRequest {
     pub web_search_options: Option<Value>,
 }
 
-
 /// Parses a chat completions body. Malformed JSON, wrong types and unknown fields become
 /// [`ProtocolError::InvalidRequest`] with serde_json's line and column; ranges are checked later
 /// by [`ChatCompletionRequest::validate`].
@@ -294,8 +293,14 @@ impl ChatCompletionRequest {
                  empty array instead.",
             ));
         }
-        let messages = self.messages.iter().enumerate().map(|(i, m)| m.normalize(i)).collect::<Result<_, _>>()?;
-        Ok(GenerationRequest { model: self.model.clone(), prompt: Prompt::Chat(messages), params, user: self.user.clone() })
+        let messages =
+            self.messages.iter().enumerate().map(|(i, m)| m.normalize(i)).collect::<Result<_, _>>()?;
+        Ok(GenerationRequest {
+            model: self.model.clone(),
+            prompt: Prompt::Chat(messages),
+            params,
+            user: self.user.clone(),
+        })
     }
 
     fn reject_unsupported(&self) -> Result<(), ProtocolError> {
@@ -310,7 +315,10 @@ impl ChatCompletionRequest {
         }
         if let Some(rf) = &self.response_format {
             if rf.get("type").and_then(Value::as_str) != Some("text") {
-                return Err(unsupported("response_format", "response_format other than {\"type\": \"text\"} is"));
+                return Err(unsupported(
+                    "response_format",
+                    "response_format other than {\"type\": \"text\"} is",
+                ));
             }
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {

@@ -36,7 +36,9 @@ impl<'de> Deserialize<'de> for PromptInput {
         impl<'de> Visitor<'de> for V {
             type Value = PromptInput;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string, an array of strings, an array of token ids or an array of token-id arrays")
+                f.write_str(
+                    "a string, an array of strings, an array of token ids or an array of token-id arrays",
+                )
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
                 Ok(PromptInput::Text(v.to_owned()))
@@ -194,7 +196,10 @@ impl CompletionRequest {
     fn prompt(&self) -> Result<Prompt, ProtocolError> {
         let one = |len: usize| -> Result<(), ProtocolError> {
             match len {
-                0 => Err(ProtocolError::invalid("prompt", "Invalid 'prompt': empty array. Expected one prompt.")),
+                0 => Err(ProtocolError::invalid(
+                    "prompt",
+                    "Invalid 'prompt': empty array. Expected one prompt.",
+                )),
                 1 => Ok(()),
                 n => Err(ProtocolError::invalid(
                     "prompt",

@@ -79,7 +79,12 @@ impl ApiError {
 
     /// OpenAI's context-length error: `invalid_request_error` with code `context_length_exceeded`.
     /// `param` is `messages` (chat) or `prompt` (completions).
-    pub fn context_length_exceeded(param: &str, max_context: u64, prompt_tokens: u64, max_tokens: u64) -> Self {
+    pub fn context_length_exceeded(
+        param: &str,
+        max_context: u64,
+        prompt_tokens: u64,
+        max_tokens: u64,
+    ) -> Self {
         let what = if param == "prompt" { "prompt" } else { "messages" };
         Self::new(
             ErrorKind::ContextLengthExceeded,
@@ -97,7 +102,13 @@ impl ApiError {
 
     /// `authentication_error`, code `invalid_api_key`. Never echo the key back in `message`.
     pub fn authentication(message: impl Into<String>) -> Self {
-        Self::new(ErrorKind::Authentication, "authentication_error", message.into(), None, Some("invalid_api_key"))
+        Self::new(
+            ErrorKind::Authentication,
+            "authentication_error",
+            message.into(),
+            None,
+            Some("invalid_api_key"),
+        )
     }
 
     /// OpenAI's unknown-model error: `invalid_request_error`, code `model_not_found`.
@@ -146,9 +157,24 @@ mod tests {
             json!({"error": {"message": "bad", "type": "invalid_request_error", "param": "top_p", "code": null}})
         );
         let cases = [
-            (ApiError::authentication("no key"), ErrorKind::Authentication, "authentication_error", Some("invalid_api_key")),
-            (ApiError::model_not_found("gpt-x"), ErrorKind::ModelNotFound, "invalid_request_error", Some("model_not_found")),
-            (ApiError::rate_limit("slow down"), ErrorKind::RateLimit, "rate_limit_error", Some("rate_limit_exceeded")),
+            (
+                ApiError::authentication("no key"),
+                ErrorKind::Authentication,
+                "authentication_error",
+                Some("invalid_api_key"),
+            ),
+            (
+                ApiError::model_not_found("gpt-x"),
+                ErrorKind::ModelNotFound,
+                "invalid_request_error",
+                Some("model_not_found"),
+            ),
+            (
+                ApiError::rate_limit("slow down"),
+                ErrorKind::RateLimit,
+                "rate_limit_error",
+                Some("rate_limit_exceeded"),
+            ),
             (ApiError::overloaded("busy"), ErrorKind::Overloaded, "server_overloaded", None),
             (ApiError::server_error("oops"), ErrorKind::ServerError, "server_error", None),
             (
@@ -172,7 +198,8 @@ mod tests {
 
     #[test]
     fn foreign_error_bodies_parse_leniently() {
-        let vllm = r#"{"error":{"object":"error","message":"m","type":"BadRequestError","param":null,"code":400}}"#;
+        let vllm =
+            r#"{"error":{"object":"error","message":"m","type":"BadRequestError","param":null,"code":400}}"#;
         let b: ErrorBody = serde_json::from_str(vllm).unwrap();
         assert_eq!(b.error.code.as_deref(), Some("400"));
         assert_eq!(b.error.kind, "BadRequestError");

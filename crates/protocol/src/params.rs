@@ -298,8 +298,14 @@ mod tests {
             (Sampling { n: Some(0), ..Default::default() }, "n"),
             (Sampling { n: Some(2), ..Default::default() }, "n"),
             (Sampling { max_tokens: Some(("max_tokens", 0)), ..Default::default() }, "max_tokens"),
-            (Sampling { max_tokens: Some(("max_completion_tokens", 101)), ..Default::default() }, "max_completion_tokens"),
-            (Sampling { stream_options: Some(StreamOptions::default()), ..Default::default() }, "stream_options"),
+            (
+                Sampling { max_tokens: Some(("max_completion_tokens", 101)), ..Default::default() },
+                "max_completion_tokens",
+            ),
+            (
+                Sampling { stream_options: Some(StreamOptions::default()), ..Default::default() },
+                "stream_options",
+            ),
         ];
         for (s, want) in cases {
             let dbg = format!("{s:?}");
@@ -321,8 +327,14 @@ mod tests {
             e.unwrap_err().to_string(),
             "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 3 instead."
         );
-        let e = check_sampling(Sampling { max_tokens: Some(("max_tokens", 9000)), ..Default::default() }, &Limits::default());
-        assert!(e.unwrap_err().to_string().starts_with("max_tokens is too large: 9000. This model supports at most 8192"));
+        let e = check_sampling(
+            Sampling { max_tokens: Some(("max_tokens", 9000)), ..Default::default() },
+            &Limits::default(),
+        );
+        assert!(e
+            .unwrap_err()
+            .to_string()
+            .starts_with("max_tokens is too large: 9000. This model supports at most 8192"));
     }
 
     #[test]

@@ -207,7 +207,11 @@ impl ChatCompletionResponse {
             model,
             choices: vec![ChatChoice {
                 index: 0,
-                message: ResponseMessage { role: Role::Assistant, content: Some(content), reasoning_content: None },
+                message: ResponseMessage {
+                    role: Role::Assistant,
+                    content: Some(content),
+                    reasoning_content: None,
+                },
                 finish_reason: Some(finish_reason),
                 logprobs: None,
             }],
@@ -266,13 +270,25 @@ impl CompletionResponse {
     pub const OBJECT: &'static str = "text_completion";
 
     /// A one-choice response.
-    pub fn new(id: String, created: u64, model: String, text: String, finish_reason: FinishReason, usage: Usage) -> Self {
+    pub fn new(
+        id: String,
+        created: u64,
+        model: String,
+        text: String,
+        finish_reason: FinishReason,
+        usage: Usage,
+    ) -> Self {
         CompletionResponse {
             id,
             object: Self::OBJECT.to_owned(),
             created,
             model,
-            choices: vec![CompletionChoice { index: 0, text, finish_reason: Some(finish_reason), logprobs: None }],
+            choices: vec![CompletionChoice {
+                index: 0,
+                text,
+                finish_reason: Some(finish_reason),
+                logprobs: None,
+            }],
             usage: Some(usage),
             system_fingerprint: None,
             timing: None,
@@ -317,7 +333,14 @@ mod tests {
 
     #[test]
     fn completion_response_round_trips() {
-        let r = CompletionResponse::new(completion_id(7), 1, "m".into(), " world".into(), FinishReason::Length, Usage::new(1, 16, 0));
+        let r = CompletionResponse::new(
+            completion_id(7),
+            1,
+            "m".into(),
+            " world".into(),
+            FinishReason::Length,
+            Usage::new(1, 16, 0),
+        );
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["object"], "text_completion");
         assert_eq!(v["choices"][0]["text"], " world");

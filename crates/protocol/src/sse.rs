@@ -63,7 +63,14 @@ impl SseDecoder {
 
     /// A decoder with its own bound on one event.
     pub fn with_max_event_bytes(max: usize) -> Self {
-        SseDecoder { max, line: Vec::new(), after_cr: false, started: false, pending: Pending::default(), failed: None }
+        SseDecoder {
+            max,
+            line: Vec::new(),
+            after_cr: false,
+            started: false,
+            pending: Pending::default(),
+            failed: None,
+        }
     }
 
     /// Bytes currently buffered (partial line + accumulated event); never above the bound by
@@ -153,7 +160,11 @@ impl SseDecoder {
             let event = p.event.take().filter(|e| !e.is_empty());
             if p.has_data {
                 p.data.pop(); // the '\n' after the last data line
-                out.push(SseEvent { event, data: String::from_utf8_lossy(&p.data).into_owned(), id: p.last_id.clone() });
+                out.push(SseEvent {
+                    event,
+                    data: String::from_utf8_lossy(&p.data).into_owned(),
+                    id: p.last_id.clone(),
+                });
                 p.data.clear();
                 p.has_data = false;
             }
@@ -181,7 +192,9 @@ impl SseDecoder {
                 }
             }
             b"event" => self.pending.event = Some(String::from_utf8_lossy(value).into_owned()),
-            b"id" if !value.contains(&0) => self.pending.last_id = Some(String::from_utf8_lossy(value).into_owned()),
+            b"id" if !value.contains(&0) => {
+                self.pending.last_id = Some(String::from_utf8_lossy(value).into_owned())
+            }
             _ => {} // retry, unknown fields
         }
         Ok(())
@@ -206,14 +219,21 @@ mod tests {
 
     #[test]
     fn all_three_line_endings() {
-        assert_eq!(data(&decode(b"data: a\n\ndata: b\r\n\r\ndata: c\r\rdata: d\n\r\n")), ["a", "b", "c", "d"]);
+        assert_eq!(
+            data(&decode(b"data: a\n\ndata: b\r\n\r\ndata: c\r\rdata: d\n\r\n")),
+            ["a", "b", "c", "d"]
+        );
     }
 
     #[test]
     fn comments_multiline_data_event_names_and_ids() {
-        let ev = decode(b": keep-alive\n\nevent: error\ndata: x\ndata:y\nid: 7\nretry: 10\nfoo: bar\n\ndata\n\n");
+        let ev =
+            decode(b": keep-alive\n\nevent: error\ndata: x\ndata:y\nid: 7\nretry: 10\nfoo: bar\n\ndata\n\n");
         assert_eq!(ev.len(), 2);
-        assert_eq!(ev[0], SseEvent { event: Some("error".into()), data: "x\ny".into(), id: Some("7".into()) });
+        assert_eq!(
+            ev[0],
+            SseEvent { event: Some("error".into()), data: "x\ny".into(), id: Some("7".into()) }
+        );
         assert_eq!(ev[1], SseEvent { event: None, data: String::new(), id: Some("7".into()) });
     }
 

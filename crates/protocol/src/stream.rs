@@ -173,7 +173,12 @@ impl ChatStream {
 
     /// The closing chunks: the finish chunk, then the usage chunk when `include_usage`; `timing`
     /// goes on the last of them. Follow them with [`SSE_DONE`].
-    pub fn finish(&self, reason: FinishReason, usage: Usage, timing: Option<ServerTiming>) -> Vec<ChatCompletionChunk> {
+    pub fn finish(
+        &self,
+        reason: FinishReason,
+        usage: Usage,
+        timing: Option<ServerTiming>,
+    ) -> Vec<ChatCompletionChunk> {
         let mut out = vec![self.chunk(Self::choice(Delta::default(), Some(reason)))];
         if self.include_usage {
             let mut u = self.chunk(Vec::new());
@@ -187,7 +192,13 @@ impl ChatStream {
     }
 
     /// The whole stream as SSE text, for tests and non-incremental callers.
-    pub fn render(&self, pieces: &[&str], reason: FinishReason, usage: Usage, timing: Option<ServerTiming>) -> String {
+    pub fn render(
+        &self,
+        pieces: &[&str],
+        reason: FinishReason,
+        usage: Usage,
+        timing: Option<ServerTiming>,
+    ) -> String {
         let mut s = sse_event(&self.role_chunk());
         for p in pieces {
             s.push_str(&sse_event(&self.content_chunk(*p)));
@@ -236,14 +247,28 @@ impl CompletionStream {
 
     /// A chunk carrying generated text.
     pub fn text_chunk(&self, text: impl Into<String>) -> CompletionChunk {
-        self.chunk(vec![CompletionChoice { index: 0, text: text.into(), finish_reason: None, logprobs: None }])
+        self.chunk(vec![CompletionChoice {
+            index: 0,
+            text: text.into(),
+            finish_reason: None,
+            logprobs: None,
+        }])
     }
 
     /// The finish chunk (empty text), then the usage chunk when `include_usage`; `timing` on the
     /// last. Follow them with [`SSE_DONE`].
-    pub fn finish(&self, reason: FinishReason, usage: Usage, timing: Option<ServerTiming>) -> Vec<CompletionChunk> {
-        let mut out =
-            vec![self.chunk(vec![CompletionChoice { index: 0, text: String::new(), finish_reason: Some(reason), logprobs: None }])];
+    pub fn finish(
+        &self,
+        reason: FinishReason,
+        usage: Usage,
+        timing: Option<ServerTiming>,
+    ) -> Vec<CompletionChunk> {
+        let mut out = vec![self.chunk(vec![CompletionChoice {
+            index: 0,
+            text: String::new(),
+            finish_reason: Some(reason),
+            logprobs: None,
+        }])];
         if self.include_usage {
             let mut u = self.chunk(Vec::new());
             u.usage = Some(usage);

@@ -93,7 +93,8 @@ fn read_choice(c: &Value, view: &mut StreamChunkView) {
     let inner = c.get("delta").or_else(|| c.get("message"));
     view.text.push_str(s(inner.and_then(|d| d.get("content"))));
     view.text.push_str(s(c.get("text")));
-    let reasoning = inner.and_then(|d| d.get("reasoning_content").filter(|r| !r.is_null()).or_else(|| d.get("reasoning")));
+    let reasoning = inner
+        .and_then(|d| d.get("reasoning_content").filter(|r| !r.is_null()).or_else(|| d.get("reasoning")));
     view.reasoning_text.push_str(s(reasoning));
     if view.finish_reason.is_none() {
         view.finish_reason = c.get("finish_reason").and_then(Value::as_str).map(FinishReason::from_wire);
@@ -178,7 +179,8 @@ mod tests {
     fn in_stream_errors_in_several_dialects() {
         let ours = r#"{"error":{"message":"boom","type":"server_error","param":null,"code":null}}"#;
         assert_eq!(parse_stream_chunk(ours).unwrap().error.unwrap().message, "boom");
-        let old_vllm = r#"{"object":"error","message":"too long","type":"BadRequestError","param":null,"code":400}"#;
+        let old_vllm =
+            r#"{"object":"error","message":"too long","type":"BadRequestError","param":null,"code":400}"#;
         let e = parse_stream_chunk(old_vllm).unwrap().error.unwrap();
         assert_eq!((e.message.as_str(), e.code.as_deref()), ("too long", Some("400")));
         assert_eq!(parse_stream_chunk(r#"{"error":"plain"}"#).unwrap().error.unwrap().message, "plain");

@@ -36,7 +36,9 @@ pub(crate) fn string_or_strings<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<S
 }
 
 /// [`string_or_strings`] for an optional field; `null` is `None`.
-pub(crate) fn opt_string_or_strings<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {
+pub(crate) fn opt_string_or_strings<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<Vec<String>>, D::Error> {
     // `"stop": null` reaches a `deserialize_with` function too, so it handles null itself.
     struct V;
     impl<'de> Visitor<'de> for V {
@@ -75,7 +77,8 @@ pub(crate) fn lenient_code<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Str
 /// field as `param`; everything else keeps serde_json's message with its line and column.
 pub(crate) fn request_json_error(e: &serde_json::Error) -> ProtocolError {
     let text = e.to_string();
-    let at = if e.line() > 0 { format!(" (line {}, column {})", e.line(), e.column()) } else { String::new() };
+    let at =
+        if e.line() > 0 { format!(" (line {}, column {})", e.line(), e.column()) } else { String::new() };
     if let Some(name) = backticked_after(&text, "unknown field `") {
         return ProtocolError::InvalidRequest {
             param: Some(name.to_owned()),

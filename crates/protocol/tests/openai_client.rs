@@ -23,17 +23,56 @@ fn param(r: Result<GenerationRequest, ProtocolError>) -> String {
 
 /// Every parameter of `client.chat.completions.create` (openai-python 1.x/2.x), as `null`.
 const CHAT_PARAMS: &[&str] = &[
-    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
-    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls",
-    "prediction", "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format",
-    "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options",
-    "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+    "audio",
+    "frequency_penalty",
+    "function_call",
+    "functions",
+    "logit_bias",
+    "logprobs",
+    "max_completion_tokens",
+    "max_tokens",
+    "metadata",
+    "modalities",
+    "n",
+    "parallel_tool_calls",
+    "prediction",
+    "presence_penalty",
+    "prompt_cache_key",
+    "reasoning_effort",
+    "response_format",
+    "safety_identifier",
+    "seed",
+    "service_tier",
+    "stop",
+    "store",
+    "stream",
+    "stream_options",
+    "temperature",
+    "tool_choice",
+    "tools",
+    "top_logprobs",
+    "top_p",
+    "user",
+    "verbosity",
     "web_search_options",
 ];
 
 const COMPLETION_PARAMS: &[&str] = &[
-    "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
-    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p",
+    "best_of",
+    "echo",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "max_tokens",
+    "n",
+    "presence_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "suffix",
+    "temperature",
+    "top_p",
     "user",
 ];
 
@@ -94,7 +133,10 @@ fn replayed_assistant_message_from_model_dump_is_accepted() {
         {"role": "user", "content": "And?"}]});
     let r = chat(&body.to_string()).unwrap();
     let Prompt::Chat(m) = r.prompt else { panic!() };
-    assert_eq!(m.iter().map(|m| m.role).collect::<Vec<_>>(), [Role::User, Role::Assistant, Role::Tool, Role::User]);
+    assert_eq!(
+        m.iter().map(|m| m.role).collect::<Vec<_>>(),
+        [Role::User, Role::Assistant, Role::Tool, Role::User]
+    );
 }
 
 #[test]
@@ -106,8 +148,14 @@ fn completions_as_the_python_client_sends_them() {
     let r = completion(s).unwrap();
     assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
     assert!(r.params.stream && r.params.include_usage);
-    assert_eq!(completion(r#"{"model": "m", "prompt": ["one"]}"#).unwrap().prompt, Prompt::Text("one".into()));
-    assert_eq!(completion(r#"{"model": "m", "prompt": [[5, 6]]}"#).unwrap().prompt, Prompt::Tokens(vec![5, 6]));
+    assert_eq!(
+        completion(r#"{"model": "m", "prompt": ["one"]}"#).unwrap().prompt,
+        Prompt::Text("one".into())
+    );
+    assert_eq!(
+        completion(r#"{"model": "m", "prompt": [[5, 6]]}"#).unwrap().prompt,
+        Prompt::Tokens(vec![5, 6])
+    );
 
     let mut body = json!({"model": "m", "prompt": "x"});
     for p in COMPLETION_PARAMS {
@@ -121,13 +169,17 @@ fn completions_as_the_python_client_sends_them() {
 
 #[test]
 fn unknown_fields_are_rejected_like_openai() {
-    let e = chat(r#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_token": 5}"#).unwrap_err();
+    let e = chat(r#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_token": 5}"#)
+        .unwrap_err();
     assert!(e.to_string().starts_with("Unrecognized request argument supplied: max_token"), "{e}");
     assert_eq!(param(Err(e)), "max_token");
     let e = chat(r#"{"model": "m", "messages": [{"role": "user", "content": "x", "extra": 1}]}"#);
     assert_eq!(param(e), "extra");
     assert_eq!(param(completion(r#"{"model": "m", "prompt": "x", "top_k": 5}"#)), "top_k");
-    assert_eq!(param(chat(r#"{"model": "m", "messages": [], "stream_options": {"continuous_usage_stats": true}}"#)), "continuous_usage_stats");
+    assert_eq!(
+        param(chat(r#"{"model": "m", "messages": [], "stream_options": {"continuous_usage_stats": true}}"#)),
+        "continuous_usage_stats"
+    );
 }
 
 #[test]
@@ -138,7 +190,10 @@ fn malformed_bodies_are_invalid_requests_with_position() {
         (r#"{"model": "m", "messages": "hi"}"#, "invalid type"),
         (r#"{"model": "m", "messages": [{"role": "robot", "content": "x"}]}"#, "unknown variant `robot`"),
         (r#"{"model": "m", "messages": [], "temperature": "hot"}"#, "column"),
-        (r#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}"#, "Missing required parameter: 'text'"),
+        (
+            r#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}"#,
+            "Missing required parameter: 'text'",
+        ),
     ] {
         let e = parse_chat_request(body.as_bytes()).unwrap_err();
         assert!(matches!(e, ProtocolError::InvalidRequest { .. }), "{body}");
@@ -186,10 +241,19 @@ fn every_chat_validation_error_names_its_param() {
         (json!({"reasoning_effort": "low"}), "reasoning_effort"),
         (json!({"verbosity": "low"}), "verbosity"),
         (json!({"web_search_options": {}}), "web_search_options"),
-        (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}), "messages[0].content[0].type"),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}),
+            "messages[0].content[0].type",
+        ),
         (json!({"messages": [{"role": "user"}]}), "messages[0].content"),
-        (json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}]}), "messages[1].tool_calls"),
-        (json!({"messages": [{"role": "assistant", "content": "a", "refusal": "no"}]}), "messages[0].refusal"),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}]}),
+            "messages[1].tool_calls",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "content": "a", "refusal": "no"}]}),
+            "messages[0].refusal",
+        ),
     ];
     for (patch, want) in cases {
         let mut body = base();
@@ -236,7 +300,8 @@ fn every_completion_validation_error_names_its_param() {
 
 #[test]
 fn unsupported_features_say_not_supported() {
-    let e = chat(r#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true}"#).unwrap_err();
+    let e = chat(r#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true}"#)
+        .unwrap_err();
     assert_eq!(e.to_string(), "Invalid 'logprobs': logprobs are not supported by this server.");
     let e = completion(r#"{"model": "m", "prompt": "x", "echo": true}"#).unwrap_err();
     assert!(e.to_string().contains("not supported"), "{e}");

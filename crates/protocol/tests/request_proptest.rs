@@ -29,10 +29,34 @@ fn value() -> impl Strategy<Value = Value> {
 }
 
 const KEYS: &[&str] = &[
-    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-    "n", "seed", "stop", "presence_penalty", "frequency_penalty", "stream", "stream_options", "user",
-    "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "echo", "suffix",
-    "best_of", "ignore_eos", "metadata", "store", "modalities", "bogus",
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "stream",
+    "stream_options",
+    "user",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "echo",
+    "suffix",
+    "best_of",
+    "ignore_eos",
+    "metadata",
+    "store",
+    "modalities",
+    "bogus",
 ];
 
 fn body() -> impl Strategy<Value = Vec<u8>> {

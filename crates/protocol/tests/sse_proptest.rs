@@ -50,11 +50,7 @@ struct Ev {
 }
 
 fn ev() -> impl Strategy<Value = Ev> {
-    (
-        proptest::option::of("[a-z]{1,6}"),
-        proptest::collection::vec("[^\r\n]{0,12}", 1..4),
-        any::<bool>(),
-    )
+    (proptest::option::of("[a-z]{1,6}"), proptest::collection::vec("[^\r\n]{0,12}", 1..4), any::<bool>())
         .prop_map(|(name, lines, comment)| Ev { name, lines, comment })
 }
 

@@ -130,7 +130,10 @@ fn parse_duration_ms(v: &str) -> Result<f64, String> {
     if unit.is_empty() {
         return Err(format!("{v:?} has no unit; use us, ms, s or m"));
     }
-    let x: f64 = num.trim().parse().map_err(|_| format!("{:?} is not a number", if num.is_empty() { v } else { num }))?;
+    let x: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{:?} is not a number", if num.is_empty() { v } else { num }))?;
     let scale = match unit {
         "us" => 1e-3,
         "ms" => 1.0,

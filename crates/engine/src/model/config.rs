@@ -74,7 +74,8 @@ impl ModelConfig {
             Ok(t) => t.len(),
             Err(_) => u("vocab_size")?,
         };
-        let f = |k: &str, default: f32| if idx.contains(&key(k)) { idx.get_f32(&key(k)) } else { Ok(default) };
+        let f =
+            |k: &str, default: f32| if idx.contains(&key(k)) { idx.get_f32(&key(k)) } else { Ok(default) };
         let cfg = ModelConfig {
             name: idx.get_str("general.name").ok().map(str::to_owned),
             n_layer: u("block_count")?,

@@ -80,7 +80,10 @@ impl Model {
                 return Err(EngineError::ContextOverflow { tokens: end, limit: c.n_ctx });
             }
             if let Some(&bad) = item.tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
-                return Err(EngineError::InvalidArgument(format!("token id {bad} is outside the vocabulary of {}", c.n_vocab)));
+                return Err(EngineError::InvalidArgument(format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    c.n_vocab
+                )));
             }
         }
         let before: Vec<usize> = batch.iter().map(|i| i.table.blocks().len()).collect();
@@ -161,7 +164,8 @@ impl Model {
             let n = item.tokens.len();
             let wanted = if item.all_logits { first..first + n } else { first + n - 1..first + n };
             let mut normed = vec![0f32; wanted.len() * d];
-            for (o, r) in normed.chunks_exact_mut(d).zip(x[wanted.start * d..wanted.end * d].chunks_exact(d)) {
+            for (o, r) in normed.chunks_exact_mut(d).zip(x[wanted.start * d..wanted.end * d].chunks_exact(d))
+            {
                 rms_norm(r, &self.output_norm, c.rms_eps, o);
             }
             logits.push(self.linear(&self.output, &normed, wanted.len())?);
@@ -171,7 +175,8 @@ impl Model {
     }
 }
 
-/// Causal attention of one query head over positions `0..=pos` of a sequence's cached K/V.
+/// Causal attention of one query head over positions `0..=pos` of a sequence's cached K/V, in
+/// f32 (only K and V are stored as f16).
 #[allow(clippy::too_many_arguments)]
 fn attend(
     cache: &KvCache,
@@ -201,14 +206,15 @@ fn attend(
         scores.push(dot * scale);
     }
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
+    let mut sum = 0.0f64;
     for s in scores.iter_mut() {
         *s = (*s - max).exp();
-        sum += *s;
+        sum += f64::from(*s);
     }
+    let inv = (1.0 / sum) as f32;
     out.iter_mut().for_each(|o| *o = 0.0);
     for (p, s) in scores.iter().enumerate() {
-        let w = s / sum;
+        let w = s * inv;
         let v = slot(p, true);
         for (b, x) in buf.iter_mut().zip(v) {
             *b = x.to_f32();

@@ -103,8 +103,11 @@ impl Model {
         };
         let (d, kv, ff) = (c.n_embd, c.kv_dim(), c.n_ff);
         let token_embd = mat("token_embd.weight", c.n_vocab, d)?;
-        let output =
-            if file.tensor_info("output.weight").is_some() { mat("output.weight", c.n_vocab, d)? } else { token_embd.clone() };
+        let output = if file.tensor_info("output.weight").is_some() {
+            mat("output.weight", c.n_vocab, d)?
+        } else {
+            token_embd.clone()
+        };
         let layers = (0..c.n_layer)
             .map(|i| {
                 let n = |s: &str| format!("blk.{i}.{s}.weight");

@@ -2,7 +2,7 @@
 //!
 //! Everything here is built from the values a GGUF file's `tokenizer.*` metadata holds, and
 //! reproduces llama.cpp's behaviour token for token (llama.cpp is the project's correctness
-//! oracle, see `scripts/peer/tokenize.py`). Files refer to each other only through `super::`:
+//! oracle, see `scripts/peer/llama_tokenize.py`). Files refer to each other only through `super::`:
 //! - `vocab.rs`: [`Tokenizer`]: encode / decode, the GGUF entry point;
 //! - `pretokenize.rs`: llama.cpp's pre-tokenizers (`smollm`, `gpt-2`, `llama3`, `default`);
 //! - `bpe.rs`: rank-ordered merges; `special.rs`: special-token partition;
@@ -24,8 +24,8 @@ mod vocab;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use error::TokenizerError;
-pub(crate) use unicode::byte_to_char_table;
 pub use from_gguf::{chat_template_from_gguf, tokenizer_from_gguf};
 pub use pretokenize::PreTokenizer;
 pub use stream::StreamDecoder;
+pub(crate) use unicode::byte_to_char_table;
 pub use vocab::{TokenType, Tokenizer};

@@ -70,7 +70,9 @@ impl Flags {
 /// The general-category family of `c`.
 pub(crate) fn category(c: char) -> Cat {
     match get_general_category(c) {
-        G::UppercaseLetter | G::LowercaseLetter | G::TitlecaseLetter | G::ModifierLetter | G::OtherLetter => Cat::L,
+        G::UppercaseLetter | G::LowercaseLetter | G::TitlecaseLetter | G::ModifierLetter | G::OtherLetter => {
+            Cat::L
+        }
         G::DecimalNumber | G::LetterNumber | G::OtherNumber => Cat::N,
         G::SpaceSeparator | G::LineSeparator | G::ParagraphSeparator => Cat::Z,
         G::NonspacingMark | G::SpacingMark | G::EnclosingMark => Cat::M,

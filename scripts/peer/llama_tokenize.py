@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tokenize strings with llama.cpp (llama-cpp-python), the project's tokenizer oracle.
 
-usage: tokenize.py MODEL.gguf INPUT.json [--special] [--add-bos]
+usage: llama_tokenize.py MODEL.gguf INPUT.json [--special] [--add-bos]
 
 INPUT.json is a JSON list of strings, or a list of {"text": ..., "parse_special": bool}
 objects (then each item's parse_special wins over --special). Prints a JSON list with one token
