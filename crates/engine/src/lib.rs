@@ -6,6 +6,7 @@
 //! decode steps). Everything that reads untrusted bytes (the GGUF file) does so with bounded reads
 //! and typed errors, because a model file is input like any other.
 
+pub mod bench;
 pub mod error;
 pub mod generate;
 pub mod gguf;

@@ -38,15 +38,22 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn forward_matches_dense_reference() {
     let m = tiny(GgmlType::F32);
-    let tokens: Vec<u32> = (0..13).map(|i| (i * 37 + 5) % m.config().n_vocab as u32).collect();
-    let mut kv = cache(&m, 16);
-    let mut t = BlockTable::default();
-    let ours = run(&m, &mut kv, &mut t, &tokens, false);
-    let bytes = tiny_model_bytes(&TinySpec::default()).unwrap(); // the F32 file `m` was loaded from
-    let want =
-        support::reference_logits(&tokenpath_engine::gguf::Gguf::parse(bytes).unwrap(), m.config(), &tokens);
-    let diff = max_diff(&ours, &want);
-    assert!(diff < 1e-3, "max logit difference {diff}");
+    // 13 tokens run through the integer matvec kernels, 45 through the dequantize + GEMM path;
+    // both span several KV blocks.
+    for n in [13, 45] {
+        let tokens: Vec<u32> = (0..n).map(|i| (i * 37 + 5) % m.config().n_vocab as u32).collect();
+        let mut kv = cache(&m, 16);
+        let mut t = BlockTable::default();
+        let ours = run(&m, &mut kv, &mut t, &tokens, false);
+        let bytes = tiny_model_bytes(&TinySpec::default()).unwrap(); // the F32 file `m` was loaded from
+        let want = support::reference_logits(
+            &tokenpath_engine::gguf::Gguf::parse(bytes).unwrap(),
+            m.config(),
+            &tokens,
+        );
+        let diff = max_diff(&ours, &want);
+        assert!(diff < 1e-3, "{n} tokens: max logit difference {diff}");
+    }
 }
 
 #[test]

@@ -7,7 +7,7 @@ use super::{Mat, Model};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockTable, KvCache};
 use crate::quant::QuantizedActivation;
-use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// One sequence's part of a forward call.
@@ -49,10 +49,52 @@ fn rope(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: usize, base: f32)
     }
 }
 
+/// From this many stacked rows on, a linear layer dequantizes its weights and runs an f32 GEMM
+/// (compute-bound prefill); below it, the integer matvec kernels on the quantized weights win
+/// (bandwidth-bound decode, where dequantizing the whole matrix would cost more than the product).
+const GEMM_MIN_ROWS: usize = 32;
+
+/// `y[t × n] = x[t × k] · wᵀ` with `w` row-major `[n × k]`, on every rayon thread.
+pub(crate) fn gemm_xwt(x: &[f32], w: &[f32], y: &mut [f32], t: usize, n: usize, k: usize) {
+    debug_assert!(x.len() == t * k && w.len() == n * k && y.len() == t * n);
+    // SAFETY: the three slices have exactly the lengths the strides below address: dst is t × n
+    // row-major (col stride 1, row stride n), lhs t × k row-major, rhs is wᵀ, i.e. k × n with
+    // column stride k and row stride 1 over w's n × k row-major storage. `read_dst = false`.
+    unsafe {
+        gemm::gemm(
+            t,
+            n,
+            k,
+            y.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(rayon::current_num_threads()),
+        );
+    }
+}
+
 impl Model {
     /// `y[T × rows] = W · x[T × cols]` for every row of `x`.
     fn linear(&self, w: &Mat, x: &[f32], t: usize) -> Result<Vec<f32>> {
         let m = self.q(w)?;
+        if t >= GEMM_MIN_ROWS {
+            let wf = m.dequantize()?;
+            let mut y = vec![0f32; t * m.rows()];
+            gemm_xwt(x, &wf, &mut y, t, m.rows(), m.cols());
+            return Ok(y);
+        }
         let acts = x
             .chunks_exact(m.cols())
             .map(|row| m.prepare_input(row))
@@ -117,7 +159,6 @@ impl Model {
         }
         let mut xn = vec![0f32; t * d];
         let group = c.n_head / c.n_head_kv;
-        let scale = 1.0 / (hd as f32).sqrt();
         for (l, layer) in self.layers.iter().enumerate() {
             for (o, r) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 rms_norm(r, &layer.attn_norm, c.rms_eps, o);
@@ -131,16 +172,7 @@ impl Model {
                 let item = &batch[rows[r].0];
                 cache.write(item.table, l, pos, &k[r * kv..(r + 1) * kv], &v[r * kv..(r + 1) * kv]);
             }
-            // Attention, parallel over (row, head).
-            let cache_ref = &*cache;
-            let tables: Vec<&BlockTable> = batch.iter().map(|it| &*it.table).collect();
-            let mut attn = vec![0f32; t * d];
-            attn.par_chunks_mut(hd).enumerate().for_each(|(rh, out)| {
-                let (r, h) = (rh / c.n_head, rh % c.n_head);
-                let (item, pos) = rows[r];
-                let qh = &q[r * d + h * hd..r * d + (h + 1) * hd];
-                attend(cache_ref, tables[item], l, h / group, hd, pos, qh, scale, out);
-            });
+            let attn = attention(&*cache, batch, &rows, &q, l, c.n_head, group, hd);
             let o = self.linear(&layer.wo, &attn, t)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
@@ -157,70 +189,287 @@ impl Model {
             let n = item.tokens.len();
             cache.advance(item.table, n);
         }
-        // Output head only for the rows whose logits are wanted.
-        let mut logits = Vec::with_capacity(batch.len());
+        // Output head only for the rows whose logits are wanted, all items in one product so the
+        // vocabulary matrix (the largest in the model) is streamed once per step, not per item.
+        let mut wanted = Vec::with_capacity(batch.len());
         let mut first = 0;
         for item in batch.iter() {
             let n = item.tokens.len();
-            let wanted = if item.all_logits { first..first + n } else { first + n - 1..first + n };
-            let mut normed = vec![0f32; wanted.len() * d];
-            for (o, r) in normed.chunks_exact_mut(d).zip(x[wanted.start * d..wanted.end * d].chunks_exact(d))
-            {
-                rms_norm(r, &self.output_norm, c.rms_eps, o);
-            }
-            logits.push(self.linear(&self.output, &normed, wanted.len())?);
+            wanted.push(if item.all_logits { first..first + n } else { first + n - 1..first + n });
             first += n;
+        }
+        let n_rows: usize = wanted.iter().map(|r| r.len()).sum();
+        let mut normed = vec![0f32; n_rows * d];
+        let rows_out = wanted.iter().flat_map(|r| r.clone());
+        for (o, r) in normed.chunks_exact_mut(d).zip(rows_out) {
+            rms_norm(&x[r * d..(r + 1) * d], &self.output_norm, c.rms_eps, o);
+        }
+        let all = self.linear(&self.output, &normed, n_rows)?;
+        let nv = c.n_vocab;
+        let mut logits = Vec::with_capacity(batch.len());
+        let mut at = 0;
+        for r in &wanted {
+            logits.push(all[at * nv..(at + r.len()) * nv].to_vec());
+            at += r.len();
         }
         Ok(ForwardOutput { logits })
     }
 }
 
-/// Causal attention of one query head over positions `0..=pos` of a sequence's cached K/V, in
-/// f32 (only K and V are stored as f16).
+/// Causal attention for every stacked row and query head; returns `[T × n_head·hd]`.
+///
+/// Work is split into tasks of (sequence, KV head, up to 32 query rows), so a long prefill and a
+/// wide decode batch both spread over every core. Each task walks the sequence's KV blocks once:
+/// a block's K and V for that head are converted from f16 to f32 once and reused by every query
+/// row and every query head of the group, with an online softmax (running max and sum), so the
+/// cost is the arithmetic, not the conversions.
 #[allow(clippy::too_many_arguments)]
-fn attend(
+fn attention(
+    cache: &KvCache,
+    batch: &[BatchItem<'_>],
+    rows: &[(usize, usize)],
+    q: &[f32],
+    layer: usize,
+    n_head: usize,
+    group: usize,
+    hd: usize,
+) -> Vec<f32> {
+    const ROWS_PER_TASK: usize = 128;
+    let d = n_head * hd;
+    let n_kv = n_head / group;
+    // Tasks: (item, kv head, first stacked row, row count).
+    let mut tasks = Vec::new();
+    let mut first = 0;
+    for (i, item) in batch.iter().enumerate() {
+        let n = item.tokens.len();
+        for kvh in 0..n_kv {
+            for start in (0..n).step_by(ROWS_PER_TASK) {
+                tasks.push((i, kvh, first + start, ROWS_PER_TASK.min(n - start)));
+            }
+        }
+        first += n;
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    let results: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(i, kvh, r0, nr)| {
+            let table: &BlockTable = &*batch[i].table;
+            attend_task(
+                cache,
+                table,
+                layer,
+                kvh,
+                group,
+                hd,
+                scale,
+                &rows[r0..r0 + nr],
+                &q[r0 * d..(r0 + nr) * d],
+                d,
+            )
+        })
+        .collect();
+    let mut out = vec![0f32; rows.len() * d];
+    for (&(_, kvh, r0, nr), res) in tasks.iter().zip(&results) {
+        for r in 0..nr {
+            for g in 0..group {
+                let h = kvh * group + g;
+                let src = &res[(r * group + g) * hd..(r * group + g + 1) * hd];
+                out[(r0 + r) * d + h * hd..(r0 + r) * d + (h + 1) * hd].copy_from_slice(src);
+            }
+        }
+    }
+    out
+}
+
+/// One task of [`attention`]: rows `rows` (all of one sequence) × the `group` query heads of KV
+/// head `kvh`. Returns `[rows × group × hd]`.
+#[allow(clippy::too_many_arguments)]
+fn attend_task(
     cache: &KvCache,
     table: &BlockTable,
     layer: usize,
-    kv_head: usize,
+    kvh: usize,
+    group: usize,
     hd: usize,
-    pos: usize,
-    q: &[f32],
     scale: f32,
-    out: &mut [f32],
-) {
+    rows: &[(usize, usize)],
+    q: &[f32],
+    d: usize,
+) -> Vec<f32> {
     let layout = cache.layout();
-    let bs = layout.block_size;
-    let off = kv_head * hd;
-    let kv_dim = layout.kv_dim;
-    let mut scores = Vec::with_capacity(pos + 1);
-    let mut buf = vec![0f32; hd];
-    let slot = |p: usize, v: bool| -> &[f16] {
-        let slab = cache.slab(table.blocks()[p / bs], layer, v);
-        let s = (p % bs) * kv_dim + off;
-        &slab[s..s + hd]
-    };
-    for p in 0..=pos {
-        let k = slot(p, false);
-        let dot: f32 = q.iter().zip(k).map(|(a, b)| a * b.to_f32()).sum();
-        scores.push(dot * scale);
+    let (bs, kv_dim) = (layout.block_size, layout.kv_dim);
+    let n_q = rows.len() * group;
+    let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
+    if n_q >= GEMM_MIN_ROWS {
+        return attend_task_gemm(cache, table, layer, kvh, group, hd, scale, rows, q, d, max_pos);
     }
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f64;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += f64::from(*s);
+    // Online softmax state per (row, head): running max, running sum, accumulator.
+    let mut m = vec![f32::NEG_INFINITY; n_q];
+    let mut l = vec![0f32; n_q];
+    let mut acc = vec![0f32; n_q * hd];
+    let mut kb = vec![0f32; bs * hd];
+    let mut vb = vec![0f32; bs * hd];
+    let mut scores = vec![0f32; bs];
+    for (bi, block) in table.blocks().iter().enumerate() {
+        let p0 = bi * bs;
+        if p0 > max_pos {
+            break;
+        }
+        let slots = bs.min(max_pos + 1 - p0);
+        let (ks, vs) = (cache.slab(*block, layer, false), cache.slab(*block, layer, true));
+        for s in 0..slots {
+            let src = s * kv_dim + kvh * hd;
+            ks[src..src + hd].convert_to_f32_slice(&mut kb[s * hd..(s + 1) * hd]);
+            vs[src..src + hd].convert_to_f32_slice(&mut vb[s * hd..(s + 1) * hd]);
+        }
+        for (ri, &(_, pos)) in rows.iter().enumerate() {
+            if pos < p0 {
+                continue;
+            }
+            let valid = slots.min(pos + 1 - p0);
+            for g in 0..group {
+                let qi = ri * group + g;
+                let qh = &q[ri * d + (kvh * group + g) * hd..][..hd];
+                let mut bmax = f32::NEG_INFINITY;
+                for (s, sc) in scores[..valid].iter_mut().enumerate() {
+                    *sc = dot(qh, &kb[s * hd..(s + 1) * hd]) * scale;
+                    bmax = bmax.max(*sc);
+                }
+                let new_m = m[qi].max(bmax);
+                let correction = (m[qi] - new_m).exp();
+                let a = &mut acc[qi * hd..(qi + 1) * hd];
+                if correction != 1.0 {
+                    a.iter_mut().for_each(|x| *x *= correction);
+                }
+                let mut sum = l[qi] * correction;
+                for (s, sc) in scores[..valid].iter().enumerate() {
+                    let w = (sc - new_m).exp();
+                    sum += w;
+                    axpy(w, &vb[s * hd..(s + 1) * hd], a);
+                }
+                m[qi] = new_m;
+                l[qi] = sum;
+            }
+        }
     }
-    let inv = (1.0 / sum) as f32;
-    out.iter_mut().for_each(|o| *o = 0.0);
-    for (p, s) in scores.iter().enumerate() {
-        let w = s * inv;
-        let v = slot(p, true);
-        for (b, x) in buf.iter_mut().zip(v) {
-            *b = x.to_f32();
+    for (qi, a) in acc.chunks_exact_mut(hd).enumerate() {
+        let inv = 1.0 / l[qi];
+        a.iter_mut().for_each(|x| *x *= inv);
+    }
+    acc
+}
+
+/// [`attend_task`] for many query rows (prefill): the sequence's K and V for this head are
+/// gathered to f32 once, then `S = Q·Kᵀ` and `O = softmax(S)·V` run as two GEMMs on the calling
+/// thread (the tasks themselves are the parallelism), with the causal mask applied to `S`.
+#[allow(clippy::too_many_arguments)]
+fn attend_task_gemm(
+    cache: &KvCache,
+    table: &BlockTable,
+    layer: usize,
+    kvh: usize,
+    group: usize,
+    hd: usize,
+    scale: f32,
+    rows: &[(usize, usize)],
+    q: &[f32],
+    d: usize,
+    max_pos: usize,
+) -> Vec<f32> {
+    let layout = cache.layout();
+    let (bs, kv_dim) = (layout.block_size, layout.kv_dim);
+    let n_pos = max_pos + 1;
+    let mut k = vec![0f32; n_pos * hd];
+    let mut v = vec![0f32; n_pos * hd];
+    for p in 0..n_pos {
+        let b = table.blocks()[p / bs];
+        let src = (p % bs) * kv_dim + kvh * hd;
+        cache.slab(b, layer, false)[src..src + hd].convert_to_f32_slice(&mut k[p * hd..(p + 1) * hd]);
+        cache.slab(b, layer, true)[src..src + hd].convert_to_f32_slice(&mut v[p * hd..(p + 1) * hd]);
+    }
+    // Query rows ordered (row, head-in-group), matching the output layout.
+    let n_q = rows.len() * group;
+    let mut qm = vec![0f32; n_q * hd];
+    for ri in 0..rows.len() {
+        for g in 0..group {
+            let src = &q[ri * d + (kvh * group + g) * hd..][..hd];
+            qm[(ri * group + g) * hd..(ri * group + g + 1) * hd].copy_from_slice(src);
         }
-        for (o, b) in out.iter_mut().zip(&buf) {
-            *o += w * b;
+    }
+    let mut sc = vec![0f32; n_q * n_pos];
+    gemm_serial(&qm, &k, &mut sc, n_q, n_pos, hd, true);
+    for (qi, row) in sc.chunks_exact_mut(n_pos).enumerate() {
+        let pos = rows[qi / group].1;
+        let (live, masked) = row.split_at_mut(pos + 1);
+        masked.iter_mut().for_each(|x| *x = 0.0);
+        let mut max = f32::NEG_INFINITY;
+        for x in live.iter_mut() {
+            *x *= scale;
+            max = max.max(*x);
         }
+        let mut sum = 0f32;
+        for x in live.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        live.iter_mut().for_each(|x| *x *= inv);
+    }
+    let mut out = vec![0f32; n_q * hd];
+    gemm_serial(&sc, &v, &mut out, n_q, hd, n_pos, false);
+    out
+}
+
+/// Single-threaded GEMM: `y[m × n] = x[m × k] · (bᵀ if b_is_nk else b)`, with `b` row-major
+/// `[n × k]` when transposed, `[k × n]` otherwise.
+fn gemm_serial(x: &[f32], b: &[f32], y: &mut [f32], m: usize, n: usize, k: usize, b_is_nk: bool) {
+    debug_assert!(x.len() == m * k && b.len() == n * k && y.len() == m * n);
+    let (b_cs, b_rs) = if b_is_nk { (k as isize, 1) } else { (1, n as isize) };
+    // SAFETY: the slices have exactly the sizes the strides address (checked above in debug):
+    // dst m × n row-major, lhs m × k row-major, rhs k × n read through (b_rs, b_cs) strides.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            y.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// Dot product with eight independent accumulators, so it vectorises and pipelines.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut s = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            s[i] += x[i] * y[i];
+        }
+    }
+    s.iter().sum::<f32>() + tail
+}
+
+/// `y += a · x`.
+#[inline]
+fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
     }
 }

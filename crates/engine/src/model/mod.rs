@@ -10,6 +10,7 @@ mod config;
 mod forward;
 
 pub use config::{ModelConfig, SUPPORTED_ARCHITECTURES};
+pub(crate) use forward::gemm_xwt;
 pub use forward::{BatchItem, ForwardOutput};
 
 use crate::error::{EngineError, Result};

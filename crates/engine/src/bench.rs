@@ -1,0 +1,171 @@
+//! Engine micro-benchmarks behind `tokenpath bench-engine`: prefill and decode throughput on a
+//! loaded model, and this machine's own limits measured in the same run (memory read bandwidth,
+//! f32 multiply-add throughput), so every figure can be quoted as a fraction of what the machine
+//! can do rather than as an absolute number from a shared, noisy machine.
+//!
+//! Prompts are real text tokenized by the model's own tokenizer, so the attention and the
+//! tokenizer see what they see in serving.
+
+use crate::error::Result;
+use crate::kv_cache::BlockTable;
+use crate::model::BatchItem;
+use crate::Engine;
+use rayon::prelude::*;
+use std::time::Instant;
+
+/// Public-domain text (the opening of "Alice's Adventures in Wonderland", Lewis Carroll, 1865)
+/// repeated to build prompts of any length.
+pub const PROSE: &str = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: once or twice she had peeped into the book her sister was reading, but it had no pictures or conversations in it, 'and what is the use of a book,' thought Alice 'without pictures or conversations?' So she was considering in her own mind (as well as she could, for the hot day made her feel very sleepy and stupid), whether the pleasure of making a daisy-chain would be worth the trouble of getting up and picking the daisies, when suddenly a White Rabbit with pink eyes ran close by her. There was nothing so very remarkable in that; nor did Alice think it so very much out of the way to hear the Rabbit say to itself, 'Oh dear! Oh dear! I shall be late!' ";
+
+/// Exactly `n` prompt tokens of prose.
+pub fn prose_tokens(engine: &Engine, n: usize) -> Result<Vec<u32>> {
+    let one = engine.tokenizer().encode(PROSE, false, false)?;
+    Ok(one.iter().copied().cycle().take(n).collect())
+}
+
+/// Prefill throughput in prompt tokens per second: one sequence of `n` tokens, run in chunks of
+/// `chunk`, on an empty cache.
+pub fn prefill_tok_s(engine: &Engine, n: usize, chunk: usize) -> Result<f64> {
+    let prompt = prose_tokens(engine, n)?;
+    let mut cache = engine.new_cache(n + 16, 16)?;
+    let mut table = BlockTable::default();
+    let t = Instant::now();
+    for piece in prompt.chunks(chunk.max(1)) {
+        let mut b = [BatchItem { table: &mut table, tokens: piece, all_logits: false }];
+        engine.model().forward(&mut cache, &mut b)?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    cache.free_table(&mut table)?;
+    Ok(n as f64 / secs)
+}
+
+/// Aggregate decode throughput in generated tokens per second: `batch` sequences with a
+/// `context`-token prompt each, then `steps` decode steps of the whole batch in one forward each.
+pub fn decode_tok_s(engine: &Engine, batch: usize, context: usize, steps: usize) -> Result<f64> {
+    let prompt = prose_tokens(engine, context)?;
+    let mut cache = engine.new_cache(batch * (context + steps + 16), 16)?;
+    let mut tables: Vec<BlockTable> = (0..batch).map(|_| BlockTable::default()).collect();
+    {
+        let mut items: Vec<BatchItem<'_>> =
+            tables.iter_mut().map(|table| BatchItem { table, tokens: &prompt, all_logits: false }).collect();
+        engine.model().forward(&mut cache, &mut items)?;
+    }
+    let next: Vec<u32> = (0..batch as u32).map(|i| prompt[i as usize % prompt.len()]).collect();
+    let t = Instant::now();
+    for _ in 0..steps {
+        let mut items: Vec<BatchItem<'_>> = tables
+            .iter_mut()
+            .zip(&next)
+            .map(|(table, tok)| BatchItem { table, tokens: std::slice::from_ref(tok), all_logits: false })
+            .collect();
+        engine.model().forward(&mut cache, &mut items)?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    for t in &mut tables {
+        cache.free_table(t)?;
+    }
+    Ok((batch * steps) as f64 / secs)
+}
+
+/// f32 GEMM throughput in GFLOP/s on SmolLM2's FFN shape (512 × 576 × 1536), best of 3: the
+/// compute limit prefill is quoted against.
+pub fn gemm_gflops() -> f64 {
+    let (m, n, k) = (512, 1536, 576);
+    let x: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
+    let w: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.1).collect();
+    let mut y = vec![0f32; m * n];
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        crate::model::gemm_xwt(&x, &w, &mut y, m, n, k);
+        best = best.max(2.0 * (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    std::hint::black_box(&y);
+    best
+}
+
+/// Peak resident memory of this process in MB (`VmHWM`), where the OS reports it.
+pub fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Memory read bandwidth in GB/s: summing a 256 MiB buffer on every rayon thread, best of 3.
+pub fn read_bandwidth_gb_s() -> f64 {
+    let buf = vec![1u64; 32 << 20];
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let s: u64 = buf.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x))).sum();
+        let secs = t.elapsed().as_secs_f64();
+        std::hint::black_box(s);
+        best = best.max((buf.len() * 8) as f64 / secs / 1e9);
+    }
+    best
+}
+
+/// One figure, ours next to the peer's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Figure {
+    /// Our engine.
+    pub ours: f64,
+    /// llama.cpp on the same file and threads, when measured.
+    pub llama_cpp: Option<f64>,
+    /// Fraction of this machine's limit that `ours` reaches (compute for prefill, read bandwidth
+    /// for decode).
+    pub of_limit: f64,
+}
+
+impl Figure {
+    /// ours / llama.cpp.
+    pub fn ratio(&self) -> Option<f64> {
+        self.llama_cpp.filter(|&p| p > 0.0).map(|p| self.ours / p)
+    }
+}
+
+/// Every figure of `tokenpath bench-engine`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineBench {
+    /// (name, figure) in report order: prefill_512, prefill_2048, decode_b1, decode_b16.
+    pub figures: Vec<(&'static str, Figure)>,
+    /// f32 GEMM GFLOP/s measured in the same run.
+    pub gemm_gflops: f64,
+    /// Read bandwidth GB/s measured in the same run.
+    pub read_gb_s: f64,
+    /// Peak resident memory, MB.
+    pub peak_rss_mb: Option<f64>,
+    /// Model file size, MB.
+    pub model_file_mb: f64,
+}
+
+/// Runs every figure; `peer` gives llama.cpp's numbers by figure name.
+pub fn run_engine_bench(
+    engine: &Engine,
+    steps: usize,
+    peer: &dyn Fn(&str) -> Option<f64>,
+) -> Result<EngineBench> {
+    let gemm = gemm_gflops();
+    let bw = read_bandwidth_gb_s();
+    let flops = engine.model().config().flops_per_token() as f64;
+    let bytes = engine.model().file_bytes() as f64;
+    let mut figures = Vec::new();
+    for (name, n) in [("prefill_512", 512), ("prefill_2048", 2048)] {
+        let ours = prefill_tok_s(engine, n, 512)?;
+        figures.push((name, Figure { ours, llama_cpp: peer(name), of_limit: ours * flops / (gemm * 1e9) }));
+    }
+    for (name, batch) in [("decode_b1", 1), ("decode_b16", 16)] {
+        let ours = decode_tok_s(engine, batch, 32, steps)?;
+        // Each step streams the weights once, whatever the batch.
+        let of_limit = ours / batch as f64 * bytes / (bw * 1e9);
+        figures.push((name, Figure { ours, llama_cpp: peer(name), of_limit }));
+    }
+    Ok(EngineBench {
+        figures,
+        gemm_gflops: gemm,
+        read_gb_s: bw,
+        peak_rss_mb: peak_rss_mb(),
+        model_file_mb: bytes / 1e6,
+    })
+}
