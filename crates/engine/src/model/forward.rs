@@ -139,7 +139,7 @@ impl Model {
             }
             return Err(e);
         }
-        self.forward_reserved(cache, batch)
+        self.pool.install(|| self.forward_reserved(cache, batch))
     }
 
     fn forward_reserved(&self, cache: &mut KvCache, batch: &mut [BatchItem<'_>]) -> Result<ForwardOutput> {

@@ -68,6 +68,10 @@ pub struct Model {
     output_norm: Vec<f32>,
     output: Mat,
     layers: Vec<Layer>,
+    /// The threads the forward pass runs on. One `install` per forward call keeps every nested
+    /// parallel kernel on pool threads; calling rayon from outside its pool instead hands every
+    /// one of the ~300 kernels of a decode step across threads and back.
+    pool: rayon::ThreadPool,
 }
 
 impl Model {
@@ -126,7 +130,11 @@ impl Model {
             })
             .collect::<Result<Vec<_>>>()?;
         let output_norm = vec("output_norm.weight", d)?;
-        Ok(Model { config, token_embd, output_norm, output, layers, file })
+        let pool = rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("tokenpath-engine-{i}"))
+            .build()
+            .map_err(|e| EngineError::InvalidArgument(format!("cannot start the engine's threads: {e}")))?;
+        Ok(Model { config, token_embd, output_norm, output, layers, file, pool })
     }
 
     /// Hyper-parameters.

@@ -66,8 +66,12 @@ fn block_scale(x: &[f32]) -> (f32, f32) {
 
 #[inline]
 fn q8(v: f32, id: f32) -> i8 {
-    // `as` saturates and maps NaN to 0, so no input can produce -128 or panic.
-    (v * id).round_ties_even().clamp(-127.0, 127.0) as i8
+    // Round half to even without a libm call: |v · id| ≤ 127 by construction, and adding then
+    // subtracting 1.5·2^23 leaves exactly the nearest-even integer for |x| < 2^22 (Rust never
+    // reassociates float arithmetic, so this is not folded away). `as` saturates and maps NaN to
+    // 0, so no input can produce -128 or panic.
+    const MAGIC: f32 = 12_582_912.0;
+    (((v * id) + MAGIC) - MAGIC).clamp(-127.0, 127.0) as i8
 }
 
 /// ggml's 32-block activation scale: (f16-rounded `amax / 127`, `127 / amax`).
