@@ -26,6 +26,15 @@ pub enum BenchError {
     /// A run with no request in it.
     #[error("no requests to report on")]
     NoRequests,
+    /// A workload spec that does not parse.
+    #[error("bad workload {0}")]
+    BadWorkload(String),
+    /// An arrival process that cannot run.
+    #[error("bad arrival process: {0}")]
+    BadArrival(String),
+    /// The HTTP client could not be set up or a request task died.
+    #[error("client: {0}")]
+    Client(String),
     /// A metric definition refused its input.
     #[error(transparent)]
     Timeline(#[from] TimelineError),

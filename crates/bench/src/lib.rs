@@ -6,7 +6,12 @@
 //! report separate from the load generator means a saved run can be re-analysed later with another
 //! window or SLO without re-running it (`tokenpath report`).
 
+pub mod arrival;
+pub mod client;
 mod error;
 pub mod report;
+pub mod run;
+pub mod text;
+pub mod workload;
 
 pub use error::BenchError;

@@ -1,0 +1,72 @@
+//! Arrival processes. Send times are precomputed absolute offsets from the run's start, so a slow
+//! client never drifts its schedule: lateness shows up as schedule lag (`t_send − t_sched`), and
+//! TTFT from the schedule keeps the requests a late client would otherwise hide.
+
+use crate::BenchError;
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::time::Duration;
+
+/// When requests are sent.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arrival {
+    /// Exponential gaps at `rate` requests/s.
+    Poisson {
+        /// Mean rate, requests/s.
+        rate: f64,
+    },
+    /// Evenly spaced at `rate` requests/s.
+    Constant {
+        /// Rate, requests/s.
+        rate: f64,
+    },
+}
+
+impl Arrival {
+    /// Checks the rate.
+    pub fn validate(&self) -> Result<(), BenchError> {
+        let (Arrival::Poisson { rate } | Arrival::Constant { rate }) = *self;
+        if rate.is_finite() && rate > 0.0 {
+            Ok(())
+        } else {
+            Err(BenchError::BadArrival(format!("rate {rate} must be a positive number of requests/s")))
+        }
+    }
+
+    /// Offsets from the start of the run for `n` requests; the first is at 0.
+    pub fn schedule(&self, n: usize, seed: u64) -> Vec<Duration> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xa771_7a1);
+        let mut t = 0.0f64;
+        (0..n)
+            .map(|i| {
+                if i > 0 {
+                    t += match *self {
+                        Arrival::Constant { rate } => 1.0 / rate,
+                        Arrival::Poisson { rate } => {
+                            // Inverse-CDF of the exponential; u in (0, 1] so ln is finite.
+                            let u = ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+                            -u.ln() / rate
+                        }
+                    };
+                }
+                Duration::from_secs_f64(t)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poisson_mean_rate_and_constant_spacing() {
+        let s = Arrival::Poisson { rate: 20.0 }.schedule(4001, 3);
+        let rate = 4000.0 / s[4000].as_secs_f64();
+        assert!((18.0..22.0).contains(&rate), "{rate}");
+        assert!(s.windows(2).all(|w| w[0] <= w[1]));
+        let c = Arrival::Constant { rate: 4.0 }.schedule(3, 0);
+        assert_eq!(c, vec![Duration::ZERO, Duration::from_millis(250), Duration::from_millis(500)]);
+        assert!(Arrival::Poisson { rate: 0.0 }.validate().is_err());
+    }
+}

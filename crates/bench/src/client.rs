@@ -1,0 +1,147 @@
+//! One request against any OpenAI-compatible server, observed the way the metric definitions
+//! need: every SSE event is recorded with the time it was read and the number of generated tokens
+//! it carried (0 for role-only, empty, usage and keep-alive events), so the `timeline` crate, not
+//! this code, decides what the first token is.
+
+use crate::workload::RequestSpec;
+use futures_util::StreamExt as _;
+use std::time::{Duration, Instant};
+use tokenpath_protocol::{parse_response_body, parse_stream_chunk, SseDecoder};
+use tokenpath_timeline::{ClientRecord, Nanos, Outcome, RequestId, StreamEvent};
+
+/// Where and how to send.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// Base URL, e.g. `http://127.0.0.1:8000`.
+    pub url: String,
+    /// Model name to put in requests.
+    pub model: String,
+    /// Bearer key, if the server wants one.
+    pub api_key: Option<String>,
+    /// Stream (SSE) or not.
+    pub stream: bool,
+    /// Send `ignore_eos: true` so outputs run to `max_tokens` (vLLM, SGLang, llama.cpp server and
+    /// tokenpath accept it; OpenAI rejects it).
+    pub ignore_eos: bool,
+    /// Give up on a request after this long.
+    pub timeout: Duration,
+}
+
+fn since(t0: Instant) -> Nanos {
+    t0.elapsed().as_nanos() as Nanos
+}
+
+/// Sends `spec` as request `id` and records what happened. `t0` is the run's origin and
+/// `t_sched` when the arrival process meant to send.
+pub async fn send(
+    client: &reqwest::Client,
+    target: &Target,
+    id: u64,
+    spec: &RequestSpec,
+    t0: Instant,
+    t_sched: Nanos,
+) -> ClientRecord {
+    let mut rec = ClientRecord::new(RequestId(id), t_sched, since(t0), target.stream);
+    let body = serde_json::json!({
+        "model": target.model,
+        "messages": [{"role": "user", "content": spec.prompt}],
+        "max_tokens": spec.max_tokens,
+        "stream": target.stream,
+        "stream_options": if target.stream { serde_json::json!({"include_usage": true}) } else { serde_json::Value::Null },
+        "ignore_eos": if target.ignore_eos { serde_json::Value::Bool(true) } else { serde_json::Value::Null },
+    });
+    let fut = exchange(client, target, body, &mut rec, t0);
+    match tokio::time::timeout(target.timeout, fut).await {
+        Ok(Ok(())) => {}
+        Ok(Err((kind, message))) => rec.outcome = Outcome::Failed { kind, message },
+        Err(_) => {
+            rec.outcome = Outcome::Failed {
+                kind: "timeout".into(),
+                message: format!("no end after {:?}", target.timeout),
+            }
+        }
+    }
+    rec.t_done.get_or_insert(since(t0));
+    rec
+}
+
+type Failure = (String, String);
+
+async fn exchange(
+    client: &reqwest::Client,
+    target: &Target,
+    body: serde_json::Value,
+    rec: &mut ClientRecord,
+    t0: Instant,
+) -> Result<(), Failure> {
+    let url = format!("{}/v1/chat/completions", target.url.trim_end_matches('/'));
+    let mut req = client.post(url).json(&body);
+    if let Some(k) = &target.api_key {
+        req = req.bearer_auth(k);
+    }
+    let resp = req.send().await.map_err(|e| ("connect".to_owned(), e.to_string()))?;
+    let status = resp.status();
+    if !status.is_success() {
+        let text = resp.text().await.unwrap_or_default();
+        return Err((format!("http_{}", status.as_u16()), text.chars().take(300).collect()));
+    }
+    if !target.stream {
+        let bytes = resp.bytes().await.map_err(|e| ("read".to_owned(), e.to_string()))?;
+        let at = since(t0);
+        let view = parse_response_body(&bytes).map_err(|e| ("bad_response".to_owned(), e.to_string()))?;
+        if let Some(err) = view.error {
+            return Err(("server_error".into(), err.message));
+        }
+        let n = view.usage.as_ref().map_or(1, |u| u.completion_tokens as u32);
+        rec.events.push(StreamEvent { at_ns: at, tokens: n });
+        rec.usage = view.usage.as_ref().map(|u| u.to_timeline());
+        rec.server = view.timing;
+        return finish_reason(rec, view.finish_reason);
+    }
+    let mut sse = SseDecoder::new();
+    let mut events = Vec::new();
+    let mut stream = resp.bytes_stream();
+    let mut finish = None;
+    let mut done = false;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ("stream_error".to_owned(), e.to_string()))?;
+        let at = since(t0);
+        let fed = sse.feed(&chunk, &mut events);
+        for ev in events.drain(..) {
+            let view = parse_stream_chunk(&ev.data).map_err(|e| ("bad_event".to_owned(), e.to_string()))?;
+            if view.done {
+                done = true;
+                continue;
+            }
+            if let Some(err) = view.error {
+                return Err(("stream_error".into(), err.message));
+            }
+            // Without the model's tokenizer a content-bearing event counts as one token; the
+            // server's `usage` stays the truth for N_out.
+            rec.events.push(StreamEvent { at_ns: at, tokens: u32::from(view.carries_tokens()) });
+            if let Some(u) = &view.usage {
+                rec.usage = Some(u.to_timeline());
+            }
+            if view.timing.is_some() {
+                rec.server = view.timing;
+            }
+            if view.finish_reason.is_some() {
+                finish = view.finish_reason;
+            }
+        }
+        fed.map_err(|e| ("bad_stream".to_owned(), e.to_string()))?;
+    }
+    rec.t_done = Some(since(t0));
+    if !done {
+        return Err(("stream_cut".into(), "the stream ended without [DONE]".into()));
+    }
+    finish_reason(rec, finish)
+}
+
+fn finish_reason(
+    rec: &mut ClientRecord,
+    reason: Option<tokenpath_protocol::FinishReason>,
+) -> Result<(), Failure> {
+    rec.outcome = Outcome::Ok { finish_reason: reason.map(|r| r.as_str().to_owned()) };
+    Ok(())
+}

@@ -1,0 +1,60 @@
+//! A bench run: the schedule, the requests sent at their scheduled instants (each on its own
+//! task, so a slow response never delays the next send), and the records collected. Bounded by
+//! count: the run ends when every scheduled request has ended or timed out.
+
+use crate::arrival::Arrival;
+use crate::client::{send, Target};
+use crate::workload::Workload;
+use crate::BenchError;
+use std::time::Instant;
+use tokenpath_timeline::ClientRecord;
+
+/// Everything a run needs.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// The server.
+    pub target: Target,
+    /// What to ask.
+    pub workload: Workload,
+    /// When to ask.
+    pub arrival: Arrival,
+    /// How many requests.
+    pub num_requests: usize,
+    /// Seed of the workload and the arrival process.
+    pub seed: u64,
+}
+
+/// Progress callback: (requests ended, requests total, the record that just ended).
+pub type Progress<'a> = &'a mut (dyn FnMut(usize, usize, &ClientRecord) + Send);
+
+/// Runs the load and returns one record per request, in id order.
+pub async fn run(cfg: &RunConfig, progress: Progress<'_>) -> Result<Vec<ClientRecord>, BenchError> {
+    cfg.arrival.validate()?;
+    if cfg.num_requests == 0 {
+        return Err(BenchError::NoRequests);
+    }
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .build()
+        .map_err(|e| BenchError::Client(e.to_string()))?;
+    let specs = cfg.workload.requests(cfg.num_requests, cfg.seed);
+    let schedule = cfg.arrival.schedule(cfg.num_requests, cfg.seed);
+    let t0 = Instant::now();
+    let start = tokio::time::Instant::from_std(t0);
+    let mut tasks = tokio::task::JoinSet::new();
+    for (id, (spec, at)) in specs.into_iter().zip(schedule).enumerate() {
+        let (client, target) = (client.clone(), cfg.target.clone());
+        tasks.spawn(async move {
+            tokio::time::sleep_until(start + at).await;
+            send(&client, &target, id as u64, &spec, t0, at.as_nanos() as u64).await
+        });
+    }
+    let mut records = Vec::with_capacity(cfg.num_requests);
+    while let Some(done) = tasks.join_next().await {
+        let rec = done.map_err(|e| BenchError::Client(format!("request task failed: {e}")))?;
+        progress(records.len() + 1, cfg.num_requests, &rec);
+        records.push(rec);
+    }
+    records.sort_by_key(|r| r.id);
+    Ok(records)
+}
