@@ -35,7 +35,7 @@ impl Arrival {
 
     /// Offsets from the start of the run for `n` requests; the first is at 0.
     pub fn schedule(&self, n: usize, seed: u64) -> Vec<Duration> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xa771_7a1);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x0a77_17a1);
         let mut t = 0.0f64;
         (0..n)
             .map(|i| {

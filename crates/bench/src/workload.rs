@@ -98,7 +98,7 @@ fn uniform(rng: &mut ChaCha8Rng, (lo, hi): (usize, usize)) -> usize {
 impl Workload {
     /// `n` requests, the same for the same seed.
     pub fn requests(&self, n: usize, seed: u64) -> Vec<RequestSpec> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_0f_3077);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x005e_ed0f_3077);
         (0..n)
             .map(|i| {
                 let (input, output) = match self {
