@@ -14,7 +14,7 @@ use tokenpath_timeline::{ClientRecord, Nanos, Outcome, RequestId, StreamEvent};
 pub struct Target {
     /// Base URL, e.g. `http://127.0.0.1:8000`.
     pub url: String,
-    /// Model name to put in requests.
+    /// Model name to put in requests; empty = the first one the server lists.
     pub model: String,
     /// Bearer key, if the server wants one.
     pub api_key: Option<String>,

@@ -32,6 +32,9 @@ pub enum BenchError {
     /// An arrival process that cannot run.
     #[error("bad arrival process: {0}")]
     BadArrival(String),
+    /// A regression gate that does not parse.
+    #[error("bad gate {0}")]
+    BadGate(String),
     /// The HTTP client could not be set up or a request task died.
     #[error("client: {0}")]
     Client(String),

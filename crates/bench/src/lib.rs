@@ -8,6 +8,7 @@
 
 pub mod arrival;
 pub mod client;
+pub mod compare;
 mod error;
 pub mod report;
 pub mod run;

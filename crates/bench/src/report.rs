@@ -79,11 +79,79 @@ pub struct Report {
     pub notes: Vec<String>,
 }
 
-fn summarize<I: IntoIterator<Item = f64>>(values: I) -> Option<Summary> {
-    Summary::from_samples(&values.into_iter().collect::<Vec<_>>())
+fn summarize(values: Vec<f64>) -> Option<Summary> {
+    Summary::from_samples(&values)
 }
 
 const NS_PER_MS: f64 = 1e6;
+
+/// A per-request latency distribution a report summarises and a comparison diffs, in ms. The
+/// values come from the `timeline` crate's definitions; this only names and collects them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Metric {
+    /// Client TTFT from send.
+    Ttft,
+    /// Client TTFT from the schedule.
+    TtftFromSched,
+    /// Server-observed TTFT.
+    ServerTtft,
+    /// TPOT.
+    Tpot,
+    /// Chunk gaps.
+    ChunkGap,
+    /// Per-token ITL.
+    Itl,
+    /// E2E.
+    E2e,
+    /// One server stage.
+    Stage(Stage),
+}
+
+impl Metric {
+    /// Every metric, stages last.
+    pub fn all() -> Vec<Metric> {
+        let mut v = vec![
+            Metric::Ttft,
+            Metric::TtftFromSched,
+            Metric::ServerTtft,
+            Metric::Tpot,
+            Metric::ChunkGap,
+            Metric::Itl,
+            Metric::E2e,
+        ];
+        v.extend(Stage::ALL.map(Metric::Stage));
+        v
+    }
+
+    /// Short name used by `compare` and `--fail-if` (`ttft`, `tpot`, `prefill`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Ttft => "ttft",
+            Metric::TtftFromSched => "ttft_from_sched",
+            Metric::ServerTtft => "server_ttft",
+            Metric::Tpot => "tpot",
+            Metric::ChunkGap => "chunk_gap",
+            Metric::Itl => "itl",
+            Metric::E2e => "e2e",
+            Metric::Stage(s) => s.name(),
+        }
+    }
+
+    /// The values of the completed requests `ok`, ms.
+    pub fn samples(self, ok: &[&ClientRecord]) -> Vec<f64> {
+        let ms = |ns: u64| ns as f64 / NS_PER_MS;
+        match self {
+            Metric::Ttft => ok.iter().filter_map(|r| r.ttft_ns()).map(ms).collect(),
+            Metric::TtftFromSched => ok.iter().filter_map(|r| r.ttft_from_sched_ns()).map(ms).collect(),
+            Metric::ServerTtft => ok.iter().filter_map(|r| r.server.as_ref()?.ttft_ms).collect(),
+            Metric::Tpot => ok.iter().filter_map(|r| r.tpot_ns()).map(|v| v / NS_PER_MS).collect(),
+            Metric::ChunkGap => ok.iter().flat_map(|r| r.chunk_gaps_ns()).map(ms).collect(),
+            Metric::Itl => ok.iter().flat_map(|r| r.per_token_itl_ns()).map(|v| v / NS_PER_MS).collect(),
+            Metric::E2e => ok.iter().filter_map(|r| r.e2e_ns()).map(ms).collect(),
+            Metric::Stage(s) => ok.iter().filter_map(|r| r.server.as_ref()?.stage_ms(s)).collect(),
+        }
+    }
+}
 
 impl Report {
     /// Builds the report of `records` under `opts`.
@@ -102,14 +170,14 @@ impl Report {
             requests: in_window.len() as u64,
             completed: tput.completed,
             failed: tput.failed,
-            ttft_ms: summarize(ok.iter().filter_map(|r| r.ttft_ns()).map(ms)),
-            ttft_from_sched_ms: summarize(ok.iter().filter_map(|r| r.ttft_from_sched_ns()).map(ms)),
-            server_ttft_ms: summarize(ok.iter().filter_map(|r| r.server.as_ref()?.ttft_ms)),
-            tpot_ms: summarize(ok.iter().filter_map(|r| r.tpot_ns()).map(|v| v / NS_PER_MS)),
-            chunk_gap_ms: summarize(ok.iter().flat_map(|r| r.chunk_gaps_ns()).map(ms)),
-            itl_ms: summarize(ok.iter().flat_map(|r| r.per_token_itl_ns()).map(|v| v / NS_PER_MS)),
-            e2e_ms: summarize(ok.iter().filter_map(|r| r.e2e_ns()).map(ms)),
-            schedule_lag_ms: summarize(in_window.iter().map(|r| ms(r.schedule_lag_ns()))),
+            ttft_ms: summarize(Metric::Ttft.samples(&ok)),
+            ttft_from_sched_ms: summarize(Metric::TtftFromSched.samples(&ok)),
+            server_ttft_ms: summarize(Metric::ServerTtft.samples(&ok)),
+            tpot_ms: summarize(Metric::Tpot.samples(&ok)),
+            chunk_gap_ms: summarize(Metric::ChunkGap.samples(&ok)),
+            itl_ms: summarize(Metric::Itl.samples(&ok)),
+            e2e_ms: summarize(Metric::E2e.samples(&ok)),
+            schedule_lag_ms: summarize(in_window.iter().map(|r| ms(r.schedule_lag_ns())).collect()),
             throughput: tput,
             goodput_rps: good.as_ref().map(|g| g.goodput_rps),
             token_goodput_per_s: good.as_ref().map(|g| g.token_goodput_per_s),
@@ -118,8 +186,7 @@ impl Report {
 
         let mut stages = BTreeMap::new();
         for stage in Stage::ALL {
-            let vals = ok.iter().filter_map(|r| r.server.as_ref()?.stage_ms(stage));
-            if let Some(s) = summarize(vals) {
+            if let Some(s) = summarize(Metric::Stage(stage).samples(&ok)) {
                 stages.insert(format!("{}_ms", stage.name()), s);
             }
         }

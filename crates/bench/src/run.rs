@@ -37,13 +37,17 @@ pub async fn run(cfg: &RunConfig, progress: Progress<'_>) -> Result<Vec<ClientRe
         .pool_max_idle_per_host(1024)
         .build()
         .map_err(|e| BenchError::Client(e.to_string()))?;
+    let mut target = cfg.target.clone();
+    if target.model.is_empty() {
+        target.model = first_model(&client, &target).await?;
+    }
     let specs = cfg.workload.requests(cfg.num_requests, cfg.seed);
     let schedule = cfg.arrival.schedule(cfg.num_requests, cfg.seed);
     let t0 = Instant::now();
     let start = tokio::time::Instant::from_std(t0);
     let mut tasks = tokio::task::JoinSet::new();
     for (id, (spec, at)) in specs.into_iter().zip(schedule).enumerate() {
-        let (client, target) = (client.clone(), cfg.target.clone());
+        let (client, target) = (client.clone(), target.clone());
         tasks.spawn(async move {
             tokio::time::sleep_until(start + at).await;
             send(&client, &target, id as u64, &spec, t0, at.as_nanos() as u64).await
@@ -57,4 +61,18 @@ pub async fn run(cfg: &RunConfig, progress: Progress<'_>) -> Result<Vec<ClientRe
     }
     records.sort_by_key(|r| r.id);
     Ok(records)
+}
+
+/// The first model the server lists at `/v1/models`, for runs that did not name one.
+pub async fn first_model(client: &reqwest::Client, target: &Target) -> Result<String, BenchError> {
+    let url = format!("{}/v1/models", target.url.trim_end_matches('/'));
+    let mut req = client.get(&url);
+    if let Some(k) = &target.api_key {
+        req = req.bearer_auth(k);
+    }
+    let fail =
+        |why: String| BenchError::Client(format!("no --model given and {url} did not name one: {why}"));
+    let body: serde_json::Value =
+        req.send().await.map_err(|e| fail(e.to_string()))?.json().await.map_err(|e| fail(e.to_string()))?;
+    body["data"][0]["id"].as_str().map(str::to_owned).ok_or_else(|| fail("empty model list".into()))
 }
