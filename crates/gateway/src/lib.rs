@@ -1,19 +1,197 @@
-//! The gateway is the first stage of the path: authentication, validation, rate limits, routing
-//! to workers, SSE, and `/metrics`.
+//! The gateway is the first stage of the path: API keys, validation, tokenization, routing to
+//! the worker, SSE, and `/metrics` (rate limits come next).
 //!
-//! It is the only crate that knows HTTP, and the only place where HTTP status codes are chosen:
-//! every other crate returns typed errors and this crate maps them. It starts with that mapping's
-//! error type; the HTTP server lands with `tokenpath serve`.
+//! It is the only crate that knows HTTP, and the only place where HTTP status codes are chosen
+//! ([`error`]): every other crate returns typed errors and this crate maps them. Shape: an axum
+//! router over one immutable [`AppState`] (config, the worker's handle, the metrics registry
+//! whose metrics are atomics, and a watch channel that says "draining"); the engine's mutable
+//! state lives on the worker's thread, never here. [`Gateway::serve`] runs until its shutdown
+//! future resolves, then drains: new requests get 503, running streams may finish within the
+//! grace period, and whatever is left is dropped (which cancels it on the worker).
 
-/// Errors of the gateway.
-#[derive(Debug, thiserror::Error)]
-pub enum GatewayError {
-    /// The listen address could not be bound.
-    #[error("cannot bind {addr}: {source}")]
-    Bind {
-        /// Address that was asked for.
-        addr: String,
-        /// Underlying I/O error.
-        source: std::io::Error,
-    },
+mod api;
+mod auth;
+mod error;
+pub mod metrics;
+mod stream;
+
+pub use auth::{ApiKeys, Tenant};
+pub use error::GatewayError;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use std::future::{Future, IntoFuture};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokenpath_protocol::Limits;
+use tokenpath_worker::WorkerHandle;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// Default request body limit (`--max-body-bytes`).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+/// Default time running streams get to finish after a shutdown signal.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// What the gateway serves and its limits.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// The model name clients must ask for (`/v1/models` lists it).
+    pub served_model_name: String,
+    /// Largest request body accepted; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// How long running streams may take to finish after a shutdown signal.
+    pub shutdown_grace: Duration,
+    /// The machine's peak FLOP/s, exported next to the worker's achieved FLOPs.
+    pub peak_flops: Option<f64>,
+    /// API keys; empty: the API is open (health, readiness and metrics always are).
+    pub api_keys: ApiKeys,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            served_model_name: "tokenpath".into(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            peak_flops: None,
+            api_keys: ApiKeys::default(),
+        }
+    }
+}
+
+/// Everything a handler can see. Immutable, except through atomics and channels.
+#[derive(Debug)]
+pub(crate) struct AppState {
+    config: GatewayConfig,
+    limits: Limits,
+    worker: WorkerHandle,
+    metrics: metrics::Metrics,
+    next_id: AtomicU64,
+    started_unix: u64,
+    draining: watch::Receiver<bool>,
+}
+
+impl AppState {
+    fn is_draining(&self) -> bool {
+        *self.draining.borrow()
+    }
+}
+
+/// An HTTP gateway in front of one worker.
+#[derive(Debug)]
+pub struct Gateway {
+    state: Arc<AppState>,
+    drain: watch::Sender<bool>,
+}
+
+impl Gateway {
+    /// A gateway for `worker`.
+    pub fn new(config: GatewayConfig, worker: WorkerHandle) -> Result<Self, GatewayError> {
+        if config.served_model_name.is_empty() {
+            return Err(GatewayError::Config("the served model name is empty".into()));
+        }
+        if config.max_body_bytes == 0 {
+            return Err(GatewayError::Config("max_body_bytes must be at least 1".into()));
+        }
+        if config.peak_flops.is_some_and(|p| !(p.is_finite() && p > 0.0)) {
+            return Err(GatewayError::Config("the peak FLOP/s must be a positive number".into()));
+        }
+        let (drain, draining) = watch::channel(false);
+        let metrics = metrics::Metrics::with_peak_flops(config.peak_flops);
+        let limits = Limits { max_tokens_cap: u32::try_from(worker.n_ctx()).unwrap_or(u32::MAX) };
+        let state = AppState {
+            config,
+            limits,
+            worker,
+            metrics,
+            next_id: AtomicU64::new(1),
+            started_unix: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            draining,
+        };
+        Ok(Self { state: Arc::new(state), drain })
+    }
+
+    /// The routes, for serving or for in-process tests.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/v1/chat/completions", post(api::chat))
+            .route("/v1/completions", post(api::completions))
+            .route("/v1/models", get(api::models))
+            .route("/health", get(api::health))
+            .route("/ready", get(api::ready))
+            .route("/metrics", get(api::metrics))
+            .fallback(api::fallback)
+            .layer(DefaultBodyLimit::max(self.state.config.max_body_bytes))
+            .with_state(Arc::clone(&self.state))
+    }
+
+    /// Serves on `listener` until `shutdown` resolves, then drains (see the module docs).
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), GatewayError> {
+        let router = self.router();
+        let grace = self.state.config.shutdown_grace;
+        let mut stop = self.drain.subscribe();
+        let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+            // Resolves once draining is switched on below.
+            let _ = stop.wait_for(|d| *d).await;
+        });
+        let server = server.into_future();
+        tokio::pin!(server);
+        tokio::select! {
+            r = &mut server => return r.map_err(GatewayError::Serve),
+            () = shutdown => {}
+        }
+        let in_flight = self.state.worker.in_flight();
+        tracing::info!(in_flight, grace_s = grace.as_secs_f64(), "shutting down: no new requests, draining");
+        self.drain.send_replace(true);
+        match tokio::time::timeout(grace, server).await {
+            Ok(r) => r.map_err(GatewayError::Serve),
+            Err(_) => {
+                tracing::warn!(
+                    in_flight = self.state.worker.in_flight(),
+                    "grace period over; cancelling the requests still running"
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Binds `addr` (e.g. `127.0.0.1:8000`).
+pub async fn bind(addr: &str) -> Result<TcpListener, GatewayError> {
+    TcpListener::bind(addr).await.map_err(|source| GatewayError::Bind { addr: addr.to_owned(), source })
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!("cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
 }

@@ -2,8 +2,24 @@
 //!
 //! It is separate from the engine so the engine stays a pure model runner (no queues, no
 //! sockets) and separate from the gateway so a worker can run in its own process, pinned to its
-//! own cores. Continuous batching and chunked prefill live here, not in the engine. This crate
-//! starts with the role vocabulary; the batcher lands with `tokenpath serve`.
+//! own cores. Continuous batching and chunked prefill live here, not in the engine.
+//!
+//! Shape: the engine and its KV cache are owned by ONE dedicated OS thread ([`batcher`]), because
+//! a forward step is blocking compute that must never run on an async runtime. Everyone else
+//! talks to it through a cloneable [`WorkerHandle`]: submissions go over a command channel, each
+//! request gets its own event channel back ([`WorkStream`]), and the thread publishes a
+//! [`WorkerStats`] snapshot after every step on a watch channel, so reading stats never waits for
+//! a step to end. Admission is a semaphore of `max_queue` permits taken at submit time and given
+//! back when the request leaves the waiting queue, so overload is answered synchronously
+//! (`WorkerError::Overloaded`) without asking the busy thread.
+
+mod batcher;
+mod handle;
+
+pub use handle::{
+    TokenUsage, WorkEvent, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle, WorkerStats,
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
+};
 
 use std::{fmt, str::FromStr};
 
@@ -13,6 +29,38 @@ pub enum WorkerError {
     /// A role name that is not `prefill`, `decode` or `both`.
     #[error("unknown worker role {0:?}: expected prefill, decode or both")]
     UnknownRole(String),
+    /// The waiting queue is full; the client should retry later.
+    #[error("the worker's queue is full ({max} requests waiting)")]
+    Overloaded {
+        /// The queue bound.
+        max: usize,
+    },
+    /// The prompt, or the prompt plus `max_tokens`, does not fit the model's context.
+    #[error("{prompt_tokens} prompt tokens + {max_tokens} completion tokens exceed the context of {limit}")]
+    ContextOverflow {
+        /// Prompt length in tokens.
+        prompt_tokens: usize,
+        /// Requested completion tokens (0 when none was requested).
+        max_tokens: usize,
+        /// The model's context length.
+        limit: usize,
+    },
+    /// A request the worker cannot run (empty prompt, token id outside the vocabulary, bad
+    /// sampling parameters).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// A configuration that cannot work (zero-sized limits, KV smaller than one context).
+    #[error("invalid worker configuration: {0}")]
+    Config(String),
+    /// The engine failed (loading, allocating the cache, or a forward step).
+    #[error(transparent)]
+    Engine(#[from] tokenpath_engine::EngineError),
+    /// The worker thread could not be started.
+    #[error("cannot start the worker thread: {0}")]
+    Spawn(#[source] std::io::Error),
+    /// The worker thread is gone (shut down or crashed).
+    #[error("the worker has stopped")]
+    Stopped,
 }
 
 /// What part of the request path a worker runs.

@@ -133,7 +133,9 @@ impl Model {
         let pool = rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("tokenpath-engine-{i}"))
             .build()
-            .map_err(|e| EngineError::InvalidArgument(format!("cannot start the engine's threads: {e}")))?;
+            .map_err(|e| {
+            EngineError::InvalidArgument(format!("cannot start the engine's threads: {e}"))
+        })?;
         Ok(Model { config, token_embd, output_norm, output, layers, file, pool })
     }
 

@@ -1,0 +1,78 @@
+//! `tokenpath bench-engine`: our engine's prefill and decode throughput next to llama.cpp's
+//! (measured by `scripts/peer/bench_llama.py` in the same run and passed in with `--peer-json`),
+//! each with the ratio and the fraction of this machine's limit measured in the same run.
+
+use crate::generate::ModelArgs;
+use anyhow::Context as _;
+use clap::Args;
+use std::path::PathBuf;
+use tokenpath_engine::bench::run_engine_bench;
+use tokenpath_engine::Engine;
+
+#[derive(Debug, Args)]
+pub struct BenchEngineArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// llama.cpp's figures as JSON (`{"prefill_512": tok_s, ...}`), from scripts/peer/bench_llama.py.
+    #[arg(long)]
+    peer_json: Option<PathBuf>,
+    /// Write the figures as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Decode steps per decode figure.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+}
+
+pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
+    let peer: serde_json::Value = match &args.peer_json {
+        Some(p) => serde_json::from_str(
+            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        )?,
+        None => serde_json::Value::Null,
+    };
+    let engine = Engine::open(args.model.path())?;
+    let b = run_engine_bench(&engine, args.steps, &|name| peer.get(name).and_then(|v| v.as_f64()))?;
+    println!(
+        "machine (measured now): f32 GEMM {:.1} GFLOP/s, read bandwidth {:.1} GB/s",
+        b.gemm_gflops, b.read_gb_s
+    );
+    println!(
+        "{:<14}{:>12}{:>12}{:>9}{:>16}",
+        "figure (tok/s)", "ours", "llama.cpp", "ratio", "of mach. limit"
+    );
+    let mut json = serde_json::Map::new();
+    for (name, f) in &b.figures {
+        let fmt = |v: Option<f64>, p: usize| v.map_or("-".to_owned(), |x| format!("{x:.p$}"));
+        println!(
+            "{:<14}{:>12.1}{:>12}{:>9}{:>15.0}%",
+            name,
+            f.ours,
+            fmt(f.llama_cpp, 1),
+            fmt(f.ratio(), 2),
+            f.of_limit * 100.0
+        );
+        json.insert(
+            (*name).to_owned(),
+            serde_json::json!({"ours": f.ours, "llama_cpp": f.llama_cpp, "ratio": f.ratio(), "of_machine_limit": f.of_limit}),
+        );
+    }
+    println!(
+        "peak RSS {} MB, model file {:.1} MB",
+        b.peak_rss_mb.map_or("?".into(), |v| format!("{v:.0}")),
+        b.model_file_mb
+    );
+    json.insert("peak_rss_mb".into(), serde_json::json!(b.peak_rss_mb));
+    json.insert("model_file_mb".into(), serde_json::json!(b.model_file_mb));
+    json.insert(
+        "machine".into(),
+        serde_json::json!({"gemm_gflops": b.gemm_gflops, "read_gb_s": b.read_gb_s}),
+    );
+    if let Some(peer_name) = peer.get("peer") {
+        json.insert("peer".into(), peer_name.clone());
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&serde_json::Value::Object(json))?)?;
+    }
+    Ok(())
+}

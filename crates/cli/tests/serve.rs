@@ -1,0 +1,94 @@
+//! `tokenpath serve` through the real binary on a tiny model file: it binds the port it was given
+//! (0: any), answers the OpenAI API, and exits cleanly on SIGTERM. Plain HTTP/1.1 over a
+//! `TcpStream` keeps this test free of an HTTP client dependency.
+
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
+
+fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
+}
+
+#[test]
+fn serve_answers_and_exits_cleanly_on_sigterm() {
+    let model = std::env::temp_dir().join(format!("tp-cli-serve-{}.gguf", std::process::id()));
+    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+        .args(["serve", "--port", "0", "--served-model-name", "tiny", "--kv-tokens", "1024"])
+        .arg("--model")
+        .arg(&model)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The log line announcing the address carries the port the OS picked.
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let port: u16 = loop {
+        let line = lines.next().expect("server exited before listening").unwrap();
+        if let Some(rest) = line.split("http://127.0.0.1:").nth(1) {
+            break rest.split('/').next().unwrap().parse().unwrap();
+        }
+    };
+    // Keep draining stderr so the server never blocks on a full pipe.
+    let logs = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+
+    assert_eq!(http(port, "GET", "/health", "").0, 200);
+    assert_eq!(http(port, "GET", "/ready", "").0, 200);
+    let (status, body) = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"ignore_eos":true}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    let (status, body) = http(port, "POST", "/v1/chat/completions", r#"{"model":"other","messages":[]}"#);
+    assert!(status == 400 || status == 404, "{status} {body}");
+
+    let term = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(term.success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "server did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let logs = logs.join().unwrap().join("\n");
+    assert!(status.success(), "exit {status:?}\n{logs}");
+    assert!(logs.contains("draining"), "{logs}");
+    let _ = std::fs::remove_file(&model);
+}
+
+#[test]
+fn serve_refuses_a_public_address_without_api_keys() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+        .args(["serve", "--host", "0.0.0.0", "--port", "0", "--model", "/nonexistent.gguf"])
+        .env_remove("TOKENPATH_API_KEYS")
+        .env_remove("TOKENPATH_ALLOW_OPEN_PUBLIC")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("without API keys"), "{err}");
+}

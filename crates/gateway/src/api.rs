@@ -1,0 +1,391 @@
+//! The OpenAI endpoints: parse and validate (protocol crate), check the model, tokenize, stamp
+//! `admitted`, submit to the worker, then answer with one JSON body or an SSE stream.
+//!
+//! Chat and legacy completions share everything after parsing; [`Endpoint`] carries the few
+//! differences (which prompt field errors name, how chunks and bodies are shaped), so the two
+//! cannot drift apart. The `arrived` mark is the first thing a handler takes and `admitted` the
+//! last thing before submission, so the `gateway` stage covers authentication, parsing,
+//! validation and tokenization — all of this process's work before the queue. `arrived` is when
+//! the handler starts, i.e. once the body has been received (upload time is the client's).
+
+use crate::auth::{AuthFailure, Tenant};
+use crate::error::Reject;
+use crate::stream::{sse_response, SseFormat};
+use crate::AppState;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokenpath_engine::tokenizer::ChatMessage as EngineMessage;
+use tokenpath_protocol::{
+    chat_completion_id, completion_id, parse_chat_request, parse_completion_request, server_timing_header,
+    ApiError, ChatCompletionResponse, ChatStream, CompletionResponse, CompletionStream, FinishReason,
+    GenerationRequest, Prompt, Usage,
+};
+use tokenpath_timeline::{ClientRecord, FinishReason as Finish, Nanos, RequestId, StreamEvent};
+use tokenpath_worker::{TokenUsage, WorkEvent, WorkRequest};
+
+/// Which OpenAI endpoint a request came through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    /// The request field that holds the prompt, for error messages.
+    fn prompt_param(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "messages",
+            Endpoint::Completions => "prompt",
+        }
+    }
+}
+
+/// `POST /v1/chat/completions`.
+pub(crate) async fn chat(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(app, Endpoint::Chat, &headers, body).await
+}
+
+/// `POST /v1/completions`.
+pub(crate) async fn completions(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(app, Endpoint::Completions, &headers, body).await
+}
+
+/// The tenant of the request's API key; a 401 when keys are configured and it has none or a
+/// wrong one.
+fn authenticate(app: &AppState, headers: &HeaderMap) -> Result<Option<Tenant>, Reject> {
+    app.config.api_keys.check(headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes)).map_err(|f| {
+        Reject::new(ApiError::authentication(match f {
+            AuthFailure::Missing => {
+                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
+            }
+            AuthFailure::Wrong => "Incorrect API key provided.",
+        }))
+    })
+}
+
+/// Bodies larger than this are parsed and tokenized on the blocking pool, so a long prompt
+/// cannot stall the async threads that carry every other stream.
+const INLINE_BODY_BYTES: usize = 16 * 1024;
+
+async fn generate(
+    app: Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let arrived = Instant::now();
+    let tenant = match authenticate(&app, headers) {
+        Ok(t) => t,
+        Err(reject) => {
+            app.metrics.record_status(reject.status().as_u16(), "none");
+            return reject.into_response();
+        }
+    };
+    if let Some(t) = &tenant {
+        app.metrics.record_tenant(&t.0);
+    }
+    let admitted = if body.as_ref().map_or(0, Bytes::len) > INLINE_BODY_BYTES {
+        let state = Arc::clone(&app);
+        tokio::task::spawn_blocking(move || admit(&state, endpoint, body, arrived)).await.unwrap_or_else(
+            |e| {
+                tracing::error!("admission task failed: {e}");
+                Err(Reject::new(ApiError::server_error(
+                    "The server had an error while processing your request.",
+                )))
+            },
+        )
+    } else {
+        admit(&app, endpoint, body, arrived)
+    };
+    match admitted {
+        Ok(admitted) => respond(app, endpoint, admitted, arrived).await,
+        Err(reject) => {
+            app.metrics.record_status(reject.status().as_u16(), "none");
+            reject.into_response()
+        }
+    }
+}
+
+/// A request that passed the gateway stage.
+struct Admitted {
+    id: RequestId,
+    req: GenerationRequest,
+    stream: tokenpath_worker::WorkStream,
+}
+
+fn admit(
+    app: &AppState,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+    arrived: Instant,
+) -> Result<Admitted, Reject> {
+    if app.is_draining() {
+        return Err(Reject::new(ApiError::overloaded("The server is shutting down.")));
+    }
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            Reject::too_large(app.config.max_body_bytes)
+        } else {
+            Reject::new(ApiError::invalid_request(e.body_text(), None))
+        }
+    })?;
+    let parsed = match endpoint {
+        Endpoint::Chat => parse_chat_request(&body).and_then(|r| r.validate(&app.limits)),
+        Endpoint::Completions => parse_completion_request(&body).and_then(|r| r.validate(&app.limits)),
+    };
+    let req = parsed.map_err(|e| Reject::new(e.api_error()))?;
+    if req.model != app.config.served_model_name {
+        return Err(Reject::new(ApiError::model_not_found(&req.model)));
+    }
+    let prompt = tokenize(app, &req.prompt, endpoint)?;
+    let id = RequestId(app.next_id.fetch_add(1, Ordering::Relaxed));
+    let p = &req.params;
+    let sampling = tokenpath_engine::sampling::SamplingParams {
+        temperature: p.temperature,
+        top_k: 0,
+        top_p: p.top_p,
+        seed: p.seed,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+    };
+    let work = WorkRequest {
+        id,
+        prompt,
+        sampling,
+        max_tokens: p.max_tokens,
+        stop: p.stop.clone(),
+        ignore_eos: p.ignore_eos,
+        arrived,
+        admitted: Instant::now(),
+    };
+    let stream = app.worker.submit(work).map_err(|e| Reject::from_worker(&e, endpoint.prompt_param()))?;
+    Ok(Admitted { id, req, stream })
+}
+
+fn tokenize(app: &AppState, prompt: &Prompt, endpoint: Endpoint) -> Result<Vec<u32>, Reject> {
+    let engine = app.worker.engine();
+    let param = endpoint.prompt_param();
+    let bad = |e: tokenpath_engine::EngineError| {
+        Reject::new(ApiError::invalid_request(
+            format!("The prompt cannot be tokenized: {e}"),
+            Some(param.into()),
+        ))
+    };
+    match prompt {
+        Prompt::Chat(messages) => {
+            let msgs: Vec<EngineMessage> =
+                messages.iter().map(|m| EngineMessage::new(m.role.as_str(), m.content.clone())).collect();
+            let text = engine.render_chat(&msgs).map_err(bad)?;
+            engine.encode_prompt(&text).map_err(bad)
+        }
+        Prompt::Text(text) => engine.encode_prompt(text).map_err(bad),
+        Prompt::Tokens(ids) => Ok(ids.clone()),
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The wire finish reason and the metrics label of a worker finish reason.
+pub(crate) fn finish_reason(r: Finish) -> (FinishReason, &'static str) {
+    match r {
+        Finish::Stop => (FinishReason::Stop, "stop"),
+        Finish::Length => (FinishReason::Length, "length"),
+        Finish::Cancelled => (FinishReason::Other("cancelled".into()), "cancelled"),
+    }
+}
+
+/// The OpenAI usage object of a worker usage.
+pub(crate) fn usage(u: TokenUsage) -> Usage {
+    Usage::new(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+}
+
+/// Nanoseconds since `arrived`.
+pub(crate) fn since(arrived: Instant) -> Nanos {
+    Nanos::try_from(arrived.elapsed().as_nanos()).unwrap_or(Nanos::MAX)
+}
+
+async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arrived: Instant) -> Response {
+    let Admitted { id, req, mut stream } = admitted;
+    let created = unix_now();
+    let model = app.config.served_model_name.clone();
+    if req.params.stream {
+        let include_usage = req.params.include_usage;
+        let format = match endpoint {
+            Endpoint::Chat => {
+                SseFormat::Chat(ChatStream::new(chat_completion_id(id.0), created, model, include_usage))
+            }
+            Endpoint::Completions => SseFormat::Completion(CompletionStream::new(
+                completion_id(id.0),
+                created,
+                model,
+                include_usage,
+            )),
+        };
+        return sse_response(app, format, stream, id, arrived);
+    }
+    let mut text = String::new();
+    let mut sent = ClientRecord::new(id, 0, 0, true);
+    // Dropped with the handler when the client goes away before the body: counted as 499
+    // ("client closed request"); the dropped `stream` cancels the work on the worker.
+    let mut guard = CancelGuard { app: &app, armed: true };
+    loop {
+        let event = stream.next().await;
+        if !matches!(event, Some(WorkEvent::Text { .. })) {
+            guard.armed = false;
+        }
+        match event {
+            Some(WorkEvent::Text { delta, tokens }) => {
+                sent.events.push(StreamEvent { at_ns: since(arrived), tokens });
+                text.push_str(&delta);
+            }
+            Some(WorkEvent::Finished { reason, usage: u, timing }) => {
+                let (wire_reason, label) = finish_reason(reason);
+                log_finished(id, label, u, &timing);
+                sent.usage = Some(usage(u).to_timeline());
+                app.metrics.record_finished(label, u, &timing, &sent);
+                let header_value = HeaderValue::from_str(&server_timing_header(&timing)).ok();
+                let body = match endpoint {
+                    Endpoint::Chat => {
+                        let mut r = ChatCompletionResponse::new(
+                            chat_completion_id(id.0),
+                            created,
+                            model,
+                            text,
+                            wire_reason,
+                            usage(u),
+                        );
+                        r.timing = Some(timing);
+                        serde_json::to_vec(&r)
+                    }
+                    Endpoint::Completions => {
+                        let mut r = CompletionResponse::new(
+                            completion_id(id.0),
+                            created,
+                            model,
+                            text,
+                            wire_reason,
+                            usage(u),
+                        );
+                        r.timing = Some(timing);
+                        serde_json::to_vec(&r)
+                    }
+                };
+                let body = match body {
+                    Ok(b) => b,
+                    Err(e) => return server_error(&app, &format!("serializing the response failed: {e}")),
+                };
+                let mut resp = ([(header::CONTENT_TYPE, "application/json")], body).into_response();
+                if let Some(v) = header_value {
+                    resp.headers_mut().insert("server-timing", v);
+                }
+                return resp;
+            }
+            Some(WorkEvent::Failed { message }) => return server_error(&app, &message),
+            None => return server_error(&app, "the worker stopped before the request finished"),
+        }
+    }
+}
+
+/// One log line per finished request.
+pub(crate) fn log_finished(
+    id: RequestId,
+    finish: &str,
+    u: TokenUsage,
+    timing: &tokenpath_timeline::ServerTiming,
+) {
+    tracing::debug!(
+        request = %id,
+        finish,
+        prompt_tokens = u.prompt_tokens,
+        completion_tokens = u.completion_tokens,
+        ttft_ms = timing.ttft_ms,
+        e2e_ms = timing.e2e_ms,
+        "request finished"
+    );
+}
+
+/// Records a non-streamed request whose client went away before its response.
+struct CancelGuard<'a> {
+    app: &'a AppState,
+    armed: bool,
+}
+
+impl Drop for CancelGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.app.metrics.record_status(499, "cancelled");
+        }
+    }
+}
+
+fn server_error(app: &AppState, message: &str) -> Response {
+    tracing::error!("request failed: {message}");
+    let reject =
+        Reject::new(ApiError::server_error("The server had an error while processing your request."));
+    app.metrics.record_status(reject.status().as_u16(), "none");
+    reject.into_response()
+}
+
+/// `GET /v1/models`.
+pub(crate) async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(reject) = authenticate(&app, &headers) {
+        return reject.into_response();
+    }
+    let body = serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": app.config.served_model_name,
+            "object": "model",
+            "created": app.started_unix,
+            "owned_by": "tokenpath",
+            "max_model_len": app.worker.n_ctx(),
+        }],
+    });
+    ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+}
+
+/// `GET /health`: the process is alive.
+pub(crate) async fn health() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], "{\"status\":\"ok\"}").into_response()
+}
+
+/// `GET /ready`: the model is loaded, the worker runs and the server is not draining.
+pub(crate) async fn ready(State(app): State<Arc<AppState>>) -> Response {
+    let (status, text) = if !app.worker.is_alive() {
+        (StatusCode::SERVICE_UNAVAILABLE, "worker_down")
+    } else if app.is_draining() {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining")
+    } else {
+        (StatusCode::OK, "ready")
+    };
+    (status, [(header::CONTENT_TYPE, "application/json")], format!("{{\"status\":\"{text}\"}}"))
+        .into_response()
+}
+
+/// `GET /metrics`.
+pub(crate) async fn metrics(State(app): State<Arc<AppState>>) -> Response {
+    let text = app.metrics.render(&app.worker.stats());
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
+        .into_response()
+}
+
+/// Any other path.
+pub(crate) async fn fallback(uri: Uri) -> Response {
+    Reject::no_route(uri.path()).into_response()
+}

@@ -1,0 +1,133 @@
+//! The one place HTTP status codes are chosen.
+//!
+//! Library crates return typed errors ([`WorkerError`], `ProtocolError` → [`ApiError`]); this
+//! module maps them to an OpenAI-shaped error body and a status, and attaches `Retry-After` where
+//! a retry can succeed. A closed `match` over [`ErrorKind`] means a new kind cannot be forgotten.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use tokenpath_protocol::{ApiError, ErrorKind};
+use tokenpath_worker::WorkerError;
+
+/// Errors of the gateway itself (start-up and serving), for the binary.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The listen address could not be bound.
+    #[error("cannot bind {addr}: {source}")]
+    Bind {
+        /// Address that was asked for.
+        addr: String,
+        /// Underlying I/O error.
+        source: std::io::Error,
+    },
+    /// The HTTP server failed while serving.
+    #[error("HTTP server error: {0}")]
+    Serve(#[source] std::io::Error),
+    /// A configuration that cannot work.
+    #[error("invalid gateway configuration: {0}")]
+    Config(String),
+}
+
+/// A rejected request: the OpenAI error, and the status when it is not the kind's usual one.
+#[derive(Debug)]
+pub(crate) struct Reject {
+    pub(crate) api: ApiError,
+    status: Option<StatusCode>,
+    retry_after_s: u64,
+}
+
+impl Reject {
+    /// The usual status for the error's kind.
+    pub(crate) fn new(api: ApiError) -> Self {
+        Reject { api, status: None, retry_after_s: 1 }
+    }
+
+    /// 413: the body is larger than the configured limit.
+    pub(crate) fn too_large(limit: usize) -> Self {
+        let api = ApiError::invalid_request(
+            format!("The request body is larger than the server's limit of {limit} bytes."),
+            None,
+        );
+        Reject { api, status: Some(StatusCode::PAYLOAD_TOO_LARGE), retry_after_s: 1 }
+    }
+
+    /// 404 for a path that does not exist.
+    pub(crate) fn no_route(path: &str) -> Self {
+        let api = ApiError::invalid_request(format!("Unknown request URL: {path}."), None);
+        Reject { api, status: Some(StatusCode::NOT_FOUND), retry_after_s: 1 }
+    }
+
+    /// The status this rejection is sent with.
+    pub(crate) fn status(&self) -> StatusCode {
+        self.status.unwrap_or_else(|| status_of(self.api.kind))
+    }
+
+    /// Maps a worker error; `param` names the prompt field (`messages` or `prompt`).
+    pub(crate) fn from_worker(e: &WorkerError, param: &str) -> Self {
+        let api = match e {
+            WorkerError::ContextOverflow { prompt_tokens, max_tokens, limit } => {
+                ApiError::context_length_exceeded(
+                    param,
+                    *limit as u64,
+                    *prompt_tokens as u64,
+                    *max_tokens as u64,
+                )
+            }
+            WorkerError::Overloaded { .. } => {
+                ApiError::overloaded("The server is overloaded; please retry after a short wait.")
+            }
+            WorkerError::Stopped => ApiError::overloaded("The server is shutting down or restarting."),
+            WorkerError::InvalidRequest(m) => ApiError::invalid_request(m.clone(), Some(param.to_owned())),
+            other => {
+                tracing::error!("worker error: {other}");
+                ApiError::server_error("The server had an error while processing your request.")
+            }
+        };
+        Reject::new(api)
+    }
+}
+
+/// The status for each kind of API error.
+pub(crate) fn status_of(kind: ErrorKind) -> StatusCode {
+    match kind {
+        ErrorKind::InvalidRequest | ErrorKind::ContextLengthExceeded => StatusCode::BAD_REQUEST,
+        ErrorKind::Authentication => StatusCode::UNAUTHORIZED,
+        ErrorKind::ModelNotFound => StatusCode::NOT_FOUND,
+        ErrorKind::RateLimit => StatusCode::TOO_MANY_REQUESTS,
+        ErrorKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+        ErrorKind::ServerError => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+impl IntoResponse for Reject {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let body = serde_json::to_vec(&self.api.body).unwrap_or_else(|_| b"{\"error\":{}}".to_vec());
+        let mut resp = (status, [(header::CONTENT_TYPE, "application/json")], body).into_response();
+        if matches!(self.api.kind, ErrorKind::Overloaded | ErrorKind::RateLimit) {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(self.retry_after_s));
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_errors_map_to_openai_statuses() {
+        let ctx = WorkerError::ContextOverflow { prompt_tokens: 10, max_tokens: 5, limit: 12 };
+        let r = Reject::from_worker(&ctx, "messages");
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(r.api.body.error.code.as_deref(), Some("context_length_exceeded"));
+        let r = Reject::from_worker(&WorkerError::Overloaded { max: 1 }, "prompt");
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let resp = r.into_response();
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "1");
+        assert_eq!(Reject::too_large(10).status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(status_of(ErrorKind::ModelNotFound), StatusCode::NOT_FOUND);
+        assert_eq!(status_of(ErrorKind::Authentication), StatusCode::UNAUTHORIZED);
+        assert_eq!(status_of(ErrorKind::RateLimit), StatusCode::TOO_MANY_REQUESTS);
+    }
+}

@@ -1,0 +1,340 @@
+//! Every Prometheus metric the gateway exports, named in one place.
+//!
+//! Values are *recorded* here, never *defined* here: stage durations, TTFT and E2E come from the
+//! worker's [`ServerTiming`] and TPOT / per-token ITL from `tokenpath_timeline::ClientRecord`
+//! over the events as the gateway sent them (invariant: metric definitions live only in the
+//! timeline crate). Worker gauges (queue depth, batch size, KV blocks, busy time) are copied from
+//! the worker's latest stats snapshot at scrape time, so the hot path never touches them.
+//!
+//! Mapping to vLLM's names, so existing dashboards carry over (counters carry `_total` on the
+//! wire; the constants below are the names without it):
+//!
+//! | tokenpath | vLLM |
+//! |---|---|
+//! | `tokenpath_request_stage_seconds{stage="queue"}` | `vllm:request_queue_time_seconds` |
+//! | `tokenpath_request_stage_seconds{stage="prefill"}` | `vllm:request_prefill_time_seconds` |
+//! | `tokenpath_request_stage_seconds{stage="decode"}` | `vllm:request_decode_time_seconds` |
+//! | `tokenpath_request_stage_seconds{stage="gateway"\|"decode_queue"\|"kv_transfer"}` | — (no equivalent) |
+//! | `tokenpath_time_to_first_token_seconds` | `vllm:time_to_first_token_seconds` |
+//! | `tokenpath_time_per_output_token_seconds` | `vllm:request_time_per_output_token_seconds` |
+//! | `tokenpath_inter_token_latency_seconds` | `vllm:inter_token_latency_seconds` (`time_per_output_token_seconds` before v0.11) |
+//! | `tokenpath_e2e_request_latency_seconds` | `vllm:e2e_request_latency_seconds` |
+//! | `tokenpath_prompt_tokens_total` | `vllm:prompt_tokens_total` |
+//! | `tokenpath_generation_tokens_total` | `vllm:generation_tokens_total` |
+//! | `tokenpath_cached_prompt_tokens_total` | `vllm:prefix_cache_hits_total` (in tokens) |
+//! | `tokenpath_tenant_requests_total{tenant}` | — (per API key owner) |
+//! | `tokenpath_requests_total{status, finish_reason}` | `vllm:request_success_total{finished_reason}` (+ errors) |
+//! | `tokenpath_num_requests_waiting` | `vllm:num_requests_waiting` |
+//! | `tokenpath_num_requests_running` | `vllm:num_requests_running` |
+//! | `tokenpath_kv_blocks_used`, `tokenpath_kv_blocks_free` | `vllm:kv_cache_usage_perc` (= used / (used + free)) |
+//! | `tokenpath_num_preemptions_total` | `vllm:num_preemptions_total` |
+//! | `tokenpath_worker_busy_seconds_total`, `tokenpath_worker_flops_total` | — (busy fraction and achieved FLOP/s via `rate()`) |
+//! | `tokenpath_worker_peak_flops` | — (`rate(tokenpath_worker_flops_total[1m]) / tokenpath_worker_peak_flops` = share of peak) |
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+use tokenpath_timeline::{ClientRecord, ServerTiming, Stage};
+use tokenpath_worker::{TokenUsage, WorkerStats};
+
+/// Stage durations (histogram, `stage` label).
+pub const REQUEST_STAGE_SECONDS: &str = "tokenpath_request_stage_seconds";
+/// Server TTFT: first token sent − arrived.
+pub const TTFT_SECONDS: &str = "tokenpath_time_to_first_token_seconds";
+/// Per-request TPOT.
+pub const TPOT_SECONDS: &str = "tokenpath_time_per_output_token_seconds";
+/// Per-token ITL (each gap ÷ tokens in the event ending it).
+pub const ITL_SECONDS: &str = "tokenpath_inter_token_latency_seconds";
+/// Server E2E: finished − arrived.
+pub const E2E_SECONDS: &str = "tokenpath_e2e_request_latency_seconds";
+/// Prompt tokens of finished requests (counter).
+pub const PROMPT_TOKENS: &str = "tokenpath_prompt_tokens";
+/// Generated tokens of finished requests (counter).
+pub const GENERATION_TOKENS: &str = "tokenpath_generation_tokens";
+/// Prompt tokens served from the prefix cache (counter).
+pub const CACHED_PROMPT_TOKENS: &str = "tokenpath_cached_prompt_tokens";
+/// Requests by HTTP status and finish reason (counter).
+pub const REQUESTS: &str = "tokenpath_requests";
+/// Authenticated requests per tenant (API key owner), whatever their outcome (counter).
+pub const TENANT_REQUESTS: &str = "tokenpath_tenant_requests";
+/// Requests waiting for their first prefill chunk.
+pub const NUM_REQUESTS_WAITING: &str = "tokenpath_num_requests_waiting";
+/// Sequences in the running batch.
+pub const NUM_REQUESTS_RUNNING: &str = "tokenpath_num_requests_running";
+/// KV blocks in use.
+pub const KV_BLOCKS_USED: &str = "tokenpath_kv_blocks_used";
+/// KV blocks free.
+pub const KV_BLOCKS_FREE: &str = "tokenpath_kv_blocks_free";
+/// Preemptions (counter).
+pub const NUM_PREEMPTIONS: &str = "tokenpath_num_preemptions";
+/// Seconds the worker spent computing (counter).
+pub const WORKER_BUSY_SECONDS: &str = "tokenpath_worker_busy_seconds";
+/// Model FLOPs the worker ran (counter).
+pub const WORKER_FLOPS: &str = "tokenpath_worker_flops";
+/// The machine's peak FLOP/s as configured (`--peak-gflops`); absent when not configured.
+pub const WORKER_PEAK_FLOPS: &str = "tokenpath_worker_peak_flops";
+
+/// `stage` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StageLabel {
+    stage: &'static str,
+}
+
+/// `tenant` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabel {
+    tenant: String,
+}
+
+/// `status` and `finish_reason` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    status: u16,
+    finish_reason: &'static str,
+}
+
+type FloatCounter = Counter<f64, AtomicU64>;
+
+/// The registry and handles to every metric.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    stages: Family<StageLabel, Histogram, fn() -> Histogram>,
+    ttft: Histogram,
+    tpot: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    prompt_tokens: Counter,
+    generation_tokens: Counter,
+    cached_tokens: Counter,
+    requests: Family<RequestLabels, Counter>,
+    tenants: Family<TenantLabel, Counter>,
+    waiting: Gauge,
+    running: Gauge,
+    kv_used: Gauge,
+    kv_free: Gauge,
+    preemptions: Counter,
+    busy_seconds: FloatCounter,
+    flops: FloatCounter,
+}
+
+fn latency_histogram() -> Histogram {
+    // 0.5 ms .. ~ 4.6 h in ×2 steps: gateway overheads and long generations alike.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 25))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Every metric registered, all zero; `peak_flops` (the machine's peak FLOP/s) is exported
+    /// as a constant gauge so dashboards can show achieved FLOP/s as a share of it.
+    pub fn with_peak_flops(peak_flops: Option<f64>) -> Self {
+        let mut m = Self::new();
+        if let Some(peak) = peak_flops {
+            let g = Gauge::<f64, AtomicU64>::default();
+            g.set(peak);
+            m.registry.register(WORKER_PEAK_FLOPS, "The machine's peak FLOP/s (configured)", g);
+        }
+        m
+    }
+
+    /// Every metric registered, all zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let stages =
+            Family::<StageLabel, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+        let m = Metrics {
+            registry: Registry::default(),
+            stages,
+            ttft: latency_histogram(),
+            tpot: latency_histogram(),
+            itl: latency_histogram(),
+            e2e: latency_histogram(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            cached_tokens: Counter::default(),
+            requests: Family::default(),
+            tenants: Family::default(),
+            waiting: Gauge::default(),
+            running: Gauge::default(),
+            kv_used: Gauge::default(),
+            kv_free: Gauge::default(),
+            preemptions: Counter::default(),
+            busy_seconds: FloatCounter::default(),
+            flops: FloatCounter::default(),
+        };
+        registry.register(
+            REQUEST_STAGE_SECONDS,
+            "Duration of each stage of the request path",
+            m.stages.clone(),
+        );
+        registry.register(
+            TTFT_SECONDS,
+            "Server time to first token (first token sent - arrived)",
+            m.ttft.clone(),
+        );
+        registry.register(TPOT_SECONDS, "Per-request time per output token after the first", m.tpot.clone());
+        registry.register(ITL_SECONDS, "Per-token inter-token latency as sent by the gateway", m.itl.clone());
+        registry.register(E2E_SECONDS, "Server end-to-end latency (finished - arrived)", m.e2e.clone());
+        registry.register(PROMPT_TOKENS, "Prompt tokens of finished requests", m.prompt_tokens.clone());
+        registry.register(
+            GENERATION_TOKENS,
+            "Generated tokens of finished requests",
+            m.generation_tokens.clone(),
+        );
+        registry.register(
+            CACHED_PROMPT_TOKENS,
+            "Prompt tokens served from the prefix cache",
+            m.cached_tokens.clone(),
+        );
+        registry.register(REQUESTS, "Requests by HTTP status and finish reason", m.requests.clone());
+        registry.register(TENANT_REQUESTS, "Authenticated requests per tenant", m.tenants.clone());
+        registry.register(
+            NUM_REQUESTS_WAITING,
+            "Requests waiting for their first prefill chunk",
+            m.waiting.clone(),
+        );
+        registry.register(NUM_REQUESTS_RUNNING, "Sequences in the running batch", m.running.clone());
+        registry.register(KV_BLOCKS_USED, "KV cache blocks in use", m.kv_used.clone());
+        registry.register(KV_BLOCKS_FREE, "KV cache blocks free", m.kv_free.clone());
+        registry.register(
+            NUM_PREEMPTIONS,
+            "Sequences preempted for lack of KV blocks",
+            m.preemptions.clone(),
+        );
+        registry.register(
+            WORKER_BUSY_SECONDS,
+            "Seconds the worker spent in forward steps",
+            m.busy_seconds.clone(),
+        );
+        registry.register(WORKER_FLOPS, "Model FLOPs the worker computed", m.flops.clone());
+        Metrics { registry, ..m }
+    }
+
+    /// A request that finished normally: its stages, latencies and tokens.
+    pub fn record_finished(
+        &self,
+        finish_reason: &'static str,
+        usage: TokenUsage,
+        timing: &ServerTiming,
+        sent: &ClientRecord,
+    ) {
+        for (stage, ms) in &timing.stages_ms {
+            self.stages.get_or_create(&StageLabel { stage: Stage::name(*stage) }).observe(ms / 1e3);
+        }
+        if let Some(ms) = timing.ttft_ms {
+            self.ttft.observe(ms / 1e3);
+        }
+        if let Some(ms) = timing.e2e_ms {
+            self.e2e.observe(ms / 1e3);
+        }
+        if let Some(ns) = sent.tpot_ns() {
+            self.tpot.observe(ns / 1e9);
+        }
+        for ns in sent.per_token_itl_ns() {
+            self.itl.observe(ns / 1e9);
+        }
+        self.prompt_tokens.inc_by(usage.prompt_tokens);
+        self.generation_tokens.inc_by(usage.completion_tokens);
+        self.cached_tokens.inc_by(usage.cached_tokens);
+        self.record_status(200, finish_reason);
+    }
+
+    /// A request that ended with `status` (an error, or a stream cut short: `cancelled`).
+    pub fn record_status(&self, status: u16, finish_reason: &'static str) {
+        self.requests.get_or_create(&RequestLabels { status, finish_reason }).inc();
+    }
+
+    /// An authenticated request of `tenant`.
+    pub fn record_tenant(&self, tenant: &str) {
+        self.tenants.get_or_create(&TenantLabel { tenant: tenant.to_owned() }).inc();
+    }
+
+    /// The Prometheus text exposition, worker gauges refreshed from `stats`.
+    pub fn render(&self, stats: &WorkerStats) -> String {
+        let as_i64 = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        self.waiting.set(as_i64(stats.waiting));
+        self.running.set(as_i64(stats.running));
+        self.kv_used.set(as_i64(stats.kv_blocks_used));
+        self.kv_free.set(as_i64(stats.kv_blocks_free));
+        // Counters mirror the worker's monotonic totals.
+        self.preemptions.inc_by(stats.preempted.saturating_sub(self.preemptions.get()));
+        let busy = stats.busy_seconds - self.busy_seconds.get();
+        if busy > 0.0 {
+            self.busy_seconds.inc_by(busy);
+        }
+        let flops = stats.flops - self.flops.get();
+        if flops > 0.0 {
+            self.flops.inc_by(flops);
+        }
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::error!("encoding metrics failed: {e}");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_named_metric_is_exported() {
+        let m = Metrics::new();
+        let mut timing = ServerTiming::default();
+        timing.stages_ms.insert(Stage::Queue, 12.0);
+        timing.ttft_ms = Some(30.0);
+        timing.e2e_ms = Some(90.0);
+        let usage = TokenUsage { prompt_tokens: 7, completion_tokens: 3, cached_tokens: 0 };
+        let rec = ClientRecord::new(tokenpath_timeline::RequestId(1), 0, 0, true);
+        m.record_finished("stop", usage, &timing, &rec);
+        m.record_status(503, "none");
+        m.record_tenant("alice");
+        let stats = WorkerStats {
+            waiting: 2,
+            running: 5,
+            kv_blocks_used: 9,
+            kv_blocks_free: 11,
+            ..WorkerStats::default()
+        };
+        let text = m.render(&stats);
+        for name in [
+            REQUEST_STAGE_SECONDS,
+            TTFT_SECONDS,
+            TPOT_SECONDS,
+            ITL_SECONDS,
+            E2E_SECONDS,
+            PROMPT_TOKENS,
+            GENERATION_TOKENS,
+            CACHED_PROMPT_TOKENS,
+            REQUESTS,
+            TENANT_REQUESTS,
+            NUM_REQUESTS_WAITING,
+            NUM_REQUESTS_RUNNING,
+            KV_BLOCKS_USED,
+            KV_BLOCKS_FREE,
+            NUM_PREEMPTIONS,
+            WORKER_BUSY_SECONDS,
+            WORKER_FLOPS,
+        ] {
+            assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing:\n{text}");
+        }
+        assert!(text.contains("tokenpath_request_stage_seconds_count{stage=\"queue\"} 1"), "{text}");
+        assert!(text.contains("tokenpath_prompt_tokens_total 7"), "{text}");
+        assert!(text.contains("tokenpath_requests_total{status=\"503\",finish_reason=\"none\"} 1"), "{text}");
+        assert!(text.contains("tokenpath_kv_blocks_used 9"), "{text}");
+        assert!(text.contains("tokenpath_tenant_requests_total{tenant=\"alice\"} 1"), "{text}");
+        assert!(!text.contains(WORKER_PEAK_FLOPS));
+        let text = Metrics::with_peak_flops(Some(1e11)).render(&stats);
+        assert!(text.contains("tokenpath_worker_peak_flops 100000000000"), "{text}");
+    }
+}

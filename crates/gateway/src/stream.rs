@@ -1,0 +1,153 @@
+//! Server-sent events for streamed responses.
+//!
+//! The body is a stream that owns the request's [`WorkStream`]: when the client disconnects,
+//! hyper drops the body, the `WorkStream` is dropped with it, and the worker cancels the sequence
+//! and frees its KV blocks at its next step — cancellation needs no extra signalling. A guard in
+//! the state records the cancellation in the metrics when the stream ends without its closing
+//! event. Chunks are rendered by the protocol crate; the last chunk before `[DONE]` carries
+//! `timing` (and `usage` with `include_usage`).
+
+use crate::api::{finish_reason, log_finished, since, usage};
+use crate::AppState;
+use axum::body::{Body, Bytes};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+use tokenpath_protocol::{sse_event, ApiError, ChatStream, CompletionStream, SSE_DONE};
+use tokenpath_timeline::{ClientRecord, RequestId, ServerTiming, StreamEvent};
+use tokenpath_worker::{TokenUsage, WorkEvent, WorkStream};
+
+/// How chunks of one endpoint are shaped.
+#[derive(Debug)]
+pub(crate) enum SseFormat {
+    Chat(ChatStream),
+    Completion(CompletionStream),
+}
+
+impl SseFormat {
+    fn opening(&self) -> Option<String> {
+        match self {
+            SseFormat::Chat(s) => Some(sse_event(&s.role_chunk())),
+            SseFormat::Completion(_) => None,
+        }
+    }
+
+    fn text(&self, delta: String) -> String {
+        match self {
+            SseFormat::Chat(s) => sse_event(&s.content_chunk(delta)),
+            SseFormat::Completion(s) => sse_event(&s.text_chunk(delta)),
+        }
+    }
+
+    fn closing(
+        &self,
+        reason: tokenpath_protocol::FinishReason,
+        u: TokenUsage,
+        timing: ServerTiming,
+    ) -> Vec<String> {
+        match self {
+            SseFormat::Chat(s) => s.finish(reason, usage(u), Some(timing)).iter().map(sse_event).collect(),
+            SseFormat::Completion(s) => {
+                s.finish(reason, usage(u), Some(timing)).iter().map(sse_event).collect()
+            }
+        }
+    }
+}
+
+/// The state the body stream owns.
+struct SseState {
+    app: Arc<AppState>,
+    format: SseFormat,
+    work: WorkStream,
+    pending: VecDeque<String>,
+    arrived: Instant,
+    sent: ClientRecord,
+    /// The closing event was seen (finished or failed): nothing left to record on drop.
+    closed: bool,
+}
+
+impl Drop for SseState {
+    fn drop(&mut self) {
+        if !self.closed {
+            tracing::debug!(request = %self.work.id(), "client went away; request cancelled");
+            self.app.metrics.record_status(200, "cancelled");
+        }
+    }
+}
+
+impl SseState {
+    /// The next piece of the body; `None` when the stream is over.
+    async fn next_piece(&mut self) -> Option<String> {
+        if let Some(p) = self.pending.pop_front() {
+            return Some(p);
+        }
+        if self.closed {
+            return None;
+        }
+        match self.work.next().await {
+            Some(WorkEvent::Text { delta, tokens }) => {
+                self.sent.events.push(StreamEvent { at_ns: since(self.arrived), tokens });
+                Some(self.format.text(delta))
+            }
+            Some(WorkEvent::Finished { reason, usage: u, timing }) => {
+                self.closed = true;
+                let (wire, label) = finish_reason(reason);
+                log_finished(self.work.id(), label, u, &timing);
+                self.sent.usage = Some(usage(u).to_timeline());
+                self.app.metrics.record_finished(label, u, &timing, &self.sent);
+                self.pending.extend(self.format.closing(wire, u, timing));
+                self.pending.push_back(SSE_DONE.to_owned());
+                self.pending.pop_front()
+            }
+            Some(WorkEvent::Failed { message }) => Some(self.fail(&message)),
+            None => Some(self.fail("the worker stopped before the request finished")),
+        }
+    }
+
+    /// An in-stream error event (the status line was already sent), then the end.
+    fn fail(&mut self, message: &str) -> String {
+        tracing::error!(request = %self.work.id(), "streamed request failed: {message}");
+        self.closed = true;
+        self.app.metrics.record_status(500, "none");
+        let err = ApiError::server_error("The server had an error while processing your request.");
+        self.pending.push_back(SSE_DONE.to_owned());
+        sse_event(&err.body)
+    }
+}
+
+/// A `text/event-stream` response fed by `work`.
+pub(crate) fn sse_response(
+    app: Arc<AppState>,
+    format: SseFormat,
+    work: WorkStream,
+    id: RequestId,
+    arrived: Instant,
+) -> Response {
+    let mut pending = VecDeque::new();
+    pending.extend(format.opening());
+    let state = SseState {
+        app,
+        format,
+        work,
+        pending,
+        arrived,
+        sent: ClientRecord::new(id, 0, 0, true),
+        closed: false,
+    };
+    let body = futures_util::stream::unfold(state, |mut st| async move {
+        let piece = st.next_piece().await?;
+        Some((Ok::<_, Infallible>(Bytes::from(piece)), st))
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::HeaderName::from_static("x-accel-buffering"), "no"),
+        ],
+        Body::from_stream(body),
+    )
+        .into_response()
+}

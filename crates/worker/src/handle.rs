@@ -1,0 +1,336 @@
+//! The public face of a worker: configuration, the request and event types, and the cloneable
+//! [`WorkerHandle`] that validates and submits requests to the batcher thread.
+//!
+//! Everything that can be decided without the engine's mutable state is decided here, on the
+//! caller's thread, before any work is queued: context overflow, token ids outside the
+//! vocabulary, invalid sampling parameters and a full queue all come back as a typed
+//! [`WorkerError`] from [`WorkerHandle::submit`], so a rejected request never costs the batcher a
+//! thing and the caller can answer at once.
+
+use crate::batcher::{Batcher, Command, Submission};
+use crate::WorkerError;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+use tokenpath_engine::sampling::{Sampler, SamplingParams};
+use tokenpath_engine::Engine;
+use tokenpath_timeline::{FinishReason, RequestId, ServerTiming, WorkerId};
+use tokio::sync::{mpsc as tmpsc, watch, Semaphore};
+
+/// Default prompt tokens per step (`--prefill-chunk`).
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+/// Default bound of the waiting queue (`--max-queue`).
+pub const DEFAULT_MAX_QUEUE: usize = 256;
+/// Default most sequences in one step (`--max-batch`).
+pub const DEFAULT_MAX_BATCH: usize = 64;
+/// Default tokens per KV block.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// How a worker batches and what it may hold.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// The worker's name, reported in every response's `timing.workers`.
+    pub id: WorkerId,
+    /// Most prompt tokens prefilled per step, over all waiting sequences (chunked prefill: a long
+    /// prompt cannot freeze running streams for longer than one chunk).
+    pub prefill_chunk: usize,
+    /// Most requests waiting for their first prefill chunk; more are rejected as overloaded.
+    pub max_queue: usize,
+    /// Most sequences running (prefilling or decoding) at once.
+    pub max_batch: usize,
+    /// KV cache size in tokens; `None`: four full contexts. Must hold at least one context.
+    pub kv_tokens: Option<usize>,
+    /// Tokens per KV block.
+    pub block_size: usize,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            id: WorkerId("w0".into()),
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            max_queue: DEFAULT_MAX_QUEUE,
+            max_batch: DEFAULT_MAX_BATCH,
+            kv_tokens: None,
+            block_size: DEFAULT_BLOCK_SIZE,
+        }
+    }
+}
+
+/// One generation request, already tokenized.
+#[derive(Clone, Debug)]
+pub struct WorkRequest {
+    /// For logs.
+    pub id: RequestId,
+    /// Prompt token ids (never empty).
+    pub prompt: Vec<u32>,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Most tokens to generate; `None`: until EOS, a stop string or the context end.
+    pub max_tokens: Option<u32>,
+    /// Stop strings (not included in the output).
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-generation tokens.
+    pub ignore_eos: bool,
+    /// When the request arrived (origin of its timeline), on this process's clock.
+    pub arrived: Instant,
+    /// When the gateway admitted it (the `admitted` mark).
+    pub admitted: Instant,
+}
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TokenUsage {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens (an end-of-generation token that ended the turn is not counted).
+    pub completion_tokens: u64,
+    /// Prompt tokens served from a prefix cache (0 until prefix caching exists).
+    pub cached_tokens: u64,
+}
+
+/// What a request's stream carries, in order: zero or more `Text`, then exactly one `Finished`
+/// or `Failed`. A stream that ends without either means the worker died.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WorkEvent {
+    /// Text safe to send (complete UTF-8, never part of a stop string) and how many generated
+    /// tokens it covers (≥ 1).
+    Text {
+        /// The new text.
+        delta: String,
+        /// Generated tokens since the previous `Text`.
+        tokens: u32,
+    },
+    /// Generation ended normally.
+    Finished {
+        /// `Stop` (EOS / stop string) or `Length` (`max_tokens` / context end).
+        reason: FinishReason,
+        /// Token counts.
+        usage: TokenUsage,
+        /// The stages this worker measured (gateway included: it was handed `admitted`).
+        timing: ServerTiming,
+    },
+    /// Generation failed after it was accepted (an engine error).
+    Failed {
+        /// What went wrong, for logs and the client.
+        message: String,
+    },
+}
+
+/// The events of one request. Dropping it cancels the request: the worker notices at its next
+/// step and frees the sequence's KV blocks.
+#[derive(Debug)]
+pub struct WorkStream {
+    id: RequestId,
+    rx: tmpsc::UnboundedReceiver<WorkEvent>,
+}
+
+impl WorkStream {
+    /// The request this stream belongs to.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The next event; `None` once the stream is over.
+    pub async fn next(&mut self) -> Option<WorkEvent> {
+        self.rx.recv().await
+    }
+
+    /// The next event, blocking the calling thread (not for async code).
+    pub fn blocking_next(&mut self) -> Option<WorkEvent> {
+        self.rx.blocking_recv()
+    }
+}
+
+/// A snapshot the batcher publishes after every step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WorkerStats {
+    /// Requests accepted but not yet running (including preempted ones).
+    pub waiting: usize,
+    /// Sequences in the running batch (prefilling or decoding).
+    pub running: usize,
+    /// KV blocks holding some sequence's tokens.
+    pub kv_blocks_used: usize,
+    /// KV blocks free.
+    pub kv_blocks_free: usize,
+    /// Seconds spent inside forward steps since start.
+    pub busy_seconds: f64,
+    /// Seconds since the worker started.
+    pub uptime_seconds: f64,
+    /// Forward steps run.
+    pub steps: u64,
+    /// Prompt tokens run through the model (recomputation after preemption included).
+    pub prompt_tokens_computed: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Model FLOPs of all tokens run (the model's per-token estimate × tokens).
+    pub flops: f64,
+    /// Requests cancelled because their client went away.
+    pub cancelled: u64,
+    /// Sequences preempted (KV freed, recomputed later) to let others decode.
+    pub preempted: u64,
+}
+
+impl WorkerStats {
+    /// Share of wall time spent computing since start, 0..=1.
+    pub fn busy_fraction(&self) -> f64 {
+        if self.uptime_seconds > 0.0 {
+            (self.busy_seconds / self.uptime_seconds).clamp(0.0, 1.0)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Facts about the loaded model the gateway needs for validation.
+#[derive(Clone, Debug)]
+struct ModelFacts {
+    n_ctx: usize,
+    n_vocab: usize,
+}
+
+/// A cloneable handle to a worker thread.
+#[derive(Clone, Debug)]
+pub struct WorkerHandle {
+    id: WorkerId,
+    tx: mpsc::Sender<Command>,
+    queue: Arc<Semaphore>,
+    max_queue: usize,
+    stats: watch::Receiver<WorkerStats>,
+    facts: ModelFacts,
+    engine: Arc<Engine>,
+}
+
+/// A running worker: its handle and its thread.
+#[derive(Debug)]
+pub struct Worker {
+    handle: WorkerHandle,
+    thread: JoinHandle<()>,
+}
+
+impl Worker {
+    /// Starts the batcher thread for `engine`. Fails on a configuration that cannot work or a KV
+    /// cache that cannot be allocated.
+    pub fn spawn(engine: Arc<Engine>, config: WorkerConfig) -> Result<Self, WorkerError> {
+        let n_ctx = engine.model().config().n_ctx;
+        let n_vocab = engine.model().config().n_vocab;
+        for (name, v) in [
+            ("prefill_chunk", config.prefill_chunk),
+            ("max_queue", config.max_queue),
+            ("max_batch", config.max_batch),
+            ("block_size", config.block_size),
+        ] {
+            if v == 0 {
+                return Err(WorkerError::Config(format!("{name} must be at least 1")));
+            }
+        }
+        let kv_tokens = config.kv_tokens.unwrap_or(n_ctx.saturating_mul(4));
+        if kv_tokens < n_ctx {
+            return Err(WorkerError::Config(format!(
+                "the KV cache ({kv_tokens} tokens) must hold at least one full context ({n_ctx} tokens)"
+            )));
+        }
+        let cache = engine.new_cache(kv_tokens, config.block_size)?;
+        let (tx, rx) = mpsc::channel();
+        let (stats_tx, stats_rx) =
+            watch::channel(WorkerStats { kv_blocks_free: cache.free_blocks(), ..WorkerStats::default() });
+        let batcher = Batcher::new(Arc::clone(&engine), cache, config.clone(), rx, stats_tx);
+        let thread = std::thread::Builder::new()
+            .name(format!("worker-{}", config.id))
+            .spawn(move || batcher.run())
+            .map_err(WorkerError::Spawn)?;
+        let handle = WorkerHandle {
+            id: config.id.clone(),
+            tx,
+            queue: Arc::new(Semaphore::new(config.max_queue)),
+            max_queue: config.max_queue,
+            stats: stats_rx,
+            facts: ModelFacts { n_ctx, n_vocab },
+            engine,
+        };
+        Ok(Self { handle, thread })
+    }
+
+    /// A handle to submit requests.
+    pub fn handle(&self) -> WorkerHandle {
+        self.handle.clone()
+    }
+
+    /// Drops this worker's handle and waits for the thread to end, which it does once every
+    /// handle is gone and every accepted request has finished.
+    pub fn join(self) -> Result<(), WorkerError> {
+        drop(self.handle);
+        self.thread.join().map_err(|_| WorkerError::Stopped)
+    }
+}
+
+impl WorkerHandle {
+    /// The worker's name.
+    pub fn id(&self) -> &WorkerId {
+        &self.id
+    }
+
+    /// The engine (read-only: tokenizer, chat template, model config).
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// The model's context length.
+    pub fn n_ctx(&self) -> usize {
+        self.facts.n_ctx
+    }
+
+    /// The latest stats snapshot (never waits for a step).
+    pub fn stats(&self) -> WorkerStats {
+        self.stats.borrow().clone()
+    }
+
+    /// Whether the worker thread is alive.
+    pub fn is_alive(&self) -> bool {
+        self.stats.has_changed().is_ok()
+    }
+
+    /// Requests accepted and not yet finished: queued in the channel, waiting or running.
+    pub fn in_flight(&self) -> usize {
+        let s = self.stats.borrow();
+        let queued = self.max_queue.saturating_sub(self.queue.available_permits());
+        // Waiting requests hold permits, so they are inside `queued` already (preempted ones
+        // do not, and are counted separately to stay conservative).
+        queued.max(s.waiting) + s.running
+    }
+
+    /// Validates `req` and queues it. The returned stream yields its events; dropping the stream
+    /// cancels the request.
+    pub fn submit(&self, req: WorkRequest) -> Result<WorkStream, WorkerError> {
+        let n_ctx = self.facts.n_ctx;
+        if req.prompt.is_empty() {
+            return Err(WorkerError::InvalidRequest("the prompt has no tokens".into()));
+        }
+        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.facts.n_vocab) {
+            return Err(WorkerError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary of {} tokens",
+                self.facts.n_vocab
+            )));
+        }
+        let prompt_tokens = req.prompt.len();
+        let requested = req.max_tokens.map_or(0, |m| m as usize);
+        if req.max_tokens == Some(0) {
+            return Err(WorkerError::InvalidRequest("max_tokens must be at least 1".into()));
+        }
+        if prompt_tokens >= n_ctx || prompt_tokens + requested > n_ctx {
+            return Err(WorkerError::ContextOverflow { prompt_tokens, max_tokens: requested, limit: n_ctx });
+        }
+        let max_tokens = req.max_tokens.map_or(n_ctx - prompt_tokens, |m| m as usize);
+        let sampler =
+            Sampler::new(req.sampling.clone()).map_err(|e| WorkerError::InvalidRequest(e.to_string()))?;
+        let permit = Arc::clone(&self.queue)
+            .try_acquire_owned()
+            .map_err(|_| WorkerError::Overloaded { max: self.max_queue })?;
+        let (events, rx) = tmpsc::unbounded_channel();
+        let id = req.id;
+        let sub = Submission { req, max_tokens, sampler, events, permit };
+        self.tx.send(Command::Submit(Box::new(sub))).map_err(|_| WorkerError::Stopped)?;
+        Ok(WorkStream { id, rx })
+    }
+}

@@ -1,0 +1,292 @@
+//! The batcher against the single-sequence reference loop, on a tiny random-weight model:
+//! batching, chunked prefill and preemption must not change what a sequence generates; a
+//! dropped stream frees its blocks; a full queue and an oversized request are typed errors.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokenpath_engine::model::Model;
+use tokenpath_engine::sampling::SamplingParams;
+use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
+use tokenpath_engine::{Engine, GenerateRequest};
+use tokenpath_timeline::{FinishReason, RequestId, Stage};
+use tokenpath_worker::{WorkEvent, WorkRequest, Worker, WorkerConfig, WorkerError, WorkerHandle};
+
+fn engine(n_ctx: usize) -> Arc<Engine> {
+    let bytes = tiny_model_bytes(&TinySpec { n_ctx, ..TinySpec::default() }).expect("tiny model");
+    Arc::new(Engine::from_model(Model::from_bytes(bytes).expect("model")).expect("engine"))
+}
+
+fn request(id: u64, prompt: Vec<u32>, max_tokens: Option<u32>) -> WorkRequest {
+    let now = Instant::now();
+    WorkRequest {
+        id: RequestId(id),
+        prompt,
+        sampling: SamplingParams::greedy(),
+        max_tokens,
+        stop: Vec::new(),
+        ignore_eos: false,
+        arrived: now,
+        admitted: now,
+    }
+}
+
+/// Deterministic pseudo-random prompt of ordinary (non-special) tokens.
+fn prompt(seed: u64, len: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            3 + ((x >> 33) % 256) as u32
+        })
+        .collect()
+}
+
+struct Collected {
+    text: String,
+    tokens: u32,
+    reason: FinishReason,
+    completion_tokens: u64,
+    prompt_tokens: u64,
+}
+
+fn collect(mut stream: tokenpath_worker::WorkStream) -> Collected {
+    let (mut text, mut tokens) = (String::new(), 0);
+    loop {
+        match stream.blocking_next() {
+            Some(WorkEvent::Text { delta, tokens: n }) => {
+                assert!(n >= 1 && !delta.is_empty(), "text events carry tokens and text");
+                text.push_str(&delta);
+                tokens += n;
+            }
+            Some(WorkEvent::Finished { reason, usage, timing }) => {
+                let sum: f64 = timing.stages_ms.values().sum();
+                let e2e = timing.e2e_ms.expect("e2e");
+                assert!((sum - e2e).abs() < 1.0, "stages {sum} ms vs e2e {e2e} ms");
+                for stage in [Stage::Gateway, Stage::Queue, Stage::Prefill, Stage::DecodeQueue, Stage::Decode]
+                {
+                    assert!(timing.stage_ms(stage).is_some(), "{stage} missing");
+                }
+                return Collected {
+                    text,
+                    tokens,
+                    reason,
+                    completion_tokens: usage.completion_tokens,
+                    prompt_tokens: usage.prompt_tokens,
+                };
+            }
+            Some(WorkEvent::Failed { message }) => panic!("failed: {message}"),
+            None => panic!("stream ended without a closing event"),
+        }
+    }
+}
+
+fn wait_until(handle: &WorkerHandle, what: &str, ok: impl Fn(&tokenpath_worker::WorkerStats) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = handle.stats();
+        if ok(&s) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Runs `cases` alone through `Engine::generate` and together through a worker with `config`,
+/// and checks every sequence produced the same text, token count and finish reason.
+fn assert_batching_matches_reference(
+    cases: &[(Vec<u32>, u32)],
+    config: WorkerConfig,
+) -> tokenpath_worker::WorkerStats {
+    let engine = engine(512);
+    let mut reference = Vec::new();
+    let mut cache = engine.new_cache(512, 16).expect("cache");
+    for (p, max) in cases {
+        let req =
+            GenerateRequest { max_tokens: *max as usize, prefill_chunk: 512, ..GenerateRequest::default() };
+        reference.push(engine.generate(&mut cache, p, &req, &mut |_| {}).expect("generate"));
+    }
+    let worker = Worker::spawn(Arc::clone(&engine), config).expect("worker");
+    let handle = worker.handle();
+    let streams: Vec<_> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (p, max))| handle.submit(request(i as u64, p.clone(), Some(*max))).expect("submit"))
+        .collect();
+    for (stream, want) in streams.into_iter().zip(&reference) {
+        let got = collect(stream);
+        assert_eq!(got.text, want.text);
+        assert_eq!(got.completion_tokens, want.tokens.len() as u64);
+        assert_eq!(got.prompt_tokens, want.prompt_tokens as u64);
+        assert!(u64::from(got.tokens) <= got.completion_tokens);
+        let want_reason = match want.finish {
+            tokenpath_engine::Finish::Stop => FinishReason::Stop,
+            tokenpath_engine::Finish::Length => FinishReason::Length,
+        };
+        assert_eq!(got.reason, want_reason);
+    }
+    wait_until(&handle, "all blocks free", |s| s.kv_blocks_used == 0 && s.running == 0);
+    let stats = handle.stats();
+    assert!(stats.steps > 0 && stats.generated_tokens > 0 && stats.busy_seconds > 0.0);
+    drop(handle);
+    worker.join().expect("join");
+    stats
+}
+
+#[test]
+fn concurrent_sequences_generate_what_each_generates_alone() {
+    // Small chunks force chunked prefill and steps that mix prefill chunks with decodes.
+    let cases: Vec<(Vec<u32>, u32)> =
+        (0..8).map(|i| (prompt(i, 5 + 23 * i as usize), 20 + 5 * i as u32)).collect();
+    let config = WorkerConfig { prefill_chunk: 13, kv_tokens: Some(1024), ..WorkerConfig::default() };
+    assert_batching_matches_reference(&cases, config);
+}
+
+#[test]
+fn preemption_under_kv_pressure_does_not_change_results() {
+    // Eight short prompts all fit at admission; their decodes outgrow a one-context cache.
+    let cases: Vec<(Vec<u32>, u32)> = (0..8).map(|i| (prompt(100 + i, 20), 150)).collect();
+    let config = WorkerConfig { prefill_chunk: 64, kv_tokens: Some(512), ..WorkerConfig::default() };
+    let stats = assert_batching_matches_reference(&cases, config);
+    assert!(stats.preempted > 0, "the cache was meant to run out: {stats:?}");
+}
+
+#[test]
+fn ignore_eos_runs_to_max_tokens_and_stop_strings_end_early() {
+    let engine = engine(256);
+    let worker = Worker::spawn(Arc::clone(&engine), WorkerConfig::default()).expect("worker");
+    let handle = worker.handle();
+    let mut req = request(1, prompt(3, 10), Some(40));
+    req.ignore_eos = true;
+    let got = collect(handle.submit(req).expect("submit"));
+    assert_eq!(got.completion_tokens, 40);
+    assert_eq!(got.reason, FinishReason::Length);
+    // A stop string taken from the middle of that output ends the next run before it.
+    let stop: String = got.text.chars().skip(5).take(2).collect();
+    if !stop.trim().is_empty() {
+        let mut req = request(2, prompt(3, 10), Some(40));
+        req.ignore_eos = true;
+        req.stop = vec![stop.clone()];
+        let cut = collect(handle.submit(req).expect("submit"));
+        assert_eq!(cut.reason, FinishReason::Stop);
+        assert!(!cut.text.contains(&stop), "{:?} contains {stop:?}", cut.text);
+        assert!(got.text.starts_with(&cut.text));
+    }
+}
+
+#[test]
+fn dropping_the_stream_cancels_and_frees_every_block() {
+    let engine = engine(8192);
+    let worker = Worker::spawn(Arc::clone(&engine), WorkerConfig::default()).expect("worker");
+    let handle = worker.handle();
+    let mut streams = Vec::new();
+    for i in 0..4 {
+        let mut req = request(i, prompt(i, 100), Some(8000));
+        req.ignore_eos = true;
+        streams.push(handle.submit(req).expect("submit"));
+    }
+    for s in &mut streams {
+        assert!(matches!(s.blocking_next(), Some(WorkEvent::Text { .. })));
+    }
+    wait_until(&handle, "blocks in use", |s| s.kv_blocks_used > 0);
+    drop(streams);
+    wait_until(&handle, "cancellation", |s| s.kv_blocks_used == 0 && s.running == 0 && s.cancelled == 4);
+}
+
+#[test]
+fn full_queue_is_overloaded_and_recovers() {
+    let engine = engine(8192);
+    let config = WorkerConfig { max_queue: 2, max_batch: 1, prefill_chunk: 16, ..WorkerConfig::default() };
+    let worker = Worker::spawn(Arc::clone(&engine), config).expect("worker");
+    let handle = worker.handle();
+    let mut long = request(0, prompt(0, 1500), Some(6000));
+    long.ignore_eos = true;
+    let mut first = handle.submit(long).expect("first");
+    // Once the first is running (max_batch 1), two more fill the queue and a fourth is refused.
+    wait_until(&handle, "first running", |s| s.running == 1);
+    let b = handle.submit(request(1, prompt(1, 8), Some(2))).expect("second");
+    let c = handle.submit(request(2, prompt(2, 8), Some(2))).expect("third");
+    let err = handle.submit(request(3, prompt(3, 8), Some(2))).expect_err("queue is full");
+    assert!(matches!(err, WorkerError::Overloaded { max: 2 }), "{err}");
+    drop(first.blocking_next());
+    drop(first);
+    collect(b);
+    collect(c);
+    collect(handle.submit(request(4, prompt(4, 8), Some(2))).expect("accepted again"));
+}
+
+#[test]
+fn oversized_requests_are_rejected_before_any_work() {
+    let engine = engine(256);
+    let worker = Worker::spawn(Arc::clone(&engine), WorkerConfig::default()).expect("worker");
+    let handle = worker.handle();
+    let err = handle.submit(request(0, prompt(0, 256), None)).expect_err("prompt fills the context");
+    assert!(matches!(err, WorkerError::ContextOverflow { prompt_tokens: 256, limit: 256, .. }), "{err}");
+    let err = handle.submit(request(1, prompt(1, 200), Some(57))).expect_err("prompt + max_tokens");
+    assert!(matches!(err, WorkerError::ContextOverflow { max_tokens: 57, .. }), "{err}");
+    let err = handle.submit(request(2, vec![], Some(1))).expect_err("empty");
+    assert!(matches!(err, WorkerError::InvalidRequest(_)), "{err}");
+    let err = handle.submit(request(3, vec![99_999], Some(1))).expect_err("bad id");
+    assert!(matches!(err, WorkerError::InvalidRequest(_)), "{err}");
+    // Exactly at the limit is fine; no context end means "until the context is full".
+    let ok = collect(handle.submit(request(4, prompt(4, 200), Some(56))).expect("fits"));
+    assert!(ok.completion_tokens <= 56);
+    wait_until(&handle, "blocks freed", |s| s.kv_blocks_used == 0);
+    let err = Worker::spawn(engine, WorkerConfig { kv_tokens: Some(100), ..WorkerConfig::default() })
+        .expect_err("kv smaller than a context");
+    assert!(matches!(err, WorkerError::Config(_)), "{err}");
+}
+
+#[test]
+fn random_mix_of_submissions_and_cancellations_never_leaks_blocks() {
+    // Small cache, small chunks, many sequences: admission holds, preemption and cancellation all
+    // happen; every block must come back and every kept stream must close properly.
+    let engine = engine(512);
+    let config = WorkerConfig {
+        prefill_chunk: 24,
+        max_batch: 12,
+        max_queue: 64,
+        kv_tokens: Some(512),
+        block_size: 8,
+        ..WorkerConfig::default()
+    };
+    let worker = Worker::spawn(Arc::clone(&engine), config).expect("worker");
+    let handle = worker.handle();
+    let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let mut kept = Vec::new();
+    for round in 0..3 {
+        let mut cancel = Vec::new();
+        for i in 0..20u64 {
+            let len = 1 + next(200) as usize;
+            let max = 1 + next(120) as u32;
+            let mut req = request(round * 100 + i, prompt(round * 100 + i, len), Some(max));
+            req.ignore_eos = next(2) == 0;
+            let stream = handle.submit(req).expect("submit");
+            if next(3) == 0 {
+                cancel.push((stream, next(4)));
+            } else {
+                kept.push((stream, max));
+            }
+        }
+        for (mut stream, after) in cancel {
+            for _ in 0..after {
+                if !matches!(stream.blocking_next(), Some(WorkEvent::Text { .. })) {
+                    break;
+                }
+            }
+        }
+    }
+    for (stream, max) in kept {
+        let got = collect(stream);
+        assert!(got.completion_tokens <= u64::from(max));
+    }
+    wait_until(&handle, "every block back", |s| s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0);
+    let stats = handle.stats();
+    assert!(stats.cancelled > 0, "{stats:?}");
+}
