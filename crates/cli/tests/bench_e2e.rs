@@ -3,34 +3,14 @@
 //! without a failing regression gate.
 
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
-use std::io::{BufRead, BufReader};
+
+mod support;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tokenpath");
-
-/// Starts `tokenpath serve` on a free port; returns the child and the port.
-fn serve(model: &Path) -> (Child, u16) {
-    let mut child = Command::new(BIN)
-        .args(["serve", "--port", "0", "--kv-tokens", "4096"])
-        .arg("--model")
-        .arg(model)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let port = loop {
-        let line = lines.next().expect("server exited before listening").unwrap();
-        if let Some(rest) = line.split("http://127.0.0.1:").nth(1) {
-            break rest.split('/').next().unwrap().parse().unwrap();
-        }
-    };
-    std::thread::spawn(move || lines.map_while(Result::ok).count());
-    (child, port)
-}
 
 fn bench(port: u16, out: &Path) {
     let status = Command::new(BIN)
@@ -51,7 +31,7 @@ fn serve_bench_compare_through_real_processes() {
     let model = dir.join("tiny.gguf");
     let spec = TinySpec { n_ctx: 1024, ..TinySpec::default() };
     std::fs::write(&model, tiny_model_bytes(&spec).unwrap()).unwrap();
-    let (mut server, port) = serve(&model);
+    let support::Served { child: mut server, port, .. } = support::serve(&model, &["--kv-tokens", "4096"]);
     let (a, b) = (dir.join("a.json"), dir.join("b.json"));
     bench(port, &a);
     bench(port, &b);

@@ -3,9 +3,12 @@
 //! `TcpStream` keeps this test free of an HTTP client dependency.
 
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
-use std::io::{BufRead, BufReader, Read, Write};
+
+mod support;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 
@@ -30,25 +33,8 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
 fn serve_answers_and_exits_cleanly_on_sigterm() {
     let model = std::env::temp_dir().join(format!("tp-cli-serve-{}.gguf", std::process::id()));
     std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tokenpath"))
-        .args(["serve", "--port", "0", "--served-model-name", "tiny", "--kv-tokens", "1024"])
-        .arg("--model")
-        .arg(&model)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // The log line announcing the address carries the port the OS picked.
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let port: u16 = loop {
-        let line = lines.next().expect("server exited before listening").unwrap();
-        if let Some(rest) = line.split("http://127.0.0.1:").nth(1) {
-            break rest.split('/').next().unwrap().parse().unwrap();
-        }
-    };
-    // Keep draining stderr so the server never blocks on a full pipe.
-    let logs = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let support::Served { mut child, port, logs } =
+        support::serve(&model, &["--served-model-name", "tiny", "--kv-tokens", "1024"]);
 
     assert_eq!(http(port, "GET", "/health", "").0, 200);
     assert_eq!(http(port, "GET", "/ready", "").0, 200);

@@ -54,15 +54,32 @@ fn rope(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: usize, base: f32)
 /// (bandwidth-bound decode, where dequantizing the whole matrix would cost more than the product).
 const GEMM_MIN_ROWS: usize = 32;
 
-/// `y[t × n] = x[t × k] · wᵀ` with `w` row-major `[n × k]`, on every rayon thread.
+/// `y[t × n] = x[t × k] · wᵀ` with `w` row-major `[n × k]`, on every thread of the current pool.
 pub(crate) fn gemm_xwt(x: &[f32], w: &[f32], y: &mut [f32], t: usize, n: usize, k: usize) {
-    debug_assert!(x.len() == t * k && w.len() == n * k && y.len() == t * n);
-    // SAFETY: the three slices have exactly the lengths the strides below address: dst is t × n
-    // row-major (col stride 1, row stride n), lhs t × k row-major, rhs is wᵀ, i.e. k × n with
-    // column stride k and row stride 1 over w's n × k row-major storage. `read_dst = false`.
+    gemm_into(x, w, y, t, n, k, true, gemm::Parallelism::Rayon(rayon::current_num_threads()));
+}
+
+/// `y[m × n] = x[m × k] · (bᵀ if b_is_nk else b)`, with `b` row-major `[n × k]` when transposed,
+/// `[k × n]` otherwise. The one call site of the `gemm` crate.
+#[allow(clippy::too_many_arguments)]
+fn gemm_into(
+    x: &[f32],
+    b: &[f32],
+    y: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    b_is_nk: bool,
+    par: gemm::Parallelism,
+) {
+    assert!(x.len() == m * k && b.len() == n * k && y.len() == m * n, "gemm operand sizes");
+    let (b_cs, b_rs) = if b_is_nk { (k as isize, 1) } else { (1, n as isize) };
+    // SAFETY: the assert above guarantees the slices have exactly the sizes these strides
+    // address: dst m × n row-major (col stride 1, row stride n), lhs m × k row-major, rhs k × n
+    // read through (b_rs, b_cs). `read_dst = false`, so `y`'s old contents are never read.
     unsafe {
         gemm::gemm(
-            t,
+            m,
             n,
             k,
             y.as_mut_ptr(),
@@ -72,15 +89,15 @@ pub(crate) fn gemm_xwt(x: &[f32], w: &[f32], y: &mut [f32], t: usize, n: usize, 
             x.as_ptr(),
             1,
             k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
             0.0,
             1.0,
             false,
             false,
             false,
-            gemm::Parallelism::Rayon(rayon::current_num_threads()),
+            par,
         );
     }
 }
@@ -420,36 +437,9 @@ fn attend_task_gemm(
     out
 }
 
-/// Single-threaded GEMM: `y[m × n] = x[m × k] · (bᵀ if b_is_nk else b)`, with `b` row-major
-/// `[n × k]` when transposed, `[k × n]` otherwise.
+/// Single-threaded [`gemm_into`] (attention tasks are themselves the parallelism).
 fn gemm_serial(x: &[f32], b: &[f32], y: &mut [f32], m: usize, n: usize, k: usize, b_is_nk: bool) {
-    debug_assert!(x.len() == m * k && b.len() == n * k && y.len() == m * n);
-    let (b_cs, b_rs) = if b_is_nk { (k as isize, 1) } else { (1, n as isize) };
-    // SAFETY: the slices have exactly the sizes the strides address (checked above in debug):
-    // dst m × n row-major, lhs m × k row-major, rhs k × n read through (b_rs, b_cs) strides.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            y.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            b.as_ptr(),
-            b_cs,
-            b_rs,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
+    gemm_into(x, b, y, m, n, k, b_is_nk, gemm::Parallelism::None);
 }
 
 /// Dot product with eight independent accumulators, so it vectorises and pipelines.
