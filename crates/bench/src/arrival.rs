@@ -20,22 +20,47 @@ pub enum Arrival {
         /// Rate, requests/s.
         rate: f64,
     },
+    /// Gamma-distributed gaps at mean `rate` requests/s; `cv` is the gaps' coefficient of
+    /// variation (1 = Poisson, > 1 = bursty, < 1 = smoother).
+    Gamma {
+        /// Mean rate, requests/s.
+        rate: f64,
+        /// Coefficient of variation of the gaps.
+        cv: f64,
+    },
 }
 
 impl Arrival {
     /// Checks the rate.
     pub fn validate(&self) -> Result<(), BenchError> {
-        let (Arrival::Poisson { rate } | Arrival::Constant { rate }) = *self;
-        if rate.is_finite() && rate > 0.0 {
-            Ok(())
-        } else {
-            Err(BenchError::BadArrival(format!("rate {rate} must be a positive number of requests/s")))
+        let (Arrival::Poisson { rate } | Arrival::Constant { rate } | Arrival::Gamma { rate, .. }) = *self;
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(BenchError::BadArrival(format!(
+                "rate {rate} must be a positive number of requests/s"
+            )));
         }
+        if let Arrival::Gamma { cv, .. } = *self {
+            if !(cv.is_finite() && cv > 0.0) {
+                return Err(BenchError::BadArrival(format!(
+                    "burstiness (cv) {cv} must be a positive number"
+                )));
+            }
+        }
+        Ok(())
     }
 
-    /// Offsets from the start of the run for `n` requests; the first is at 0.
+    /// Offsets from the start of the run for `n` requests; the first is at 0. The rate must be
+    /// valid ([`Arrival::validate`]).
     pub fn schedule(&self, n: usize, seed: u64) -> Vec<Duration> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x0a77_17a1);
+        // shape k = 1/cv², scale θ = 1/(rate·k): mean gap 1/rate, CV cv.
+        let gamma = match *self {
+            Arrival::Gamma { rate, cv } => {
+                let k = 1.0 / (cv * cv);
+                rand_distr::Gamma::new(k, 1.0 / (rate * k)).ok()
+            }
+            _ => None,
+        };
         let mut t = 0.0f64;
         (0..n)
             .map(|i| {
@@ -47,6 +72,9 @@ impl Arrival {
                             let u = ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
                             -u.ln() / rate
                         }
+                        Arrival::Gamma { rate, .. } => gamma
+                            .as_ref()
+                            .map_or(1.0 / rate, |g| rand_distr::Distribution::sample(g, &mut rng)),
                     };
                 }
                 Duration::from_secs_f64(t)
@@ -68,5 +96,18 @@ mod tests {
         let c = Arrival::Constant { rate: 4.0 }.schedule(3, 0);
         assert_eq!(c, vec![Duration::ZERO, Duration::from_millis(250), Duration::from_millis(500)]);
         assert!(Arrival::Poisson { rate: 0.0 }.validate().is_err());
+        assert!(Arrival::Gamma { rate: 1.0, cv: 0.0 }.validate().is_err());
+    }
+
+    #[test]
+    fn gamma_keeps_the_rate_and_sets_the_burstiness() {
+        for cv in [0.5, 1.0, 3.0] {
+            let s = Arrival::Gamma { rate: 10.0, cv }.schedule(20_001, 5);
+            let gaps: Vec<f64> = s.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()).collect();
+            let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+            let sd = (gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / gaps.len() as f64).sqrt();
+            assert!((mean - 0.1).abs() < 0.01, "cv {cv}: mean gap {mean}");
+            assert!((sd / mean - cv).abs() < 0.15 * cv, "cv {cv}: measured {}", sd / mean);
+        }
     }
 }

@@ -32,16 +32,18 @@ fn since(t0: Instant) -> Nanos {
 }
 
 /// Sends `spec` as request `id` and records what happened. `t0` is the run's origin and
-/// `t_sched` when the arrival process meant to send.
+/// `t_sched` when the arrival process meant to send (`None` in a closed loop: the send is the
+/// schedule).
 pub async fn send(
     client: &reqwest::Client,
     target: &Target,
     id: u64,
     spec: &RequestSpec,
     t0: Instant,
-    t_sched: Nanos,
+    t_sched: Option<Nanos>,
 ) -> ClientRecord {
-    let mut rec = ClientRecord::new(RequestId(id), t_sched, since(t0), target.stream);
+    let t_send = since(t0);
+    let mut rec = ClientRecord::new(RequestId(id), t_sched.unwrap_or(t_send), t_send, target.stream);
     let body = serde_json::json!({
         "model": target.model,
         "messages": [{"role": "user", "content": spec.prompt}],

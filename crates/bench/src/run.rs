@@ -16,8 +16,11 @@ pub struct RunConfig {
     pub target: Target,
     /// What to ask.
     pub workload: Workload,
-    /// When to ask.
+    /// When to ask (open loop).
     pub arrival: Arrival,
+    /// Closed loop instead: this many clients, each sending its next request as soon as its
+    /// previous one ended (`t_sched = t_send`; the arrival process is not used).
+    pub concurrency: Option<usize>,
     /// How many requests.
     pub num_requests: usize,
     /// Seed of the workload and the arrival process.
@@ -42,22 +45,47 @@ pub async fn run(cfg: &RunConfig, progress: Progress<'_>) -> Result<Vec<ClientRe
         target.model = first_model(&client, &target).await?;
     }
     let specs = cfg.workload.requests(cfg.num_requests, cfg.seed);
-    let schedule = cfg.arrival.schedule(cfg.num_requests, cfg.seed);
     let t0 = Instant::now();
-    let start = tokio::time::Instant::from_std(t0);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let mut tasks = tokio::task::JoinSet::new();
-    for (id, (spec, at)) in specs.into_iter().zip(schedule).enumerate() {
-        let (client, target) = (client.clone(), target.clone());
-        tasks.spawn(async move {
-            tokio::time::sleep_until(start + at).await;
-            send(&client, &target, id as u64, &spec, t0, at.as_nanos() as u64).await
-        });
+    match cfg.concurrency {
+        Some(0) => return Err(BenchError::BadArrival("concurrency must be at least 1".into())),
+        Some(n) => {
+            // Client c sends requests c, c + n, c + 2n, ... back to back.
+            let mut lanes: Vec<Vec<(u64, crate::workload::RequestSpec)>> = vec![Vec::new(); n];
+            for (id, spec) in specs.into_iter().enumerate() {
+                lanes[id % n].push((id as u64, spec));
+            }
+            for lane in lanes {
+                let (client, target, tx) = (client.clone(), target.clone(), tx.clone());
+                tasks.spawn(async move {
+                    for (id, spec) in lane {
+                        let _ = tx.send(send(&client, &target, id, &spec, t0, None).await);
+                    }
+                });
+            }
+        }
+        None => {
+            let start = tokio::time::Instant::from_std(t0);
+            let schedule = cfg.arrival.schedule(cfg.num_requests, cfg.seed);
+            for (id, (spec, at)) in specs.into_iter().zip(schedule).enumerate() {
+                let (client, target, tx) = (client.clone(), target.clone(), tx.clone());
+                tasks.spawn(async move {
+                    tokio::time::sleep_until(start + at).await;
+                    let _ = tx
+                        .send(send(&client, &target, id as u64, &spec, t0, Some(at.as_nanos() as u64)).await);
+                });
+            }
+        }
     }
+    drop(tx);
     let mut records = Vec::with_capacity(cfg.num_requests);
-    while let Some(done) = tasks.join_next().await {
-        let rec = done.map_err(|e| BenchError::Client(format!("request task failed: {e}")))?;
+    while let Some(rec) = rx.recv().await {
         progress(records.len() + 1, cfg.num_requests, &rec);
         records.push(rec);
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.map_err(|e| BenchError::Client(format!("request task failed: {e}")))?;
     }
     records.sort_by_key(|r| r.id);
     Ok(records)

@@ -84,6 +84,7 @@ async fn records_follow_the_definitions_over_a_real_socket() {
         },
         workload: Workload::Fixed { input: 16, output: 4 },
         arrival: Arrival::Constant { rate: 50.0 },
+        concurrency: None,
         num_requests: 6,
         seed: 1,
     };
@@ -107,4 +108,15 @@ async fn records_follow_the_definitions_over_a_real_socket() {
     assert_eq!(report.errors["http_503"], 2);
     assert_eq!(report.summary.completed, 4);
     assert!(report.stages.contains_key("prefill_ms"));
+
+    // Closed loop, 2 clients: never more than 2 requests in flight, no schedule lag by definition.
+    let closed = RunConfig { concurrency: Some(2), num_requests: 6, ..cfg };
+    let records = run(&closed, &mut |_, _, _| {}).await.unwrap();
+    assert_eq!(records.len(), 6);
+    assert!(records.iter().all(|r| r.t_sched == r.t_send));
+    for r in &records {
+        let overlapping =
+            records.iter().filter(|o| o.t_send <= r.t_send && o.t_done.unwrap() > r.t_send).count();
+        assert!(overlapping <= 2, "{overlapping} in flight at once");
+    }
 }

@@ -20,6 +20,8 @@ pub enum ArrivalKind {
     Poisson,
     /// Evenly spaced.
     Constant,
+    /// Gamma-distributed gaps with coefficient of variation --burstiness.
+    Gamma,
 }
 
 /// The server under test.
@@ -58,6 +60,13 @@ pub struct LoadArgs {
     /// Arrival process.
     #[arg(long, value_enum, default_value_t = ArrivalKind::Poisson)]
     arrival: ArrivalKind,
+    /// Gaps' coefficient of variation for `--arrival gamma` (1 = Poisson, >1 = bursty).
+    #[arg(long, default_value_t = 1.0)]
+    burstiness: f64,
+    /// Closed loop: this many clients, each sending its next request when the previous ends
+    /// (replaces --rate/--arrival).
+    #[arg(long)]
+    concurrency: Option<usize>,
     /// Requests to send.
     #[arg(long, default_value_t = 50)]
     num_requests: usize,
@@ -86,6 +95,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let arrival = match args.load.arrival {
         ArrivalKind::Poisson => Arrival::Poisson { rate: args.load.rate },
         ArrivalKind::Constant => Arrival::Constant { rate: args.load.rate },
+        ArrivalKind::Gamma => Arrival::Gamma { rate: args.load.rate, cv: args.load.burstiness },
     };
     let t = &args.target;
     let cfg = RunConfig {
@@ -99,6 +109,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         },
         workload: args.load.workload.clone(),
         arrival,
+        concurrency: args.load.concurrency,
         num_requests: args.load.num_requests,
         seed: args.load.seed,
     };
