@@ -260,31 +260,19 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
                 sent.usage = Some(usage(u).to_timeline());
                 app.metrics.record_finished(label, u, &timing, &sent);
                 let header_value = HeaderValue::from_str(&server_timing_header(&timing)).ok();
+                // Both endpoints answer with one choice and the timeline; only the response type and
+                // the id prefix differ.
+                macro_rules! respond {
+                    ($response:ident, $id:expr) => {
+                        serde_json::to_vec(&$response {
+                            timing: Some(timing),
+                            ..$response::new($id, created, model, text, wire_reason, usage(u))
+                        })
+                    };
+                }
                 let body = match endpoint {
-                    Endpoint::Chat => {
-                        let mut r = ChatCompletionResponse::new(
-                            chat_completion_id(id.0),
-                            created,
-                            model,
-                            text,
-                            wire_reason,
-                            usage(u),
-                        );
-                        r.timing = Some(timing);
-                        serde_json::to_vec(&r)
-                    }
-                    Endpoint::Completions => {
-                        let mut r = CompletionResponse::new(
-                            completion_id(id.0),
-                            created,
-                            model,
-                            text,
-                            wire_reason,
-                            usage(u),
-                        );
-                        r.timing = Some(timing);
-                        serde_json::to_vec(&r)
-                    }
+                    Endpoint::Chat => respond!(ChatCompletionResponse, chat_completion_id(id.0)),
+                    Endpoint::Completions => respond!(CompletionResponse, completion_id(id.0)),
                 };
                 let body = match body {
                     Ok(b) => b,

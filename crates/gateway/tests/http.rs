@@ -9,21 +9,40 @@ use serde_json::{json, Value};
 use tokenpath_gateway::GatewayConfig;
 use tokenpath_worker::WorkerConfig;
 
-fn chat_body(content: &str, extra: Value) -> Value {
-    let mut body =
-        json!({"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0});
+/// `body` with the fields of `extra` added (replacing any of the same name).
+fn with_extra(mut body: Value, extra: Value) -> Value {
     if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
         b.extend(e.clone());
     }
     body
 }
 
+fn chat_body(content: &str, extra: Value) -> Value {
+    with_extra(
+        json!({"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0}),
+        extra,
+    )
+}
+
 fn completion_body(prompt: &str, extra: Value) -> Value {
-    let mut body = json!({"model": MODEL, "prompt": prompt, "temperature": 0});
-    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
-        b.extend(e.clone());
-    }
-    body
+    with_extra(json!({"model": MODEL, "prompt": prompt, "temperature": 0}), extra)
+}
+
+/// Posts a streamed request, requires a 200 and returns its events.
+async fn open_stream(client: reqwest::Client, url: String, body: Value) -> anyhow::Result<Events> {
+    let resp =
+        client.post(url).header("content-type", "application/json").body(body.to_string()).send().await?;
+    anyhow::ensure!(resp.status().as_u16() == 200, "status {}", resp.status());
+    Ok(Events::new(resp))
+}
+
+/// The last event of a stream with `include_usage` counts `max` completion tokens and carries
+/// a valid timeline.
+fn check_usage_chunk(events: &[Value], max: u64) -> anyhow::Result<()> {
+    let last = events.last().cloned().unwrap_or(Value::Null);
+    anyhow::ensure!(last["usage"]["completion_tokens"] == json!(max), "usage {last}");
+    check_timing(&last["timing"]);
+    Ok(())
 }
 
 async fn ok_chat(server: &common::Server) {
@@ -260,18 +279,8 @@ async fn sixteen_concurrent_streams_complete_with_correct_usage() -> anyhow::Res
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true});
         tasks.push(tokio::spawn(async move {
-            let resp = client
-                .post(url)
-                .header("content-type", "application/json")
-                .body(body.to_string())
-                .send()
-                .await?;
-            anyhow::ensure!(resp.status().as_u16() == 200, "status {}", resp.status());
-            let events = Events::new(resp).rest().await?;
-            let last = events.last().cloned().unwrap_or(Value::Null);
-            anyhow::ensure!(last["usage"]["completion_tokens"] == json!(max), "usage {last}");
-            check_timing(&last["timing"]);
-            anyhow::Ok(())
+            let events = open_stream(client, url, body).await?.rest().await?;
+            check_usage_chunk(&events, max)
         }));
     }
     for t in tasks {
@@ -383,24 +392,13 @@ async fn sixty_four_streams_half_cancelled_return_every_block() -> anyhow::Resul
             chat_body(&format!("stream {i}"), json!({"max_tokens": max, "ignore_eos": true, "stream": true}));
         body["stream_options"] = json!({"include_usage": true});
         tasks.push(tokio::spawn(async move {
-            let resp = client
-                .post(url)
-                .header("content-type", "application/json")
-                .body(body.to_string())
-                .send()
-                .await?;
-            anyhow::ensure!(resp.status().as_u16() == 200, "status {}", resp.status());
-            let mut events = Events::new(resp);
+            let mut events = open_stream(client, url, body).await?;
             if cancel {
                 events.next().await?; // role
                 events.next().await?; // first token
                 return anyhow::Ok(()); // dropping the response closes the connection
             }
-            let all = events.rest().await?;
-            let last = all.last().cloned().unwrap_or(Value::Null);
-            anyhow::ensure!(last["usage"]["completion_tokens"] == json!(max), "usage {last}");
-            check_timing(&last["timing"]);
-            anyhow::Ok(())
+            check_usage_chunk(&events.rest().await?, max)
         }));
     }
     for t in tasks {

@@ -14,7 +14,7 @@
 //! `tool_calls: null`, `annotations`...). The one extension is `ignore_eos` (vLLM/SGLang/llama.cpp
 //! spelling), which benchmarks need for fixed output lengths.
 
-use crate::params::{check_sampling, unsupported, Sampling};
+use crate::params::{check_sampling, require_model, sampling_of, unsupported};
 use crate::wire::{opt_string_or_strings, request_json_error};
 use crate::{GenerationRequest, Limits, Prompt, PromptMessage, ProtocolError, StreamOptions};
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
@@ -253,9 +253,7 @@ pub fn parse_chat_request(body: &[u8]) -> Result<ChatCompletionRequest, Protocol
 impl ChatCompletionRequest {
     /// Checks every parameter and normalizes the request for the engine.
     pub fn validate(&self, limits: &Limits) -> Result<GenerationRequest, ProtocolError> {
-        if self.model.is_empty() {
-            return Err(ProtocolError::invalid("model", "you must provide a model parameter"));
-        }
+        require_model(&self.model)?;
         self.reject_unsupported()?;
         let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
             (Some(a), Some(b)) if a != b => {
@@ -269,23 +267,8 @@ impl ChatCompletionRequest {
             (None, Some(b)) => Some(("max_tokens", b)),
             (None, None) => None,
         };
-        let params = check_sampling(
-            Sampling {
-                max_tokens,
-                default_max_tokens: None,
-                temperature: self.temperature,
-                top_p: self.top_p,
-                seed: self.seed,
-                stop: self.stop.as_deref(),
-                presence_penalty: self.presence_penalty,
-                frequency_penalty: self.frequency_penalty,
-                n: self.n,
-                stream: self.stream,
-                stream_options: self.stream_options,
-                ignore_eos: self.ignore_eos,
-            },
-            limits,
-        )?;
+        let sampling = sampling_of!(self, max_tokens: max_tokens, default_max_tokens: None);
+        let params = check_sampling(sampling, limits)?;
         if self.messages.is_empty() {
             return Err(ProtocolError::invalid(
                 "messages",

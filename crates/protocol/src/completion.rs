@@ -7,7 +7,9 @@
 //! and a batch is rejected with a clear message rather than answered with `n` choices we cannot
 //! produce. `max_tokens` defaults to 16 here, as at OpenAI and vLLM.
 
-use crate::params::{check_sampling, integer_min, unsupported, Sampling, COMPLETIONS_DEFAULT_MAX_TOKENS};
+use crate::params::{
+    check_sampling, integer_min, require_model, sampling_of, unsupported, COMPLETIONS_DEFAULT_MAX_TOKENS,
+};
 use crate::wire::{opt_string_or_strings, request_json_error};
 use crate::{GenerationRequest, Limits, Prompt, ProtocolError, StreamOptions};
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
@@ -148,9 +150,7 @@ pub fn parse_completion_request(body: &[u8]) -> Result<CompletionRequest, Protoc
 impl CompletionRequest {
     /// Checks every parameter and normalizes the request for the engine.
     pub fn validate(&self, limits: &Limits) -> Result<GenerationRequest, ProtocolError> {
-        if self.model.is_empty() {
-            return Err(ProtocolError::invalid("model", "you must provide a model parameter"));
-        }
+        require_model(&self.model)?;
         if self.echo == Some(true) {
             return Err(unsupported("echo", "echo is"));
         }
@@ -172,23 +172,12 @@ impl CompletionRequest {
                 ));
             }
         }
-        let params = check_sampling(
-            Sampling {
-                max_tokens: self.max_tokens.map(|v| ("max_tokens", v)),
-                default_max_tokens: Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
-                temperature: self.temperature,
-                top_p: self.top_p,
-                seed: self.seed,
-                stop: self.stop.as_deref(),
-                presence_penalty: self.presence_penalty,
-                frequency_penalty: self.frequency_penalty,
-                n: self.n,
-                stream: self.stream,
-                stream_options: self.stream_options,
-                ignore_eos: self.ignore_eos,
-            },
-            limits,
-        )?;
+        let sampling = sampling_of!(
+            self,
+            max_tokens: self.max_tokens.map(|v| ("max_tokens", v)),
+            default_max_tokens: Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+        );
+        let params = check_sampling(sampling, limits)?;
         let prompt = self.prompt()?;
         Ok(GenerationRequest { model: self.model.clone(), prompt, params, user: self.user.clone() })
     }

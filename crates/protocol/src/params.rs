@@ -145,6 +145,36 @@ pub(crate) struct Sampling<'a> {
     pub ignore_eos: Option<bool>,
 }
 
+/// The [`Sampling`] of a request body: chat and completions name the shared fields alike, and
+/// differ only in `max_tokens` (chat also has `max_completion_tokens`) and its default.
+macro_rules! sampling_of {
+    ($req:expr, max_tokens: $max_tokens:expr, default_max_tokens: $default:expr $(,)?) => {
+        $crate::params::Sampling {
+            max_tokens: $max_tokens,
+            default_max_tokens: $default,
+            temperature: $req.temperature,
+            top_p: $req.top_p,
+            seed: $req.seed,
+            stop: $req.stop.as_deref(),
+            presence_penalty: $req.presence_penalty,
+            frequency_penalty: $req.frequency_penalty,
+            n: $req.n,
+            stream: $req.stream,
+            stream_options: $req.stream_options,
+            ignore_eos: $req.ignore_eos,
+        }
+    };
+}
+pub(crate) use sampling_of;
+
+/// `model` must be set, on both endpoints.
+pub(crate) fn require_model(model: &str) -> Result<(), ProtocolError> {
+    if model.is_empty() {
+        return Err(ProtocolError::invalid("model", "you must provide a model parameter"));
+    }
+    Ok(())
+}
+
 /// Checks the shared parameters and fills in defaults.
 pub(crate) fn check_sampling(s: Sampling<'_>, limits: &Limits) -> Result<GenerationParams, ProtocolError> {
     let d = GenerationParams::default();

@@ -132,6 +132,22 @@ impl Usage {
     }
 }
 
+/// The body of both responses' `new`: one choice, `usage`, no fingerprint and no timing.
+macro_rules! one_choice_response {
+    ($response:ident, $id:expr, $created:expr, $model:expr, $choice:expr, $usage:expr) => {
+        $response {
+            id: $id,
+            object: $response::OBJECT.to_owned(),
+            created: $created,
+            model: $model,
+            choices: vec![$choice],
+            usage: Some($usage),
+            system_fingerprint: None,
+            timing: None,
+        }
+    };
+}
+
 /// The assistant message of a non-streamed chat choice.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ResponseMessage {
@@ -200,25 +216,10 @@ impl ChatCompletionResponse {
         finish_reason: FinishReason,
         usage: Usage,
     ) -> Self {
-        ChatCompletionResponse {
-            id,
-            object: Self::OBJECT.to_owned(),
-            created,
-            model,
-            choices: vec![ChatChoice {
-                index: 0,
-                message: ResponseMessage {
-                    role: Role::Assistant,
-                    content: Some(content),
-                    reasoning_content: None,
-                },
-                finish_reason: Some(finish_reason),
-                logprobs: None,
-            }],
-            usage: Some(usage),
-            system_fingerprint: None,
-            timing: None,
-        }
+        let message =
+            ResponseMessage { role: Role::Assistant, content: Some(content), reasoning_content: None };
+        let choice = ChatChoice { index: 0, message, finish_reason: Some(finish_reason), logprobs: None };
+        one_choice_response!(ChatCompletionResponse, id, created, model, choice, usage)
     }
 }
 
@@ -278,21 +279,8 @@ impl CompletionResponse {
         finish_reason: FinishReason,
         usage: Usage,
     ) -> Self {
-        CompletionResponse {
-            id,
-            object: Self::OBJECT.to_owned(),
-            created,
-            model,
-            choices: vec![CompletionChoice {
-                index: 0,
-                text,
-                finish_reason: Some(finish_reason),
-                logprobs: None,
-            }],
-            usage: Some(usage),
-            system_fingerprint: None,
-            timing: None,
-        }
+        let choice = CompletionChoice { index: 0, text, finish_reason: Some(finish_reason), logprobs: None };
+        one_choice_response!(CompletionResponse, id, created, model, choice, usage)
     }
 }
 

@@ -123,6 +123,45 @@ pub struct CompletionChunk {
     pub timing: Option<ServerTiming>,
 }
 
+/// What both stream builders share: `new`, a chunk with this stream's header, and the closing
+/// sequence (the finish chunk, then the usage chunk when `include_usage`, `timing` on the last).
+macro_rules! stream_builder {
+    ($stream:ident, $chunk:ident, $choice:ty, $object:expr) => {
+        impl $stream {
+            /// A stream without a system fingerprint.
+            pub fn new(id: String, created: u64, model: String, include_usage: bool) -> Self {
+                $stream { id, created, model, include_usage, system_fingerprint: None }
+            }
+
+            fn chunk(&self, choices: Vec<$choice>) -> $chunk {
+                $chunk {
+                    id: self.id.clone(),
+                    object: $object.to_owned(),
+                    created: self.created,
+                    model: self.model.clone(),
+                    system_fingerprint: self.system_fingerprint.clone(),
+                    choices,
+                    usage: None,
+                    timing: None,
+                }
+            }
+
+            fn closing(&self, finish: $choice, usage: Usage, timing: Option<ServerTiming>) -> Vec<$chunk> {
+                let mut out = vec![self.chunk(vec![finish])];
+                if self.include_usage {
+                    let mut u = self.chunk(Vec::new());
+                    u.usage = Some(usage);
+                    out.push(u);
+                }
+                if let Some(last) = out.last_mut() {
+                    last.timing = timing;
+                }
+                out
+            }
+        }
+    };
+}
+
 /// Emits the chunks of one streamed chat completion in the standard order.
 #[derive(Clone, Debug)]
 pub struct ChatStream {
@@ -138,37 +177,21 @@ pub struct ChatStream {
     pub system_fingerprint: Option<String>,
 }
 
+stream_builder!(ChatStream, ChatCompletionChunk, ChatChunkChoice, ChatCompletionChunk::OBJECT);
+
 impl ChatStream {
-    /// A stream without a system fingerprint.
-    pub fn new(id: String, created: u64, model: String, include_usage: bool) -> Self {
-        ChatStream { id, created, model, include_usage, system_fingerprint: None }
-    }
-
-    fn chunk(&self, choices: Vec<ChatChunkChoice>) -> ChatCompletionChunk {
-        ChatCompletionChunk {
-            id: self.id.clone(),
-            object: ChatCompletionChunk::OBJECT.to_owned(),
-            created: self.created,
-            model: self.model.clone(),
-            system_fingerprint: self.system_fingerprint.clone(),
-            choices,
-            usage: None,
-            timing: None,
-        }
-    }
-
-    fn choice(delta: Delta, finish_reason: Option<FinishReason>) -> Vec<ChatChunkChoice> {
-        vec![ChatChunkChoice { index: 0, delta, finish_reason, logprobs: None }]
+    fn choice(delta: Delta, finish_reason: Option<FinishReason>) -> ChatChunkChoice {
+        ChatChunkChoice { index: 0, delta, finish_reason, logprobs: None }
     }
 
     /// The first chunk: `delta: {"role": "assistant"}`, no text.
     pub fn role_chunk(&self) -> ChatCompletionChunk {
-        self.chunk(Self::choice(Delta { role: Some(Role::Assistant), content: None }, None))
+        self.chunk(vec![Self::choice(Delta { role: Some(Role::Assistant), content: None }, None)])
     }
 
     /// A chunk carrying generated text.
     pub fn content_chunk(&self, text: impl Into<String>) -> ChatCompletionChunk {
-        self.chunk(Self::choice(Delta { role: None, content: Some(text.into()) }, None))
+        self.chunk(vec![Self::choice(Delta { role: None, content: Some(text.into()) }, None)])
     }
 
     /// The closing chunks: the finish chunk, then the usage chunk when `include_usage`; `timing`
@@ -179,16 +202,7 @@ impl ChatStream {
         usage: Usage,
         timing: Option<ServerTiming>,
     ) -> Vec<ChatCompletionChunk> {
-        let mut out = vec![self.chunk(Self::choice(Delta::default(), Some(reason)))];
-        if self.include_usage {
-            let mut u = self.chunk(Vec::new());
-            u.usage = Some(usage);
-            out.push(u);
-        }
-        if let Some(last) = out.last_mut() {
-            last.timing = timing;
-        }
-        out
+        self.closing(Self::choice(Delta::default(), Some(reason)), usage, timing)
     }
 
     /// The whole stream as SSE text, for tests and non-incremental callers.
@@ -226,33 +240,16 @@ pub struct CompletionStream {
     pub system_fingerprint: Option<String>,
 }
 
-impl CompletionStream {
-    /// A stream without a system fingerprint.
-    pub fn new(id: String, created: u64, model: String, include_usage: bool) -> Self {
-        CompletionStream { id, created, model, include_usage, system_fingerprint: None }
-    }
+stream_builder!(CompletionStream, CompletionChunk, CompletionChoice, CompletionResponse::OBJECT);
 
-    fn chunk(&self, choices: Vec<CompletionChoice>) -> CompletionChunk {
-        CompletionChunk {
-            id: self.id.clone(),
-            object: CompletionResponse::OBJECT.to_owned(),
-            created: self.created,
-            model: self.model.clone(),
-            system_fingerprint: self.system_fingerprint.clone(),
-            choices,
-            usage: None,
-            timing: None,
-        }
+impl CompletionStream {
+    fn choice(text: String, finish_reason: Option<FinishReason>) -> CompletionChoice {
+        CompletionChoice { index: 0, text, finish_reason, logprobs: None }
     }
 
     /// A chunk carrying generated text.
     pub fn text_chunk(&self, text: impl Into<String>) -> CompletionChunk {
-        self.chunk(vec![CompletionChoice {
-            index: 0,
-            text: text.into(),
-            finish_reason: None,
-            logprobs: None,
-        }])
+        self.chunk(vec![Self::choice(text.into(), None)])
     }
 
     /// The finish chunk (empty text), then the usage chunk when `include_usage`; `timing` on the
@@ -263,21 +260,7 @@ impl CompletionStream {
         usage: Usage,
         timing: Option<ServerTiming>,
     ) -> Vec<CompletionChunk> {
-        let mut out = vec![self.chunk(vec![CompletionChoice {
-            index: 0,
-            text: String::new(),
-            finish_reason: Some(reason),
-            logprobs: None,
-        }])];
-        if self.include_usage {
-            let mut u = self.chunk(Vec::new());
-            u.usage = Some(usage);
-            out.push(u);
-        }
-        if let Some(last) = out.last_mut() {
-            last.timing = timing;
-        }
-        out
+        self.closing(Self::choice(String::new(), Some(reason)), usage, timing)
     }
 }
 
