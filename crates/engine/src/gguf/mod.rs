@@ -42,15 +42,18 @@ pub type GgufFile = Gguf<memmap2::Mmap>;
 impl Gguf<memmap2::Mmap> {
     /// Memory-maps and parses the file at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let io = |source| EngineError::Io { path: path.to_path_buf(), source };
-        let file = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: the mapping is read-only. Another process truncating or rewriting the model
-        // file while it is mapped is outside what we can defend against (as for every mmap-based
-        // model loader); the parser validates everything it reads from the mapping.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        Self::parse(map)
+        Self::parse(map_file(path.as_ref())?)
     }
+}
+
+/// Memory-maps a model file read-only, the one place the engine maps files.
+pub fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let io = |source| EngineError::Io { path: path.to_path_buf(), source };
+    let file = std::fs::File::open(path).map_err(io)?;
+    // SAFETY: the mapping is read-only. Another process truncating or rewriting the model file
+    // while it is mapped is outside what we can defend against (as for every mmap-based model
+    // loader); the parser validates everything it reads from the mapping.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(io)
 }
 
 impl<B: AsRef<[u8]>> Gguf<B> {

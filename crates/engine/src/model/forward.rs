@@ -5,7 +5,7 @@
 
 use super::{Mat, Model};
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{BlockTable, KvCache};
+use crate::kv_cache::{BlockId, BlockTable, KvCache};
 use crate::quant::QuantizedActivation;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -313,8 +313,7 @@ fn attend_task(
     q: &[f32],
     d: usize,
 ) -> Vec<f32> {
-    let layout = cache.layout();
-    let (bs, kv_dim) = (layout.block_size, layout.kv_dim);
+    let bs = cache.layout().block_size;
     let n_q = rows.len() * group;
     let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
     if n_q >= GEMM_MIN_ROWS {
@@ -333,12 +332,7 @@ fn attend_task(
             break;
         }
         let slots = bs.min(max_pos + 1 - p0);
-        let (ks, vs) = (cache.slab(*block, layer, false), cache.slab(*block, layer, true));
-        for s in 0..slots {
-            let src = s * kv_dim + kvh * hd;
-            ks[src..src + hd].convert_to_f32_slice(&mut kb[s * hd..(s + 1) * hd]);
-            vs[src..src + hd].convert_to_f32_slice(&mut vb[s * hd..(s + 1) * hd]);
-        }
+        gather_head(cache, *block, layer, kvh, hd, slots, &mut kb, &mut vb);
         for (ri, &(_, pos)) in rows.iter().enumerate() {
             if pos < p0 {
                 continue;
@@ -393,16 +387,15 @@ fn attend_task_gemm(
     d: usize,
     max_pos: usize,
 ) -> Vec<f32> {
-    let layout = cache.layout();
-    let (bs, kv_dim) = (layout.block_size, layout.kv_dim);
+    let bs = cache.layout().block_size;
     let n_pos = max_pos + 1;
     let mut k = vec![0f32; n_pos * hd];
     let mut v = vec![0f32; n_pos * hd];
-    for p in 0..n_pos {
-        let b = table.blocks()[p / bs];
-        let src = (p % bs) * kv_dim + kvh * hd;
-        cache.slab(b, layer, false)[src..src + hd].convert_to_f32_slice(&mut k[p * hd..(p + 1) * hd]);
-        cache.slab(b, layer, true)[src..src + hd].convert_to_f32_slice(&mut v[p * hd..(p + 1) * hd]);
+    for (bi, block) in table.blocks().iter().enumerate().take(n_pos.div_ceil(bs)) {
+        let p0 = bi * bs;
+        let slots = bs.min(n_pos - p0);
+        let range = p0 * hd..(p0 + slots) * hd;
+        gather_head(cache, *block, layer, kvh, hd, slots, &mut k[range.clone()], &mut v[range]);
     }
     // Query rows ordered (row, head-in-group), matching the output layout.
     let n_q = rows.len() * group;
@@ -440,6 +433,28 @@ fn attend_task_gemm(
 /// Single-threaded [`gemm_into`] (attention tasks are themselves the parallelism).
 fn gemm_serial(x: &[f32], b: &[f32], y: &mut [f32], m: usize, n: usize, k: usize, b_is_nk: bool) {
     gemm_into(x, b, y, m, n, k, b_is_nk, gemm::Parallelism::None);
+}
+
+/// Converts the first `slots` positions of KV head `kvh` in one block from f16 to f32, K into
+/// `k` and V into `v` (`slots × hd` each): the one place attention reads the cache.
+#[allow(clippy::too_many_arguments)]
+fn gather_head(
+    cache: &KvCache,
+    block: BlockId,
+    layer: usize,
+    kvh: usize,
+    hd: usize,
+    slots: usize,
+    k: &mut [f32],
+    v: &mut [f32],
+) {
+    let kv_dim = cache.layout().kv_dim;
+    let (ks, vs) = (cache.slab(block, layer, false), cache.slab(block, layer, true));
+    for s in 0..slots {
+        let src = s * kv_dim + kvh * hd;
+        ks[src..src + hd].convert_to_f32_slice(&mut k[s * hd..(s + 1) * hd]);
+        vs[src..src + hd].convert_to_f32_slice(&mut v[s * hd..(s + 1) * hd]);
+    }
 }
 
 /// Dot product with eight independent accumulators, so it vectorises and pipelines.

@@ -77,13 +77,7 @@ pub struct Model {
 impl Model {
     /// Memory-maps and loads the GGUF file at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let io = |source| EngineError::Io { path: path.to_path_buf(), source };
-        let f = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: read-only mapping; see `gguf::GgufFile::open` for the caveat on concurrent
-        // modification of the file, which every mmap-based loader shares.
-        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(io)?;
-        Self::load(Gguf::parse(ModelBytes::Mapped(map))?)
+        Self::load(Gguf::parse(ModelBytes::Mapped(crate::gguf::map_file(path.as_ref())?))?)
     }
 
     /// Loads a model from bytes already in memory.
