@@ -222,23 +222,89 @@ impl KvCache {
         &self.data[off..off + self.layout.slab()]
     }
 
-    /// The raw bytes of the first `table.len()` tokens' blocks (whole blocks, the last one partly
-    /// filled), for moving a sequence's KV to another engine instance.
-    pub fn export(&self, table: &BlockTable) -> Vec<u8> {
-        let mut out = Vec::with_capacity(table.blocks.len() * self.layout.block_elems() * 2);
-        for b in &table.blocks {
-            let off = b.0 as usize * self.layout.block_elems();
-            for x in &self.data[off..off + self.layout.block_elems()] {
-                out.extend_from_slice(&x.to_bits().to_le_bytes());
+    /// Bytes of one whole block on the wire (f16, little-endian).
+    pub fn block_bytes(&self) -> usize {
+        self.layout.block_elems() * 2
+    }
+
+    /// A table of `blocks` (already holding full, written blocks — a cached prefix), each
+    /// retained once more. All or nothing.
+    pub fn share(&mut self, blocks: &[BlockId]) -> Result<BlockTable> {
+        for (i, &b) in blocks.iter().enumerate() {
+            if let Err(e) = self.retain(b) {
+                for &done in &blocks[..i] {
+                    let _ = self.release(done);
+                }
+                return Err(e);
             }
         }
+        Ok(BlockTable { blocks: blocks.to_vec(), len: blocks.len() * self.layout.block_size })
+    }
+
+    /// The raw bytes of blocks `from..to` of `table` (whole blocks), for moving KV to another
+    /// engine instance. On a little-endian machine this is one memcpy per block.
+    pub fn export_blocks(&self, table: &BlockTable, from: usize, to: usize) -> Vec<u8> {
+        let to = to.min(table.blocks.len());
+        let elems = self.layout.block_elems();
+        let mut out = Vec::with_capacity(to.saturating_sub(from) * elems * 2);
+        for b in table.blocks.get(from..to).unwrap_or(&[]) {
+            let off = b.0 as usize * elems;
+            out.extend_from_slice(f16_bytes(&self.data[off..off + elems]).as_ref());
+        }
         out
+    }
+
+    /// The raw bytes of all blocks of `table` (the last one possibly partly filled).
+    pub fn export(&self, table: &BlockTable) -> Vec<u8> {
+        self.export_blocks(table, 0, table.blocks.len())
+    }
+
+    /// Writes whole blocks received from another engine into blocks `first..` of `table`, which
+    /// must already be reserved. The byte count must be a whole number of blocks within the
+    /// table; nothing from the wire is trusted.
+    pub fn write_blocks(&mut self, table: &BlockTable, first: usize, bytes: &[u8]) -> Result<()> {
+        let per_block = self.block_bytes();
+        if bytes.len() % per_block != 0 {
+            return Err(EngineError::InvalidArgument(format!(
+                "KV bytes ({}) are not a whole number of {per_block}-byte blocks",
+                bytes.len()
+            )));
+        }
+        let n = bytes.len() / per_block;
+        let Some(targets) = first.checked_add(n).and_then(|end| table.blocks.get(first..end)) else {
+            return Err(EngineError::InvalidArgument(format!(
+                "KV blocks {first}..{} are outside the sequence's {} blocks",
+                first.saturating_add(n),
+                table.blocks.len()
+            )));
+        };
+        let elems = self.layout.block_elems();
+        for (b, chunk) in targets.iter().zip(bytes.chunks_exact(per_block)) {
+            let off = b.0 as usize * elems;
+            for (dst, src) in self.data[off..off + elems].iter_mut().zip(chunk.chunks_exact(2)) {
+                *dst = f16::from_bits(u16::from_le_bytes([src[0], src[1]]));
+            }
+        }
+        Ok(())
+    }
+
+    /// Declares that the first `n_tokens` tokens of `table` hold valid K/V (after
+    /// [`KvCache::write_blocks`] filled them).
+    pub fn set_len(&self, table: &mut BlockTable, n_tokens: usize) -> Result<()> {
+        if n_tokens > table.blocks.len() * self.layout.block_size {
+            return Err(EngineError::InvalidArgument(format!(
+                "{n_tokens} tokens do not fit {} blocks",
+                table.blocks.len()
+            )));
+        }
+        table.len = n_tokens;
+        Ok(())
     }
 
     /// Imports bytes produced by [`KvCache::export`] on an engine with the same layout as a new
     /// sequence of `n_tokens` tokens. All or nothing: on any error no block stays allocated.
     pub fn import(&mut self, bytes: &[u8], n_tokens: usize) -> Result<BlockTable> {
-        let per_block = self.layout.block_elems() * 2;
+        let per_block = self.block_bytes();
         let n_blocks = n_tokens.div_ceil(self.layout.block_size);
         if bytes.len() != n_blocks * per_block {
             return Err(EngineError::InvalidArgument(format!(
@@ -249,14 +315,22 @@ impl KvCache {
         }
         let mut table = BlockTable::default();
         self.reserve(&mut table, n_tokens)?;
-        for (b, chunk) in table.blocks.iter().zip(bytes.chunks_exact(per_block)) {
-            let off = b.0 as usize * self.layout.block_elems();
-            for (dst, src) in self.data[off..off + per_block / 2].iter_mut().zip(chunk.chunks_exact(2)) {
-                *dst = f16::from_bits(u16::from_le_bytes([src[0], src[1]]));
-            }
+        if let Err(e) = self.write_blocks(&table, 0, bytes) {
+            let _ = self.free_table(&mut table);
+            return Err(e);
         }
         table.len = n_tokens;
         Ok(table)
+    }
+}
+
+/// The little-endian bytes of f16 values: borrowed where the machine is little-endian (the cast
+/// is checked by `bytemuck`), converted otherwise.
+fn f16_bytes(v: &[f16]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(v))
+    } else {
+        std::borrow::Cow::Owned(v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect())
     }
 }
 
@@ -302,6 +376,32 @@ mod tests {
         assert_eq!(b.export(&t2), bytes);
         assert!(b.import(&bytes[1..], 4).is_err());
         assert_eq!(b.used_blocks(), 2, "a failed import leaves nothing allocated");
+        // Block-wise writes into a reserved table give the same bytes.
+        let mut t3 = BlockTable::default();
+        b.reserve(&mut t3, 4).unwrap();
+        let per = b.block_bytes();
+        b.write_blocks(&t3, 1, &bytes[per..]).unwrap();
+        b.write_blocks(&t3, 0, &bytes[..per]).unwrap();
+        b.set_len(&mut t3, 4).unwrap();
+        assert_eq!(b.export(&t3), bytes);
+        assert!(b.write_blocks(&t3, 1, &bytes).is_err(), "past the table's end");
+        assert!(b.write_blocks(&t3, 0, &bytes[..per - 2]).is_err(), "not a whole block");
+        assert!(b.set_len(&mut t3, 7).is_err());
+    }
+
+    #[test]
+    fn shared_prefix_blocks_are_retained_and_released() {
+        let mut c = KvCache::new(layout(), 4).unwrap();
+        let mut t = BlockTable::default();
+        c.reserve(&mut t, 6).unwrap();
+        let mut s = c.share(&t.blocks()[..1]).unwrap();
+        assert_eq!(s.len(), 3);
+        assert_eq!(c.refcount(t.blocks()[0]), 2);
+        c.free_table(&mut t).unwrap();
+        assert_eq!(c.used_blocks(), 1, "the shared block lives on");
+        c.free_table(&mut s).unwrap();
+        assert_eq!(c.used_blocks(), 0);
+        assert!(c.share(&[BlockId(0)]).is_err(), "a free block cannot be shared");
     }
 
     #[derive(Debug, Clone)]

@@ -71,6 +71,7 @@ impl SamplingParams {
 #[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
+    seed: u64,
     rng: ChaCha8Rng,
     counts: HashMap<u32, u32>,
     scratch: Vec<(u32, f32)>,
@@ -85,7 +86,41 @@ impl Sampler {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64)
         });
-        Ok(Self { params, rng: ChaCha8Rng::seed_from_u64(seed), counts: HashMap::new(), scratch: Vec::new() })
+        Ok(Self {
+            params,
+            seed,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            counts: HashMap::new(),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Where the random stream stands, so another process can continue it
+    /// ([`Sampler::resume`]): the seed actually used and the position in its stream.
+    pub fn state(&self) -> SamplerState {
+        SamplerState { seed: self.seed, word_pos: self.rng.get_word_pos() }
+    }
+
+    /// Moves this sampler to where one with `state` stood after sampling `history` (same
+    /// parameters): the decode worker's half of [`Sampler::resume`].
+    pub fn continue_from(&mut self, state: SamplerState, history: &[u32]) {
+        self.seed = state.seed;
+        self.rng = ChaCha8Rng::seed_from_u64(state.seed);
+        self.rng.set_word_pos(state.word_pos);
+        self.counts.clear();
+        for &t in history {
+            *self.counts.entry(t).or_insert(0) += 1;
+        }
+    }
+
+    /// A sampler that continues where one with `state` stopped after sampling `history`: the
+    /// same random stream position and the same penalty counts. With it, a sequence whose first
+    /// token was sampled by a prefill worker goes on in a decode worker exactly as it would have
+    /// on one engine.
+    pub fn resume(params: SamplingParams, state: SamplerState, history: &[u32]) -> Result<Self> {
+        let mut s = Self::new(params)?;
+        s.continue_from(state, history);
+        Ok(s)
     }
 
     /// Picks the next token from `logits` (modified in place by the penalties) and records it.
@@ -149,6 +184,15 @@ impl Sampler {
     }
 }
 
+/// A sampler's position in its random stream (see [`Sampler::state`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplerState {
+    /// The seed actually used (the request's, or the one drawn from the clock).
+    pub seed: u64,
+    /// Position in the ChaCha stream, in 32-bit words.
+    pub word_pos: u128,
+}
+
 /// Index of the largest logit (the first one on ties), as llama.cpp's greedy sampler picks.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -189,6 +233,19 @@ mod tests {
         assert!(top2.iter().all(|&t| t == 1 || t == 3), "{top2:?}");
         let nucleus = run(SamplingParams { top_p: 0.1, ..params });
         assert!(nucleus.iter().all(|&t| t == 1), "{nucleus:?}");
+    }
+
+    #[test]
+    fn resumed_sampler_continues_the_same_stream() {
+        let params =
+            SamplingParams { temperature: 1.0, frequency_penalty: 0.5, seed: None, ..Default::default() };
+        let mut whole = Sampler::new(params.clone()).unwrap();
+        let first = whole.sample(&mut logits()).unwrap();
+        let state = whole.state();
+        let rest: Vec<u32> = (0..40).map(|_| whole.sample(&mut logits()).unwrap()).collect();
+        let mut resumed = Sampler::resume(params, state, &[first]).unwrap();
+        let again: Vec<u32> = (0..40).map(|_| resumed.sample(&mut logits()).unwrap()).collect();
+        assert_eq!(rest, again);
     }
 
     #[test]

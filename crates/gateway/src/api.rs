@@ -10,6 +10,7 @@
 
 use crate::auth::{AuthFailure, Tenant};
 use crate::error::Reject;
+use crate::ratelimit::OutputMeter;
 use crate::stream::{sse_response, SseFormat};
 use crate::AppState;
 use axum::body::Bytes;
@@ -95,12 +96,11 @@ async fn generate(
             return reject.into_response();
         }
     };
-    if let Some(t) = &tenant {
-        app.metrics.record_tenant(&t.0);
-    }
+    app.metrics.record_tenant(tenant.as_ref().map_or(crate::metrics::ANONYMOUS_TENANT, |t| t.0.as_str()));
     let admitted = if body.as_ref().map_or(0, Bytes::len) > INLINE_BODY_BYTES {
         let state = Arc::clone(&app);
-        tokio::task::spawn_blocking(move || admit(&state, endpoint, body, arrived)).await.unwrap_or_else(
+        let t = tenant.clone();
+        tokio::task::spawn_blocking(move || admit(&state, endpoint, body, arrived, t.as_ref())).await.unwrap_or_else(
             |e| {
                 tracing::error!("admission task failed: {e}");
                 Err(Reject::new(ApiError::server_error(
@@ -109,7 +109,7 @@ async fn generate(
             },
         )
     } else {
-        admit(&app, endpoint, body, arrived)
+        admit(&app, endpoint, body, arrived, tenant.as_ref())
     };
     match admitted {
         Ok(admitted) => respond(app, endpoint, admitted, arrived).await,
@@ -125,6 +125,8 @@ struct Admitted {
     id: RequestId,
     req: GenerationRequest,
     stream: tokenpath_worker::WorkStream,
+    /// Charges the tenant's output tokens as they are generated.
+    meter: OutputMeter,
 }
 
 fn admit(
@@ -132,6 +134,7 @@ fn admit(
     endpoint: Endpoint,
     body: Result<Bytes, BytesRejection>,
     arrived: Instant,
+    tenant: Option<&Tenant>,
 ) -> Result<Admitted, Reject> {
     if app.is_draining() {
         return Err(Reject::new(ApiError::overloaded("The server is shutting down.")));
@@ -153,6 +156,7 @@ fn admit(
     }
     let prompt = tokenize(app, &req.prompt, endpoint)?;
     let id = RequestId(app.next_id.fetch_add(1, Ordering::Relaxed));
+    let meter = crate::ratelimit::admit(app, tenant, id, prompt.len())?;
     let p = &req.params;
     let sampling = tokenpath_engine::sampling::SamplingParams {
         temperature: p.temperature,
@@ -171,9 +175,10 @@ fn admit(
         ignore_eos: p.ignore_eos,
         arrived,
         admitted: Instant::now(),
+        mode: tokenpath_worker::WorkMode::Full,
     };
     let stream = app.worker.submit(work).map_err(|e| Reject::from_worker(&e, endpoint.prompt_param()))?;
-    Ok(Admitted { id, req, stream })
+    Ok(Admitted { id, req, stream, meter })
 }
 
 fn tokenize(app: &AppState, prompt: &Prompt, endpoint: Endpoint) -> Result<Vec<u32>, Reject> {
@@ -221,7 +226,7 @@ pub(crate) fn since(arrived: Instant) -> Nanos {
 }
 
 async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arrived: Instant) -> Response {
-    let Admitted { id, req, mut stream } = admitted;
+    let Admitted { id, req, mut stream, mut meter } = admitted;
     let created = unix_now();
     let model = app.config.served_model_name.clone();
     if req.params.stream {
@@ -237,7 +242,7 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
                 include_usage,
             )),
         };
-        return sse_response(app, format, stream, id, arrived);
+        return sse_response(app, format, stream, meter, id, arrived);
     }
     let mut text = String::new();
     let mut sent = ClientRecord::new(id, 0, 0, true);
@@ -251,10 +256,12 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
         }
         match event {
             Some(WorkEvent::Text { delta, tokens }) => {
+                meter.charge(tokens);
                 sent.events.push(StreamEvent { at_ns: since(arrived), tokens });
                 text.push_str(&delta);
             }
             Some(WorkEvent::Finished { reason, usage: u, timing }) => {
+                meter.settle(u.completion_tokens);
                 let (wire_reason, label) = finish_reason(reason);
                 log_finished(id, label, u, &timing);
                 sent.usage = Some(usage(u).to_timeline());
@@ -285,6 +292,9 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
                 return resp;
             }
             Some(WorkEvent::Failed { message }) => return server_error(&app, &message),
+            Some(WorkEvent::Kv { .. } | WorkEvent::Handoff { .. }) => {
+                return server_error(&app, "a prefill-only event reached the client path")
+            }
             None => return server_error(&app, "the worker stopped before the request finished"),
         }
     }

@@ -8,6 +8,7 @@
 //! `timing` (and `usage` with `include_usage`).
 
 use crate::api::{finish_reason, log_finished, since, usage};
+use crate::ratelimit::OutputMeter;
 use crate::AppState;
 use axum::body::{Body, Bytes};
 use axum::http::header;
@@ -62,6 +63,8 @@ struct SseState {
     app: Arc<AppState>,
     format: SseFormat,
     work: WorkStream,
+    /// Charges the tenant's output tokens as they are generated.
+    meter: OutputMeter,
     pending: VecDeque<String>,
     arrived: Instant,
     sent: ClientRecord,
@@ -89,11 +92,13 @@ impl SseState {
         }
         match self.work.next().await {
             Some(WorkEvent::Text { delta, tokens }) => {
+                self.meter.charge(tokens);
                 self.sent.events.push(StreamEvent { at_ns: since(self.arrived), tokens });
                 Some(self.format.text(delta))
             }
             Some(WorkEvent::Finished { reason, usage: u, timing }) => {
                 self.closed = true;
+                self.meter.settle(u.completion_tokens);
                 let (wire, label) = finish_reason(reason);
                 log_finished(self.work.id(), label, u, &timing);
                 self.sent.usage = Some(usage(u).to_timeline());
@@ -103,6 +108,9 @@ impl SseState {
                 self.pending.pop_front()
             }
             Some(WorkEvent::Failed { message }) => Some(self.fail(&message)),
+            Some(WorkEvent::Kv { .. } | WorkEvent::Handoff { .. }) => {
+                Some(self.fail("a prefill-only event reached the client path"))
+            }
             None => Some(self.fail("the worker stopped before the request finished")),
         }
     }
@@ -123,6 +131,7 @@ pub(crate) fn sse_response(
     app: Arc<AppState>,
     format: SseFormat,
     work: WorkStream,
+    meter: OutputMeter,
     id: RequestId,
     arrived: Instant,
 ) -> Response {
@@ -132,6 +141,7 @@ pub(crate) fn sse_response(
         app,
         format,
         work,
+        meter,
         pending,
         arrived,
         sent: ClientRecord::new(id, 0, 0, true),

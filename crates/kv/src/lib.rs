@@ -3,8 +3,12 @@
 //!
 //! It is its own crate, apart from the engine, because the same block identities are used by the
 //! gateway's cache-aware router (which never loads a model) and by the transfer transport (which
-//! never runs one). Today it holds the block identity used by all of them; the pool and transport
-//! land with the prefill/decode disaggregation work.
+//! never runs one). [`PrefixCache`] is the reuse index every worker keeps; the bytes of a block
+//! move between processes in the worker crate, framed by the protocol crate.
+
+mod prefix;
+
+pub use prefix::PrefixCache;
 
 use std::fmt;
 
@@ -34,21 +38,29 @@ pub fn block_hashes(tokens: &[u32], block_size: usize) -> Result<Vec<BlockHash>,
     if block_size == 0 {
         return Err(KvError::ZeroBlockSize);
     }
-    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-    const PRIME: u64 = 0x0100_0000_01b3;
-    let mut prev = OFFSET;
+    let mut prev = None;
     Ok(tokens
         .chunks_exact(block_size)
         .map(|block| {
-            let mut h = OFFSET;
-            for b in prev.to_le_bytes().into_iter().chain(block.iter().flat_map(|t| t.to_le_bytes())) {
-                h ^= u64::from(b);
-                h = h.wrapping_mul(PRIME);
-            }
-            prev = h;
-            BlockHash(h)
+            let h = chain_hash(prev, block);
+            prev = Some(h);
+            h
         })
         .collect())
+}
+
+/// The hash of one block given the hash of the block before it (`None` for the first block):
+/// the incremental form of [`block_hashes`], for a sequence whose blocks fill one at a time.
+pub fn chain_hash(prev: Option<BlockHash>, block: &[u32]) -> BlockHash {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0100_0000_01b3;
+    let prev = prev.map_or(OFFSET, |p| p.0);
+    let mut h = OFFSET;
+    for b in prev.to_le_bytes().into_iter().chain(block.iter().flat_map(|t| t.to_le_bytes())) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(PRIME);
+    }
+    BlockHash(h)
 }
 
 #[cfg(test)]

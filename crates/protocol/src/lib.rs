@@ -9,11 +9,14 @@
 //! decodes SSE ([`sse`]) and reads chunks leniently ([`view`]). Requests are strict (unknown
 //! fields are a 400, as at OpenAI) because a silently ignored parameter is a wrong benchmark;
 //! responses are lenient because other servers add fields we must not choke on. HTTP status codes
-//! are not here: [`ErrorKind`] is what the gateway maps to a status.
+//! are not here: [`ErrorKind`] is what the gateway maps to a status. Between tokenpath processes,
+//! [`frame`] is the one framing (versioned, bounded, checksummed) and [`cluster`] the messages.
 
 pub mod chat;
+pub mod cluster;
 pub mod completion;
 pub mod error;
+pub mod frame;
 pub mod params;
 pub mod response;
 pub mod sse;
@@ -63,6 +66,27 @@ pub enum ProtocolError {
         /// The offending request parameter (`temperature`, `messages[1].content`), when known.
         param: Option<String>,
         /// What is wrong, for the client.
+        message: String,
+    },
+    /// A frame between tokenpath processes that breaks the framing rules (magic, version, kind,
+    /// length, a control message that does not parse).
+    #[error("invalid frame: {message}")]
+    InvalidFrame {
+        /// What is wrong.
+        message: String,
+    },
+    /// A frame whose payload does not match its CRC-32: corrupted in flight.
+    #[error("frame checksum mismatch: header says {expected:08x}, payload hashes to {actual:08x}")]
+    Checksum {
+        /// The header's CRC.
+        expected: u32,
+        /// The payload's CRC.
+        actual: u32,
+    },
+    /// Reading or writing the connection failed.
+    #[error("connection error: {message}")]
+    Connection {
+        /// The I/O error.
         message: String,
     },
     /// A response (body or stream event) from a server that is not what an OpenAI-compatible

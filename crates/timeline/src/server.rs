@@ -221,6 +221,10 @@ pub struct ServerTiming {
     /// Which worker ran which role (`prefill`, `decode`, `both`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub workers: BTreeMap<String, WorkerId>,
+    /// The KV transfer failed (lost, truncated or corrupted) and the decode worker recomputed
+    /// the prompt itself; its recomputation is inside `decode_queue`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub kv_recomputed: bool,
 }
 
 impl ServerTiming {
@@ -239,6 +243,7 @@ impl ServerTiming {
         if self.kv_transfer_bytes.is_none() {
             self.kv_transfer_bytes = other.kv_transfer_bytes;
         }
+        self.kv_recomputed |= other.kv_recomputed;
         for (role, w) in &other.workers {
             self.workers.entry(role.clone()).or_insert_with(|| w.clone());
         }

@@ -15,25 +15,32 @@
 //! never corrupts it. A sequence's blocks are freed whenever it leaves the running set: finished,
 //! failed, cancelled (its event receiver was dropped) or preempted.
 
-use crate::handle::{TokenUsage, WorkEvent, WorkRequest, WorkerConfig, WorkerStats};
+use crate::handle::{WorkEvent, WorkMode, WorkRequest, WorkerConfig, WorkerStats};
+use crate::seq::{Ending, Seq};
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokenpath_engine::kv_cache::{BlockTable, KvCache};
+use tokenpath_engine::kv_cache::{BlockId, KvCache};
 use tokenpath_engine::model::BatchItem;
-use tokenpath_engine::sampling::Sampler;
-use tokenpath_engine::stop::StopMatcher;
-use tokenpath_engine::tokenizer::StreamDecoder;
+use tokenpath_engine::sampling::{Sampler, SamplerState};
+
 use tokenpath_engine::Engine;
-use tokenpath_timeline::{FinishReason, Mark, Nanos, RequestId, ServerTimeline};
+use tokenpath_kv::{block_hashes, chain_hash, PrefixCache};
+use tokenpath_timeline::Mark;
 use tokio::sync::mpsc::UnboundedSender;
-use tokio::sync::{watch, OwnedSemaphorePermit};
+use tokio::sync::{oneshot, watch, OwnedSemaphorePermit};
 
 /// Messages to the batcher thread.
 pub(crate) enum Command {
     /// A validated request.
     Submit(Box<Submission>),
+    /// Decode mode: KV blocks of a transfer.
+    KvChunk { transfer: u64, first_block: u32, bytes: Vec<u8> },
+    /// Decode mode: a transfer ended (`ok`: every chunk arrived and verified).
+    KvEnd { transfer: u64, n_tokens: usize, ok: bool, reply: oneshot::Sender<Result<(), String>> },
+    /// Decode mode: the first token of a transfer's request.
+    Handoff { transfer: u64, first_token: u32, sampler: SamplerState },
 }
 
 /// A request that passed validation and holds a queue slot.
@@ -45,180 +52,21 @@ pub(crate) struct Submission {
     pub(crate) permit: OwnedSemaphorePermit,
 }
 
-/// How a sequence ended.
-enum Ending {
-    Finished(FinishReason),
-    Failed(String),
-}
-
-/// One request's state on the worker.
-struct Seq {
-    id: RequestId,
-    tokens: Vec<u32>,
-    prompt_len: usize,
-    fed: usize,
-    table: BlockTable,
-    sampler: Sampler,
-    decoder: StreamDecoder,
-    stops: StopMatcher,
-    max_tokens: usize,
-    ignore_eos: bool,
-    generated: usize,
-    /// Generated tokens whose text has not been sent yet (held back by UTF-8 or a stop prefix).
-    unsent_tokens: u32,
-    arrived: Instant,
-    timeline: ServerTimeline,
-    last_ns: Nanos,
-    prefill_started: bool,
-    first_token_done: bool,
-    decode_started: bool,
-    events: UnboundedSender<WorkEvent>,
-    /// The queue slot, held while waiting for the first prefill chunk.
-    permit: Option<OwnedSemaphorePermit>,
-}
-
-impl Seq {
-    fn new(sub: Submission) -> Self {
-        let Submission { req, max_tokens, sampler, events, permit } = sub;
-        let mut seq = Seq {
-            id: req.id,
-            prompt_len: req.prompt.len(),
-            tokens: req.prompt,
-            fed: 0,
-            table: BlockTable::default(),
-            sampler,
-            decoder: StreamDecoder::new(false),
-            stops: StopMatcher::new(req.stop),
-            max_tokens,
-            ignore_eos: req.ignore_eos,
-            generated: 0,
-            unsent_tokens: 0,
-            arrived: req.arrived,
-            timeline: ServerTimeline::new(),
-            last_ns: 0,
-            prefill_started: false,
-            first_token_done: false,
-            decode_started: false,
-            events,
-            permit: Some(permit),
-        };
-        seq.stamp(Mark::Admitted, req.admitted);
-        seq
-    }
-
-    /// Stamps `mark` at `at` on this process's clock, never before the previous mark (the
-    /// clock is monotonic; the clamp only guards instants handed in by the caller).
-    fn stamp(&mut self, mark: Mark, at: Instant) {
-        let ns = Nanos::try_from(at.saturating_duration_since(self.arrived).as_nanos()).unwrap_or(Nanos::MAX);
-        let ns = ns.max(self.last_ns);
-        self.last_ns = ns;
-        if let Err(e) = self.timeline.stamp(mark, ns) {
-            tracing::debug!(request = %self.id, "timeline: {e}");
-        }
-    }
-
-    fn unfed(&self) -> usize {
-        self.tokens.len() - self.fed
-    }
-
-    /// A decoding sequence feeds exactly its last sampled token.
-    fn is_decoding(&self) -> bool {
-        self.first_token_done && self.unfed() == 1
-    }
-
-    fn send_text(&mut self, delta: String, at: Instant) {
-        if delta.is_empty() || self.unsent_tokens == 0 {
-            return;
-        }
-        let tokens = std::mem::take(&mut self.unsent_tokens);
-        for _ in 0..tokens {
-            self.stamp(Mark::Token, at);
-        }
-        // A dropped receiver is noticed (and the sequence cancelled) at the next step.
-        let _ = self.events.send(WorkEvent::Text { delta, tokens });
-    }
-
-    /// Samples from the logits of the last fed token; `Some` when the sequence is done.
-    fn on_logits(
-        &mut self,
-        engine: &Engine,
-        logits: &mut [f32],
-        at: Instant,
-        n_ctx: usize,
-    ) -> Option<Ending> {
-        if !self.first_token_done {
-            self.first_token_done = true;
-            self.stamp(Mark::PrefillEnd, at);
-        }
-        let tok = match self.sampler.sample(logits) {
-            Ok(t) => t,
-            Err(e) => return Some(Ending::Failed(e.to_string())),
-        };
-        if engine.is_end(tok) && !self.ignore_eos {
-            return Some(Ending::Finished(FinishReason::Stop));
-        }
-        self.generated += 1;
-        self.unsent_tokens += 1;
-        self.tokens.push(tok);
-        let piece = match self.decoder.push(engine.tokenizer(), tok) {
-            Ok(p) => p,
-            Err(e) => return Some(Ending::Failed(e.to_string())),
-        };
-        let step = self.stops.push(&piece);
-        self.send_text(step.emit, at);
-        if step.stopped {
-            return Some(Ending::Finished(FinishReason::Stop));
-        }
-        if self.generated >= self.max_tokens || self.fed + 1 >= n_ctx {
-            return Some(Ending::Finished(FinishReason::Length));
-        }
-        None
-    }
-
-    /// Sends the last text and the closing event.
-    fn end(&mut self, ending: Ending, at: Instant, worker: &tokenpath_timeline::WorkerId) {
-        match ending {
-            Ending::Finished(reason) => {
-                if !self.stops.is_stopped() {
-                    let rest = self.stops.push(&self.decoder.finish());
-                    let tail = rest.emit + &self.stops.finish();
-                    self.send_text(tail, at);
-                }
-                if !self.decode_started {
-                    self.decode_started = true;
-                    self.stamp(Mark::DecodeStart, at);
-                }
-                self.stamp(Mark::Finished(reason), at);
-                let mut timing = self.timeline.timing();
-                timing.workers.insert("both".into(), worker.clone());
-                let usage = TokenUsage {
-                    prompt_tokens: self.prompt_len as u64,
-                    completion_tokens: self.generated as u64,
-                    cached_tokens: 0,
-                };
-                let _ = self.events.send(WorkEvent::Finished { reason, usage, timing });
-            }
-            Ending::Failed(message) => {
-                self.stamp(Mark::Failed, at);
-                tracing::warn!(request = %self.id, "generation failed: {message}");
-                let _ = self.events.send(WorkEvent::Failed { message });
-            }
-        }
-    }
-}
-
 /// The thread's state.
 pub(crate) struct Batcher {
-    engine: Arc<Engine>,
-    cache: KvCache,
-    cfg: WorkerConfig,
+    pub(crate) engine: Arc<Engine>,
+    pub(crate) cache: KvCache,
+    pub(crate) cfg: WorkerConfig,
     rx: mpsc::Receiver<Command>,
     stats_tx: watch::Sender<WorkerStats>,
-    waiting: VecDeque<Seq>,
+    pub(crate) waiting: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// Decode mode: sequences waiting for their KV and first token.
+    pub(crate) awaiting: Vec<Seq>,
+    prefix: Option<PrefixCache<BlockId>>,
     started: Instant,
     busy: Duration,
-    stats: WorkerStats,
+    pub(crate) stats: WorkerStats,
     flops_per_token: f64,
     closed: bool,
 }
@@ -232,6 +80,7 @@ impl Batcher {
         stats_tx: watch::Sender<WorkerStats>,
     ) -> Self {
         let flops_per_token = engine.model().config().flops_per_token() as f64;
+        let prefix = cfg.prefix_cache.then(PrefixCache::new);
         Self {
             engine,
             cache,
@@ -240,6 +89,8 @@ impl Batcher {
             stats_tx,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            awaiting: Vec::new(),
+            prefix,
             started: Instant::now(),
             busy: Duration::ZERO,
             stats: WorkerStats::default(),
@@ -253,16 +104,22 @@ impl Batcher {
         tracing::info!(worker = %self.cfg.id, "worker started");
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
-                if self.closed {
+                if self.closed && self.awaiting.is_empty() {
                     break;
                 }
-                // Idle: block until there is work or every handle is gone.
-                match self.rx.recv() {
+                // Idle: block until there is work or every handle is gone. Requests waiting for
+                // a KV transfer need their deadlines checked, so they bound the wait.
+                let got = if self.awaiting.is_empty() {
+                    self.rx.recv().map_err(|_| true)
+                } else {
+                    self.rx
+                        .recv_timeout(Duration::from_millis(100))
+                        .map_err(|e| matches!(e, mpsc::RecvTimeoutError::Disconnected))
+                };
+                match got {
                     Ok(cmd) => self.accept(cmd),
-                    Err(_) => {
-                        self.closed = true;
-                        continue;
-                    }
+                    Err(true) => self.closed = true,
+                    Err(false) => {}
                 }
             }
             loop {
@@ -276,7 +133,10 @@ impl Batcher {
                 }
             }
             self.reap_cancelled();
-            self.step();
+            self.activate_ready();
+            if !(self.running.is_empty() && self.waiting.is_empty()) {
+                self.step();
+            }
             self.publish();
         }
         tracing::info!(worker = %self.cfg.id, "worker stopped");
@@ -284,11 +144,25 @@ impl Batcher {
 
     fn accept(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit(sub) => self.waiting.push_back(Seq::new(*sub)),
+            Command::Submit(sub) => {
+                let seq = Seq::new(*sub);
+                if let WorkMode::Decode(_) = seq.mode {
+                    self.await_kv(seq);
+                } else {
+                    self.waiting.push_back(seq);
+                }
+            }
+            Command::KvChunk { transfer, first_block, bytes } => self.kv_chunk(transfer, first_block, &bytes),
+            Command::KvEnd { transfer, n_tokens, ok, reply } => {
+                let _ = reply.send(self.kv_end(transfer, n_tokens, ok));
+            }
+            Command::Handoff { transfer, first_token, sampler } => {
+                self.set_handoff(transfer, first_token, sampler);
+            }
         }
     }
 
-    fn free(&mut self, seq: &mut Seq) {
+    pub(crate) fn free(&mut self, seq: &mut Seq) {
         if let Err(e) = self.cache.free_table(&mut seq.table) {
             tracing::error!(request = %seq.id, "freeing KV blocks failed: {e}");
         }
@@ -298,16 +172,23 @@ impl Batcher {
     /// Drops sequences whose client went away, returning their blocks.
     fn reap_cancelled(&mut self) {
         let mut gone = Vec::new();
-        self.running.retain_mut(|s| {
+        for list in [&mut self.running, &mut self.awaiting] {
+            list.retain_mut(|s| {
+                let closed = s.events.is_closed();
+                if closed {
+                    gone.push(std::mem::take(&mut s.table));
+                }
+                !closed
+            });
+        }
+        self.waiting.retain_mut(|s| {
             let closed = s.events.is_closed();
             if closed {
                 gone.push(std::mem::take(&mut s.table));
             }
             !closed
         });
-        let before = self.waiting.len();
-        self.waiting.retain(|s| !s.events.is_closed());
-        let n = gone.len() + before - self.waiting.len();
+        let n = gone.len();
         for mut table in gone {
             if let Err(e) = self.cache.free_table(&mut table) {
                 tracing::error!("freeing KV blocks of a cancelled request failed: {e}");
@@ -333,31 +214,106 @@ impl Batcher {
         tokens.div_ceil(self.cfg.block_size)
     }
 
+    /// New blocks `s` needs to hold `n` more tokens.
+    fn new_blocks(&self, s: &Seq, n: usize) -> usize {
+        self.blocks_for(s.fed + n).saturating_sub(s.table.blocks().len())
+    }
+
+    /// Blocks held only by the prefix cache (reclaimable at any time).
+    fn cached_only(&self) -> usize {
+        let cache = &self.cache;
+        self.prefix.as_ref().map_or(0, |p| p.evictable(|b| cache.refcount(b) == 1))
+    }
+
+    /// Free blocks plus blocks only the prefix cache holds.
+    pub(crate) fn available(&self) -> usize {
+        self.cache.free_blocks() + self.cached_only()
+    }
+
+    /// Evicts prefix-cache blocks nobody uses until `need` blocks are free (or none are left).
+    pub(crate) fn reclaim(&mut self, need: usize) {
+        let Some(prefix) = self.prefix.as_mut() else { return };
+        while self.cache.free_blocks() < need {
+            let cache = &self.cache;
+            let Some(b) = prefix.evict(|b| cache.refcount(b) == 1) else { break };
+            if let Err(e) = self.cache.release(b) {
+                tracing::error!("releasing an evicted prefix block failed: {e}");
+            }
+        }
+    }
+
+    /// Attaches the longest cached prefix of a fresh sequence's tokens (at least one token is
+    /// always left to compute: the last one's logits are needed).
+    fn attach_prefix(&mut self, seq: &mut Seq) {
+        let Some(prefix) = self.prefix.as_mut() else { return };
+        if !seq.table.is_empty() || !seq.table.blocks().is_empty() || seq.fed != 0 {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        let usable = (seq.tokens.len() - 1) / bs;
+        let Ok(hashes) = block_hashes(&seq.tokens[..usable * bs], bs) else { return };
+        let blocks = prefix.lookup(&hashes);
+        if blocks.is_empty() {
+            return;
+        }
+        match self.cache.share(&blocks) {
+            Ok(table) => {
+                seq.table = table;
+                seq.fed = blocks.len() * bs;
+                if seq.hashes.len() < blocks.len() {
+                    seq.hashes = hashes[..blocks.len()].to_vec();
+                }
+                if seq.cached_tokens == 0 && !seq.prefill_started {
+                    seq.cached_tokens = seq.fed.min(seq.prompt_len);
+                    self.stats.prompt_tokens_cached += seq.cached_tokens as u64;
+                }
+            }
+            Err(e) => tracing::error!(request = %seq.id, "sharing cached prefix blocks failed: {e}"),
+        }
+    }
+
+    /// Registers a sequence's newly completed blocks in the prefix cache.
+    pub(crate) fn register_prefix(&mut self, seq: &mut Seq) {
+        let Some(prefix) = self.prefix.as_mut() else { return };
+        let bs = self.cfg.block_size;
+        let full = (seq.fed / bs).min(seq.table.blocks().len());
+        while seq.hashes.len() < full {
+            let i = seq.hashes.len();
+            let parent = seq.hashes.last().copied();
+            let h = chain_hash(parent, &seq.tokens[i * bs..(i + 1) * bs]);
+            let b = seq.table.blocks()[i];
+            if prefix.insert(parent, h, b) {
+                if let Err(e) = self.cache.retain(b) {
+                    tracing::error!("retaining a prefix block failed: {e}");
+                }
+            }
+            seq.hashes.push(h);
+        }
+    }
+
     /// Decides how many tokens each running sequence feeds this step, admitting waiting ones.
     /// `plan[i]` belongs to `running[i]`; 0 means "not this step".
     fn plan(&mut self) -> Vec<usize> {
         // Decodes first: they may preempt the youngest sequences to get their next block.
         loop {
-            let need: usize = self
-                .running
-                .iter()
-                .filter(|s| s.is_decoding())
-                .map(|s| self.blocks_for(s.fed + 1).saturating_sub(s.table.blocks().len()))
-                .sum();
-            if need <= self.cache.free_blocks() || self.running.len() <= 1 {
+            let need: usize =
+                self.running.iter().filter(|s| s.is_decoding()).map(|s| self.new_blocks(s, 1)).sum();
+            if need <= self.available() || self.running.len() <= 1 {
                 break;
             }
             self.preempt_youngest();
         }
         let bs = self.cfg.block_size;
-        let mut free = self.cache.free_blocks();
+        let mut planned = 0;
+        let mut free = self.available();
         let mut budget = self.cfg.prefill_chunk;
         let mut plan = vec![0; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
             if s.is_decoding() {
-                let need = self.blocks_for(s.fed + 1).saturating_sub(s.table.blocks().len());
+                let need = self.new_blocks(s, 1);
                 if need <= free {
                     free -= need;
+                    planned += need;
                     plan[i] = 1;
                 }
             }
@@ -366,30 +322,43 @@ impl Batcher {
             if s.is_decoding() || budget == 0 {
                 continue;
             }
-            let fits = (s.table.blocks().len() + free) * bs - s.fed;
+            let fits = ((s.table.blocks().len() + free) * bs).saturating_sub(s.fed);
             let n = s.unfed().min(budget).min(fits);
             if n == 0 {
                 continue;
             }
-            free -= self.blocks_for(s.fed + n).saturating_sub(s.table.blocks().len());
+            let need = self.new_blocks(s, n);
+            free -= need;
+            planned += need;
             budget -= n;
             plan[i] = n;
         }
         // Admission: FIFO, whole prompt must fit, one block of headroom per decoding sequence.
         let headroom = self.running.iter().filter(|s| s.is_decoding()).count();
         while budget > 0 && self.running.len() < self.cfg.max_batch {
-            let Some(front) = self.waiting.front() else { break };
-            if self.blocks_for(front.tokens.len()) + headroom > free {
+            let Some(mut seq) = self.waiting.pop_front() else { break };
+            let attached = seq.table.blocks().is_empty();
+            self.attach_prefix(&mut seq);
+            // Sharing may have pinned blocks that were reclaimable: count again.
+            let free_now = self.available().saturating_sub(planned);
+            let need_all = self.blocks_for(seq.tokens.len()).saturating_sub(seq.table.blocks().len());
+            if need_all + headroom > free_now {
+                if attached {
+                    // A waiting sequence must not pin cached blocks others were planned on.
+                    self.free(&mut seq);
+                }
+                self.waiting.push_front(seq);
                 break;
             }
-            let Some(mut seq) = self.waiting.pop_front() else { break };
             seq.permit = None;
             let n = seq.unfed().min(budget);
-            free -= self.blocks_for(n);
+            let need = self.new_blocks(&seq, n);
+            planned += need;
             budget -= n;
             self.running.push(seq);
             plan.push(n);
         }
+        self.reclaim(planned);
         plan
     }
 
@@ -398,10 +367,11 @@ impl Batcher {
         let mut plan = self.plan();
         if plan.iter().all(|&n| n == 0) {
             // Nothing fits: make room, or fail a request that can never fit.
+            let total = self.cache.total_blocks();
             if self.running.len() > 1 {
                 self.preempt_youngest();
             } else if let Some(mut seq) = self.running.pop().or_else(|| {
-                self.waiting.front().filter(|_| self.running.is_empty() && self.cache.used_blocks() == 0)?;
+                self.waiting.front().filter(|_| self.running.is_empty() && self.available() == total)?;
                 self.waiting.pop_front()
             }) {
                 self.free(&mut seq);
@@ -489,9 +459,16 @@ impl Batcher {
         }
         let running = std::mem::take(&mut self.running);
         for (mut s, ending) in running.into_iter().zip(endings) {
+            self.register_prefix(&mut s);
             match ending {
-                None => self.running.push(s),
+                None => {
+                    self.export_kv(&mut s, false);
+                    self.running.push(s);
+                }
                 Some(ending) => {
+                    if matches!(ending, Ending::Handoff) {
+                        self.export_kv(&mut s, true);
+                    }
                     self.free(&mut s);
                     s.end(ending, now, &self.cfg.id);
                 }
@@ -499,11 +476,30 @@ impl Batcher {
         }
     }
 
+    /// Prefill mode: sends the blocks written since the last call (all of them, the partly
+    /// filled last one included, when `last`), so the transfer overlaps the rest of the prefill.
+    fn export_kv(&mut self, s: &mut Seq, last: bool) {
+        if s.mode != WorkMode::Prefill {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        let upto = if last { s.table.blocks().len() } else { (s.fed / bs).min(s.table.blocks().len()) };
+        if upto <= s.exported_blocks {
+            return;
+        }
+        let bytes = self.cache.export_blocks(&s.table, s.exported_blocks, upto);
+        let first_block = u32::try_from(s.exported_blocks).unwrap_or(u32::MAX);
+        s.exported_blocks = upto;
+        let _ = s.events.send(WorkEvent::Kv { first_block, bytes });
+    }
+
     fn publish(&mut self) {
-        self.stats.waiting = self.waiting.len();
+        let available = self.available();
+        self.stats.waiting = self.waiting.len() + self.awaiting.len();
         self.stats.running = self.running.len();
-        self.stats.kv_blocks_used = self.cache.used_blocks();
-        self.stats.kv_blocks_free = self.cache.free_blocks();
+        self.stats.kv_blocks_used = self.cache.total_blocks() - available;
+        self.stats.kv_blocks_free = available;
+        self.stats.kv_blocks_cached = self.prefix.as_ref().map_or(0, PrefixCache::len);
         self.stats.busy_seconds = self.busy.as_secs_f64();
         self.stats.uptime_seconds = self.started.elapsed().as_secs_f64();
         self.stats_tx.send_replace(self.stats.clone());

@@ -13,7 +13,8 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
-use tokenpath_engine::sampling::{Sampler, SamplingParams};
+use tokenpath_engine::kv_cache::KvLayout;
+use tokenpath_engine::sampling::{Sampler, SamplerState, SamplingParams};
 use tokenpath_engine::Engine;
 use tokenpath_timeline::{FinishReason, RequestId, ServerTiming, WorkerId};
 use tokio::sync::{mpsc as tmpsc, watch, Semaphore};
@@ -43,6 +44,8 @@ pub struct WorkerConfig {
     pub kv_tokens: Option<usize>,
     /// Tokens per KV block.
     pub block_size: usize,
+    /// Reuse the KV of prompt prefixes seen before (chained block hashes, LRU eviction).
+    pub prefix_cache: bool,
 }
 
 impl Default for WorkerConfig {
@@ -54,6 +57,30 @@ impl Default for WorkerConfig {
             max_batch: DEFAULT_MAX_BATCH,
             kv_tokens: None,
             block_size: DEFAULT_BLOCK_SIZE,
+            prefix_cache: true,
+        }
+    }
+}
+
+/// Which part of the path a worker runs for a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkMode {
+    /// Prefill and decode here (colocated).
+    Full,
+    /// Prefill, sample the first token, stream the KV out ([`WorkEvent::Kv`]) and hand off
+    /// ([`WorkEvent::Handoff`]).
+    Prefill,
+    /// Wait for the KV of transfer `u64` and the handed-off first token, then decode.
+    Decode(u64),
+}
+
+impl WorkMode {
+    /// The role name reported in `timing.workers`.
+    pub fn role_name(self) -> &'static str {
+        match self {
+            WorkMode::Full => "both",
+            WorkMode::Prefill => "prefill",
+            WorkMode::Decode(_) => "decode",
         }
     }
 }
@@ -77,6 +104,8 @@ pub struct WorkRequest {
     pub arrived: Instant,
     /// When the gateway admitted it (the `admitted` mark).
     pub admitted: Instant,
+    /// Which part of the path runs here.
+    pub mode: WorkMode,
 }
 
 /// Token counts of a finished request.
@@ -86,7 +115,7 @@ pub struct TokenUsage {
     pub prompt_tokens: u64,
     /// Generated tokens (an end-of-generation token that ended the turn is not counted).
     pub completion_tokens: u64,
-    /// Prompt tokens served from a prefix cache (0 until prefix caching exists).
+    /// Prompt tokens served from the prefix cache.
     pub cached_tokens: u64,
 }
 
@@ -111,6 +140,26 @@ pub enum WorkEvent {
         /// The stages this worker measured (gateway included: it was handed `admitted`).
         timing: ServerTiming,
     },
+    /// Prefill mode: KV blocks `first_block..` of the sequence, whole blocks in the cache's
+    /// wire layout, sent as soon as they are written (the last one may be partly filled).
+    Kv {
+        /// Index of the first block.
+        first_block: u32,
+        /// Block bytes.
+        bytes: Vec<u8>,
+    },
+    /// Prefill mode: the first token is sampled and every KV block was sent; a decode worker
+    /// takes it from here. Ends the stream.
+    Handoff {
+        /// The sampled token.
+        first_token: u32,
+        /// The sampler's position after it.
+        sampler: SamplerState,
+        /// Token counts so far.
+        usage: TokenUsage,
+        /// The stages this worker measured.
+        timing: ServerTiming,
+    },
     /// Generation failed after it was accepted (an engine error).
     Failed {
         /// What went wrong, for logs and the client.
@@ -127,6 +176,13 @@ pub struct WorkStream {
 }
 
 impl WorkStream {
+    /// A stream fed by the returned sender, for backends other than a local batcher (the
+    /// gateway's remote workers): the same type reaches the HTTP layer either way.
+    pub fn channel(id: RequestId) -> (tmpsc::UnboundedSender<WorkEvent>, Self) {
+        let (tx, rx) = tmpsc::unbounded_channel();
+        (tx, Self { id, rx })
+    }
+
     /// The request this stream belongs to.
     pub fn id(&self) -> RequestId {
         self.id
@@ -170,6 +226,14 @@ pub struct WorkerStats {
     pub cancelled: u64,
     /// Sequences preempted (KV freed, recomputed later) to let others decode.
     pub preempted: u64,
+    /// Prompt tokens served from the prefix cache instead of computed.
+    pub prompt_tokens_cached: u64,
+    /// Blocks held only by the prefix cache (counted in `kv_blocks_free`: reclaimable).
+    pub kv_blocks_cached: usize,
+    /// KV transfers received intact (decode mode).
+    pub kv_imports: u64,
+    /// KV transfers that failed and were recomputed here (decode mode).
+    pub kv_fallbacks: u64,
 }
 
 impl WorkerStats {
@@ -188,6 +252,7 @@ impl WorkerStats {
 struct ModelFacts {
     n_ctx: usize,
     n_vocab: usize,
+    layout: KvLayout,
 }
 
 /// A cloneable handle to a worker thread.
@@ -232,6 +297,7 @@ impl Worker {
             )));
         }
         let cache = engine.new_cache(kv_tokens, config.block_size)?;
+        let layout = cache.layout();
         let (tx, rx) = mpsc::channel();
         let (stats_tx, stats_rx) =
             watch::channel(WorkerStats { kv_blocks_free: cache.free_blocks(), ..WorkerStats::default() });
@@ -246,7 +312,7 @@ impl Worker {
             queue: Arc::new(Semaphore::new(config.max_queue)),
             max_queue: config.max_queue,
             stats: stats_rx,
-            facts: ModelFacts { n_ctx, n_vocab },
+            facts: ModelFacts { n_ctx, n_vocab, layout },
             engine,
         };
         Ok(Self { handle, thread })
@@ -279,6 +345,34 @@ impl WorkerHandle {
     /// The model's context length.
     pub fn n_ctx(&self) -> usize {
         self.facts.n_ctx
+    }
+
+    /// The KV cache layout (a transfer's sender and receiver must agree on it exactly).
+    pub fn kv_layout(&self) -> KvLayout {
+        self.facts.layout
+    }
+
+    /// Decode mode: KV blocks of `transfer` arrived (not yet verified as complete).
+    pub fn kv_chunk(&self, transfer: u64, first_block: u32, bytes: Vec<u8>) -> Result<(), WorkerError> {
+        self.tx.send(Command::KvChunk { transfer, first_block, bytes }).map_err(|_| WorkerError::Stopped)
+    }
+
+    /// Decode mode: the transfer of `n_tokens` tokens' KV ended, intact (`ok`) or not. The
+    /// returned receiver says whether the blocks were imported.
+    pub fn kv_end(
+        &self,
+        transfer: u64,
+        n_tokens: usize,
+        ok: bool,
+    ) -> Result<tokio::sync::oneshot::Receiver<Result<(), String>>, WorkerError> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.tx.send(Command::KvEnd { transfer, n_tokens, ok, reply }).map_err(|_| WorkerError::Stopped)?;
+        Ok(rx)
+    }
+
+    /// Decode mode: the first token and sampler position of `transfer`'s request.
+    pub fn handoff(&self, transfer: u64, first_token: u32, sampler: SamplerState) -> Result<(), WorkerError> {
+        self.tx.send(Command::Handoff { transfer, first_token, sampler }).map_err(|_| WorkerError::Stopped)
     }
 
     /// The latest stats snapshot (never waits for a step).

@@ -15,10 +15,12 @@
 
 mod batcher;
 mod handle;
+mod pd;
+mod seq;
 
 pub use handle::{
-    TokenUsage, WorkEvent, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle, WorkerStats,
-    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
+    TokenUsage, WorkEvent, WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle,
+    WorkerStats, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
 };
 
 use std::{fmt, str::FromStr};

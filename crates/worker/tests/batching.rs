@@ -27,6 +27,7 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: Option<u32>) -> WorkRequest {
         ignore_eos: false,
         arrived: now,
         admitted: now,
+        mode: tokenpath_worker::WorkMode::Full,
     }
 }
 
@@ -75,6 +76,7 @@ fn collect(mut stream: tokenpath_worker::WorkStream) -> Collected {
                 };
             }
             Some(WorkEvent::Failed { message }) => panic!("failed: {message}"),
+            Some(other) => panic!("unexpected event in full mode: {other:?}"),
             None => panic!("stream ended without a closing event"),
         }
     }

@@ -1,0 +1,389 @@
+//! The messages between tokenpath processes: gateway → worker requests, worker → gateway events,
+//! and the prefill → decode KV transfer. Each travels in one [`crate::frame`] frame.
+//!
+//! Control messages are JSON (small, debuggable with `tcpdump -A`, evolvable with new optional
+//! fields) and strict (`deny_unknown_fields` on requests, like the public API); KV bytes are
+//! binary ([`KvChunk`]) because they are the bulk of the traffic. A connection carries one
+//! request: the gateway opens it with [`ToWorker::Generate`] and the worker answers with
+//! [`FromWorker::Accepted`] or [`FromWorker::Rejected`], then events, then closes. Closing the
+//! connection early is how a gateway cancels, and how a gateway learns a worker died.
+//!
+//! The PD flow on the wire:
+//! 1. gateway → decode worker: `Generate { mode: Decode { transfer } }` (blocks are reserved).
+//! 2. gateway → prefill worker: `Generate { mode: Prefill { transfer, decode_addr } }`.
+//! 3. prefill worker → decode worker (a new connection to `decode_addr`): `KvBegin`, `KvChunk`s
+//!    (sent as blocks fill, overlapping the rest of the prefill), `KvEnd`; the decode worker
+//!    answers `KvAck`.
+//! 4. prefill worker → gateway: the first token's `Text`, then `Handoff` (first token id and the
+//!    sampler position), later `KvSent` (the transfer's duration on the prefill worker's clock).
+//! 5. gateway → decode worker: `Handoff`; the decode worker continues and streams `Text`…
+//!    `Finished` to the gateway. A lost or corrupted transfer makes it recompute the prompt
+//!    (the prompt ids came with step 1) and say so in its timing.
+
+use crate::ProtocolError;
+use serde::{Deserialize, Serialize};
+use tokenpath_timeline::{FinishReason, ServerTiming};
+
+/// Identifies one KV transfer between a prefill and a decode worker (chosen by the gateway).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TransferId(pub u64);
+
+/// Sampling parameters as sent to a worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingMsg {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// 0 disables top-k.
+    pub top_k: usize,
+    /// 1 disables nucleus sampling.
+    pub top_p: f32,
+    /// Seed; absent: the worker draws one.
+    pub seed: Option<u64>,
+    /// OpenAI presence penalty.
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty.
+    pub frequency_penalty: f32,
+}
+
+/// A sampler's random stream position, handed from the prefill to the decode worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplerPos {
+    /// The seed actually used.
+    pub seed: u64,
+    /// Position in the stream (32-bit words); decimal string, since JSON numbers are not u128.
+    #[serde(with = "u128_string")]
+    pub word_pos: u128,
+}
+
+mod u128_string {
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+    pub(super) fn serialize<S: Serializer>(v: &u128, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&v.to_string())
+    }
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u128, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(D::Error::custom)
+    }
+}
+
+/// What part of the path a worker runs for one request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Mode {
+    /// Prefill and decode here (colocated).
+    Full,
+    /// Prefill here, then push the KV to `decode_addr` and hand off.
+    Prefill {
+        /// The transfer's id, known to the decode worker.
+        transfer: TransferId,
+        /// Where the decode worker listens.
+        decode_addr: String,
+    },
+    /// Wait for the KV of `transfer`, then decode.
+    Decode {
+        /// The transfer to wait for.
+        transfer: TransferId,
+    },
+}
+
+/// A generation request for a worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateMsg {
+    /// The gateway's request id (logs).
+    pub id: u64,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Sampling.
+    pub sampling: SamplingMsg,
+    /// Most tokens to generate.
+    pub max_tokens: Option<u32>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Keep going past EOS.
+    pub ignore_eos: bool,
+    /// Which part of the path.
+    pub mode: Mode,
+}
+
+/// Messages to a worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ToWorker {
+    /// Start a request (first message of a request connection).
+    Generate(GenerateMsg),
+    /// The first token and sampler position for a `Decode` request (gateway → decode worker).
+    Handoff {
+        /// The token the prefill worker sampled.
+        first_token: u32,
+        /// Where its sampler stood after sampling it.
+        sampler: SamplerPos,
+    },
+    /// Ask for a [`StatsMsg`] (first message of a stats connection; health checks use it).
+    Stats,
+    /// A KV transfer starts (first message of a KV connection, prefill → decode).
+    KvBegin {
+        /// Which transfer.
+        transfer: TransferId,
+        /// Tokens whose KV follows.
+        n_tokens: u32,
+        /// Engine KV layout fingerprint: `n_layer`, `kv_dim`, `block_size`; must match exactly.
+        layout: [u32; 3],
+    },
+    /// Every chunk was sent.
+    KvEnd {
+        /// Which transfer.
+        transfer: TransferId,
+        /// Chunks sent (the receiver checks it saw them all).
+        chunks: u32,
+    },
+}
+
+/// Why a worker refused a request before running it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectKind {
+    /// Queue full: retry elsewhere or later.
+    Overloaded,
+    /// Prompt plus completion exceed the context.
+    ContextOverflow,
+    /// A request the worker cannot run.
+    Invalid,
+    /// The worker is stopping or broken.
+    Unavailable,
+}
+
+/// Token counts of a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageMsg {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub completion_tokens: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u64,
+}
+
+/// A worker's load and capacity.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StatsMsg {
+    /// `prefill`, `decode` or `both`.
+    pub role: String,
+    /// The worker's name.
+    pub worker_id: String,
+    /// The model's context length.
+    pub n_ctx: u64,
+    /// Tokens per KV block.
+    pub block_size: u64,
+    /// Requests accepted and not finished.
+    pub in_flight: u64,
+    /// Requests waiting.
+    pub waiting: u64,
+    /// Sequences running.
+    pub running: u64,
+    /// KV blocks in use.
+    pub kv_blocks_used: u64,
+    /// KV blocks free (prefix-cache blocks nobody uses count as free).
+    pub kv_blocks_free: u64,
+    /// Seconds computing since start.
+    pub busy_seconds: f64,
+    /// Seconds since start.
+    pub uptime_seconds: f64,
+    /// Model FLOPs run.
+    pub flops: f64,
+    /// Prompt tokens computed.
+    pub prompt_tokens_computed: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub prompt_tokens_cached: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// KV transfers that failed and were recomputed (decode role).
+    pub kv_fallbacks: u64,
+}
+
+/// Messages from a worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum FromWorker {
+    /// The request was queued.
+    Accepted,
+    /// The request was refused before running.
+    Rejected {
+        /// Why.
+        kind: RejectKind,
+        /// For logs and the client.
+        message: String,
+    },
+    /// Text for the client and how many tokens it covers.
+    Text {
+        /// The text.
+        delta: String,
+        /// Tokens.
+        tokens: u32,
+    },
+    /// Prefill role: the first token is done and the KV is on its way.
+    Handoff {
+        /// The sampled token.
+        first_token: u32,
+        /// The sampler's position after it.
+        sampler: SamplerPos,
+        /// Stages this worker measured (queue, prefill).
+        timing: ServerTiming,
+        /// Token counts so far (cached prompt tokens included).
+        usage: UsageMsg,
+    },
+    /// Prefill role: the KV transfer finished (or failed), measured on this worker's clock from
+    /// the first byte out to the decode worker's acknowledgement.
+    KvSent {
+        /// Whether the decode worker acknowledged every byte.
+        ok: bool,
+        /// Transfer duration after prefill end (ms).
+        ms: f64,
+        /// Bytes sent.
+        bytes: u64,
+    },
+    /// The request finished.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Token counts.
+        usage: UsageMsg,
+        /// Stages this worker measured.
+        timing: ServerTiming,
+    },
+    /// The request failed after it was accepted.
+    Failed {
+        /// What went wrong.
+        message: String,
+    },
+    /// Answer to [`ToWorker::Stats`].
+    Stats(StatsMsg),
+    /// Decode worker → prefill worker: the transfer arrived intact (or not).
+    KvAck {
+        /// Whether every chunk arrived and verified.
+        ok: bool,
+        /// What went wrong when not.
+        message: Option<String>,
+    },
+}
+
+/// One chunk of KV blocks: `transfer u64 | first_block u32 | n_blocks u32 | bytes`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvChunk {
+    /// Which transfer.
+    pub transfer: TransferId,
+    /// Index of the first block in the sequence.
+    pub first_block: u32,
+    /// Whole blocks in `bytes`.
+    pub n_blocks: u32,
+    /// Block bytes.
+    pub bytes: Vec<u8>,
+}
+
+const KV_PREFIX: usize = 16;
+
+impl KvChunk {
+    /// The frame payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(KV_PREFIX + self.bytes.len());
+        out.extend_from_slice(&self.transfer.0.to_le_bytes());
+        out.extend_from_slice(&self.first_block.to_le_bytes());
+        out.extend_from_slice(&self.n_blocks.to_le_bytes());
+        out.extend_from_slice(&self.bytes);
+        out
+    }
+
+    /// Decodes a frame payload; `block_bytes` is the receiver's own block size in bytes (never
+    /// taken from the wire) and the block count must match the byte count exactly.
+    pub fn decode(mut payload: Vec<u8>, block_bytes: usize) -> Result<Self, ProtocolError> {
+        if payload.len() < KV_PREFIX {
+            return Err(ProtocolError::InvalidFrame { message: "KV chunk shorter than its prefix".into() });
+        }
+        let u32_at =
+            |i: usize| u32::from_le_bytes([payload[i], payload[i + 1], payload[i + 2], payload[i + 3]]);
+        let mut t = [0u8; 8];
+        t.copy_from_slice(&payload[..8]);
+        let transfer = TransferId(u64::from_le_bytes(t));
+        let first_block = u32_at(8);
+        let n_blocks = u32_at(12);
+        let bytes = payload.split_off(KV_PREFIX);
+        if block_bytes == 0 || (n_blocks as usize).checked_mul(block_bytes) != Some(bytes.len()) {
+            return Err(ProtocolError::InvalidFrame {
+                message: format!("KV chunk says {n_blocks} blocks but carries {} bytes", bytes.len()),
+            });
+        }
+        Ok(Self { transfer, first_block, n_blocks, bytes })
+    }
+}
+
+/// Encodes a control message.
+pub fn encode_control<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
+    serde_json::to_vec(msg).map_err(|e| ProtocolError::InvalidFrame { message: format!("encoding: {e}") })
+}
+
+/// Decodes a control message.
+pub fn decode_control<T: for<'de> Deserialize<'de>>(payload: &[u8]) -> Result<T, ProtocolError> {
+    serde_json::from_slice(payload)
+        .map_err(|e| ProtocolError::InvalidFrame { message: format!("bad control message: {e}") })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn control_messages_round_trip() {
+        let msg = ToWorker::Generate(GenerateMsg {
+            id: 7,
+            prompt: vec![1, 2, 3],
+            sampling: SamplingMsg {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+                seed: Some(3),
+                presence_penalty: 0.0,
+                frequency_penalty: 0.0,
+            },
+            max_tokens: Some(4),
+            stop: vec!["\n".into()],
+            ignore_eos: false,
+            mode: Mode::Prefill { transfer: TransferId(9), decode_addr: "127.0.0.1:1".into() },
+        });
+        let back: ToWorker = decode_control(&encode_control(&msg).unwrap()).unwrap();
+        assert_eq!(back, msg);
+        let h = FromWorker::Handoff {
+            first_token: 5,
+            sampler: SamplerPos { seed: u64::MAX, word_pos: u128::MAX },
+            timing: ServerTiming::default(),
+            usage: UsageMsg::default(),
+        };
+        let back: FromWorker = decode_control(&encode_control(&h).unwrap()).unwrap();
+        assert_eq!(back, h);
+        assert!(
+            decode_control::<ToWorker>(br#"{"type":"kv_end","transfer":1,"chunks":2,"extra":1}"#).is_err()
+        );
+        assert!(decode_control::<ToWorker>(br#"{"type":"nope"}"#).is_err());
+    }
+
+    #[test]
+    fn kv_chunks_check_their_size_against_the_receivers_block() {
+        let c = KvChunk { transfer: TransferId(1), first_block: 2, n_blocks: 2, bytes: vec![7; 8] };
+        assert_eq!(KvChunk::decode(c.encode(), 4).unwrap(), c);
+        assert!(KvChunk::decode(c.encode(), 3).is_err());
+        assert!(KvChunk::decode(c.encode(), 0).is_err());
+        assert!(KvChunk::decode(vec![0; 5], 4).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256), bb in 0usize..64) {
+            let _ = decode_control::<ToWorker>(&bytes);
+            let _ = decode_control::<FromWorker>(&bytes);
+            let _ = KvChunk::decode(bytes, bb);
+        }
+    }
+}

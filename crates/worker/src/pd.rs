@@ -1,0 +1,164 @@
+//! The decode half of prefill/decode disaggregation inside the batcher: a decode-mode request
+//! waits in `awaiting` with its blocks reserved until two things have arrived — its KV (from the
+//! prefill worker, over its own connection) and its first token (from the gateway) — in either
+//! order. Then it joins the waiting queue at the front, already holding its KV, and decodes like
+//! any other sequence.
+//!
+//! Nothing from the wire is trusted: a chunk outside the reserved blocks, a token count that is
+//! not the prompt's, a transfer the sender could not finish, or a transfer that is still missing
+//! `KV_WAIT_AFTER_HANDOFF` after the first token arrived all end the same way: the KV is
+//! declared failed and the prompt is recomputed here (the prompt ids came with the request),
+//! which the timeline records as `kv_recomputed`. The client sees a slower token, never a wrong
+//! one.
+
+use crate::batcher::Batcher;
+use crate::handle::WorkMode;
+use crate::seq::{Ending, KvState, Seq};
+use std::time::{Duration, Instant};
+use tokenpath_engine::sampling::SamplerState;
+use tokenpath_timeline::Mark;
+
+/// How long a decode-mode request waits for its KV after the handoff before recomputing it.
+pub(crate) const KV_WAIT_AFTER_HANDOFF: Duration = Duration::from_secs(10);
+/// How long a decode-mode request waits for its handoff at all.
+pub(crate) const HANDOFF_WAIT: Duration = Duration::from_secs(600);
+
+impl Batcher {
+    fn awaiting_mut(&mut self, transfer: u64) -> Option<&mut Seq> {
+        self.awaiting.iter_mut().find(|s| s.mode == WorkMode::Decode(transfer))
+    }
+
+    /// A new decode-mode request: reserve blocks for its prompt's KV and wait.
+    pub(crate) fn await_kv(&mut self, mut seq: Seq) {
+        let need = self.cache.layout().block_size;
+        let blocks = seq.prompt_len.div_ceil(need);
+        self.reclaim(blocks);
+        if let Err(e) = self.cache.reserve(&mut seq.table, seq.prompt_len) {
+            seq.end(
+                Ending::Failed(format!("no room for the transferred KV: {e}")),
+                Instant::now(),
+                &self.cfg.id,
+            );
+            return;
+        }
+        self.awaiting.push(seq);
+    }
+
+    pub(crate) fn kv_chunk(&mut self, transfer: u64, first_block: u32, bytes: &[u8]) {
+        let now = Instant::now();
+        let Some(idx) = self.awaiting.iter().position(|s| s.mode == WorkMode::Decode(transfer)) else {
+            tracing::debug!(transfer, "KV chunk for an unknown or finished transfer");
+            return;
+        };
+        let seq = &self.awaiting[idx];
+        if seq.kv != KvState::Pending {
+            return;
+        }
+        if let Err(e) = self.cache.write_blocks(&seq.table, first_block as usize, bytes) {
+            tracing::warn!(transfer, "bad KV chunk: {e}");
+            self.awaiting[idx].kv = KvState::Failed(now);
+        }
+    }
+
+    pub(crate) fn kv_end(&mut self, transfer: u64, n_tokens: usize, ok: bool) -> Result<(), String> {
+        let now = Instant::now();
+        let Some(idx) = self.awaiting.iter().position(|s| s.mode == WorkMode::Decode(transfer)) else {
+            return Err(format!("transfer {transfer} is not expected here"));
+        };
+        let seq = &mut self.awaiting[idx];
+        let result = if seq.kv != KvState::Pending {
+            Err("a chunk of the transfer was rejected".to_owned())
+        } else if !ok {
+            Err("the transfer was incomplete or corrupted".to_owned())
+        } else if n_tokens != seq.prompt_len {
+            Err(format!("the transfer holds {n_tokens} tokens, the prompt has {}", seq.prompt_len))
+        } else {
+            self.cache.set_len(&mut seq.table, n_tokens).map_err(|e| e.to_string())
+        };
+        match &result {
+            Ok(()) => {
+                seq.kv = KvState::Done(now);
+                self.stats.kv_imports += 1;
+            }
+            Err(e) => {
+                tracing::warn!(transfer, "KV transfer failed, the prompt will be recomputed: {e}");
+                seq.kv = KvState::Failed(now);
+            }
+        }
+        result
+    }
+
+    pub(crate) fn set_handoff(&mut self, transfer: u64, first_token: u32, sampler: SamplerState) {
+        match self.awaiting_mut(transfer) {
+            Some(seq) => seq.handoff = Some((first_token, sampler, Instant::now())),
+            None => tracing::debug!(transfer, "handoff for an unknown or finished transfer"),
+        }
+    }
+
+    /// Moves every decode-mode request that has both its KV (or a verdict on it) and its first
+    /// token to the front of the waiting queue; fails or falls back on the ones out of time.
+    pub(crate) fn activate_ready(&mut self) {
+        if self.awaiting.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.awaiting.len() {
+            let s = &mut self.awaiting[i];
+            if let (Some((_, _, at)), KvState::Pending) = (s.handoff, s.kv) {
+                if now.duration_since(at) > KV_WAIT_AFTER_HANDOFF {
+                    tracing::warn!(request = %s.id, "KV transfer timed out, recomputing the prompt");
+                    s.kv = KvState::Failed(now);
+                }
+            }
+            if s.handoff.is_none() && now.duration_since(s.arrived) > HANDOFF_WAIT {
+                let mut seq = self.awaiting.swap_remove(i);
+                self.free(&mut seq);
+                seq.end(Ending::Failed("the first token never arrived".into()), now, &self.cfg.id);
+                continue;
+            }
+            let s = &self.awaiting[i];
+            if s.handoff.is_none() || s.kv == KvState::Pending {
+                i += 1;
+                continue;
+            }
+            let seq = self.awaiting.remove(i);
+            self.activate(seq);
+        }
+    }
+
+    fn activate(&mut self, mut seq: Seq) {
+        let Some((first, sampler, _)) = seq.handoff else { return };
+        seq.sampler.continue_from(sampler, &[first]);
+        match seq.kv {
+            KvState::Done(at) => {
+                seq.stamp(Mark::KvTransferEnd, at);
+                seq.fed = seq.prompt_len;
+                seq.first_token_done = true;
+                seq.prefill_started = true;
+            }
+            other => {
+                seq.stamp(Mark::KvTransferEnd, at_or_now(other));
+                seq.recomputed = true;
+                self.stats.kv_fallbacks += 1;
+                if let Err(e) = self.cache.set_len(&mut seq.table, 0) {
+                    tracing::error!("resetting a failed transfer's blocks: {e}");
+                }
+                seq.fed = 0;
+            }
+        }
+        if let Err(e) = seq.replay_first(&self.engine, first) {
+            self.free(&mut seq);
+            seq.end(Ending::Failed(e), Instant::now(), &self.cfg.id);
+            return;
+        }
+        self.waiting.push_front(seq);
+    }
+}
+
+fn at_or_now(kv: KvState) -> Instant {
+    match kv {
+        KvState::Done(at) | KvState::Failed(at) => at,
+        KvState::Pending => Instant::now(),
+    }
+}
