@@ -397,25 +397,7 @@ impl WorkerHandle {
     /// Validates `req` and queues it. The returned stream yields its events; dropping the stream
     /// cancels the request.
     pub fn submit(&self, req: WorkRequest) -> Result<WorkStream, WorkerError> {
-        let n_ctx = self.facts.n_ctx;
-        if req.prompt.is_empty() {
-            return Err(WorkerError::InvalidRequest("the prompt has no tokens".into()));
-        }
-        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.facts.n_vocab) {
-            return Err(WorkerError::InvalidRequest(format!(
-                "token id {bad} is outside the vocabulary of {} tokens",
-                self.facts.n_vocab
-            )));
-        }
-        let prompt_tokens = req.prompt.len();
-        let requested = req.max_tokens.map_or(0, |m| m as usize);
-        if req.max_tokens == Some(0) {
-            return Err(WorkerError::InvalidRequest("max_tokens must be at least 1".into()));
-        }
-        if prompt_tokens >= n_ctx || prompt_tokens + requested > n_ctx {
-            return Err(WorkerError::ContextOverflow { prompt_tokens, max_tokens: requested, limit: n_ctx });
-        }
-        let max_tokens = req.max_tokens.map_or(n_ctx - prompt_tokens, |m| m as usize);
+        let max_tokens = validate_request(&req, self.facts.n_ctx, self.facts.n_vocab)?;
         let sampler =
             Sampler::new(req.sampling.clone()).map_err(|e| WorkerError::InvalidRequest(e.to_string()))?;
         let permit = Arc::clone(&self.queue)
@@ -427,4 +409,28 @@ impl WorkerHandle {
         self.tx.send(Command::Submit(Box::new(sub))).map_err(|_| WorkerError::Stopped)?;
         Ok(WorkStream { id, rx })
     }
+}
+
+/// Checks a request against the model before any work: a non-empty prompt of in-vocabulary ids
+/// that leaves room for at least one generated token (and for `max_tokens` when given). Returns
+/// the completion budget. Every backend runs it, so a remote worker's refusal and a local one's
+/// read the same.
+pub fn validate_request(req: &WorkRequest, n_ctx: usize, n_vocab: usize) -> Result<usize, WorkerError> {
+    if req.prompt.is_empty() {
+        return Err(WorkerError::InvalidRequest("the prompt has no tokens".into()));
+    }
+    if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= n_vocab) {
+        return Err(WorkerError::InvalidRequest(format!(
+            "token id {bad} is outside the vocabulary of {n_vocab} tokens"
+        )));
+    }
+    let prompt_tokens = req.prompt.len();
+    let requested = req.max_tokens.map_or(0, |m| m as usize);
+    if req.max_tokens == Some(0) {
+        return Err(WorkerError::InvalidRequest("max_tokens must be at least 1".into()));
+    }
+    if prompt_tokens >= n_ctx || prompt_tokens + requested > n_ctx {
+        return Err(WorkerError::ContextOverflow { prompt_tokens, max_tokens: requested, limit: n_ctx });
+    }
+    Ok(req.max_tokens.map_or(n_ctx - prompt_tokens, |m| m as usize))
 }

@@ -15,11 +15,12 @@
 
 mod batcher;
 mod handle;
+pub mod net;
 mod pd;
 mod seq;
 
 pub use handle::{
-    TokenUsage, WorkEvent, WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle,
+    validate_request, TokenUsage, WorkEvent, WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle,
     WorkerStats, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
 };
 
@@ -60,6 +61,9 @@ pub enum WorkerError {
     /// The worker thread could not be started.
     #[error("cannot start the worker thread: {0}")]
     Spawn(#[source] std::io::Error),
+    /// A remote worker could not be reached, broke the protocol or refused for its own reasons.
+    #[error("remote worker {0}")]
+    Remote(String),
     /// The worker thread is gone (shut down or crashed).
     #[error("the worker has stopped")]
     Stopped,

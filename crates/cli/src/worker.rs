@@ -1,0 +1,111 @@
+//! `tokenpath worker`: one engine instance in its own process, in role prefill, decode or both,
+//! serving the worker protocol. `tokenpath serve --prefill N --decode M` starts these itself;
+//! on several hosts, start them by hand and list them in a cluster file or let them register.
+//!
+//! The first line on stdout is `tokenpath worker listening on ADDR` (a parent that asked for
+//! port 0 reads the port from it); logs go to stderr.
+
+use crate::generate::ModelArgs;
+use crate::serve::BatchingArgs;
+use crate::topology::{pin_to_cpus, CpuList};
+use anyhow::Context as _;
+use clap::Args;
+use std::io::Write as _;
+use std::sync::Arc;
+use tokenpath_engine::Engine;
+use tokenpath_timeline::WorkerId;
+use tokenpath_worker::net::server::{serve, ServerConfig};
+use tokenpath_worker::{Role, Worker, WorkerConfig};
+
+/// Flags of `tokenpath worker`.
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// prefill, decode or both.
+    #[arg(long, default_value = "both", env = "TOKENPATH_ROLE")]
+    role: Role,
+    /// Address to listen on for the gateway and for KV transfers (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0", env = "TOKENPATH_LISTEN")]
+    listen: String,
+    /// The worker's name in timelines and metrics (default: role and port).
+    #[arg(long, env = "TOKENPATH_WORKER_ID")]
+    id: Option<String>,
+    /// Pin the process (and every engine thread) to these cores, e.g. `0` or `0,1` or `0-3`.
+    #[arg(long, env = "TOKENPATH_CPUS")]
+    cpus: Option<CpuList>,
+    /// Register with this gateway at start (`http://host:port`).
+    #[arg(long, env = "TOKENPATH_REGISTER")]
+    register: Option<String>,
+    /// The address the gateway should use to reach this worker (default: the bound address).
+    #[arg(long, env = "TOKENPATH_ADVERTISE")]
+    advertise: Option<String>,
+    /// Bearer key for registering with a gateway that requires one.
+    #[arg(long, env = "TOKENPATH_REGISTER_KEY", hide_env_values = true)]
+    register_key: Option<String>,
+    /// Testing only: corrupt every outgoing KV transfer (exercises the decode side's fallback).
+    #[arg(long, hide = true, env = "TOKENPATH_FAULT_CORRUPT_KV")]
+    fault_corrupt_kv: bool,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    batching: BatchingArgs,
+}
+
+pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    if let Some(cpus) = &args.cpus {
+        // Before any thread exists: every thread started later inherits the mask.
+        pin_to_cpus(cpus)?;
+    }
+    let path = args.model.path();
+    let engine = Arc::new(Engine::open(&path).with_context(|| format!("loading {}", path.display()))?);
+    let threads = args.cpus.as_ref().map_or(2, CpuList::len).max(1);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&args.listen)
+            .await
+            .with_context(|| format!("binding {}", args.listen))?;
+        let local = listener.local_addr().context("reading the bound address")?;
+        let id = args.id.clone().unwrap_or_else(|| format!("{}-{}", args.role, local.port()));
+        let config = WorkerConfig { id: WorkerId(id.clone()), ..args.batching.worker_config() };
+        let worker = Worker::spawn(engine, config).context("starting the worker")?;
+        tracing::info!(%local, role = %args.role, worker = %id, cpus = ?args.cpus, "worker ready");
+        {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "tokenpath worker listening on {local}")?;
+            out.flush()?;
+        }
+        if let Some(gateway) = &args.register {
+            let advertise = args.advertise.clone().unwrap_or_else(|| local.to_string());
+            register(gateway, &advertise, args.role, args.register_key.as_deref()).await?;
+            tracing::info!(%gateway, %advertise, "registered with the gateway");
+        }
+        let server = ServerConfig { role: args.role, fault_corrupt_kv: args.fault_corrupt_kv };
+        tokio::select! {
+            r = serve(listener, worker.handle(), server) => r.context("serving")?,
+            () = tokenpath_gateway::shutdown_signal() => tracing::info!("worker stopping"),
+        }
+        anyhow::Ok(())
+    })
+}
+
+/// `POST {gateway}/admin/workers` with this worker's address and role.
+async fn register(gateway: &str, addr: &str, role: Role, key: Option<&str>) -> anyhow::Result<()> {
+    let url = format!("{}/admin/workers", gateway.trim_end_matches('/'));
+    let mut req = reqwest::Client::new()
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(serde_json::json!({ "addr": addr, "role": role.to_string() }).to_string());
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    let resp = req.send().await.with_context(|| format!("registering with {url}"))?;
+    if !resp.status().is_success() {
+        let status = resp.status();
+        let body = resp.text().await.unwrap_or_default();
+        anyhow::bail!("the gateway refused the registration ({status}): {body}");
+    }
+    Ok(())
+}

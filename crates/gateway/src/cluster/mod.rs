@@ -1,0 +1,292 @@
+//! The gateway's multi-process backend: workers in other processes (or hosts), colocated or
+//! prefill/decode-disaggregated, reached over the worker protocol.
+//!
+//! [`Cluster::submit`] turns one admitted request into a [`WorkStream`] — the same type a local
+//! worker returns — so the HTTP layer does not know which backend it talks to. Behind it, a task
+//! per request drives the PD flow: open the decode worker (blocks reserved), open the prefill
+//! worker (told where to push the KV), forward the first token the moment it exists, hand the
+//! sampler position to the decode worker, forward its tokens, and assemble one timeline from the
+//! durations each process measured on its own clock. A worker that cannot be reached before the
+//! request started is marked down and another is tried; one that dies mid-stream ends the stream
+//! with an error event (never a hang) and is marked down.
+
+pub mod registry;
+
+pub use registry::{Registry, Route, WorkerView};
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, Mode, ToWorker, TransferId};
+use tokenpath_timeline::{ms, ServerTiming, Stage};
+use tokenpath_worker::net::client::RemoteRequest;
+use tokenpath_worker::net::{sampling_msg, usage_of};
+use tokenpath_worker::{WorkEvent, WorkRequest, WorkStream, WorkerError};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// How long opening a request on a worker may take.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How many workers a request tries before giving up (dead ones are skipped).
+const MAX_ATTEMPTS: usize = 3;
+/// How long the gateway waits for the prefill worker's transfer report after the decode ended.
+const KV_REPORT_WAIT: Duration = Duration::from_secs(2);
+
+/// Remote workers behind one gateway.
+#[derive(Debug)]
+pub struct Cluster {
+    registry: Registry,
+    transfers: AtomicU64,
+}
+
+impl Cluster {
+    /// A cluster over `registry`.
+    pub fn new(registry: Registry) -> Self {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Self { registry, transfers: AtomicU64::new(seed << 16) }
+    }
+
+    /// The registry (health, registration, routing).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Routes and starts `work`; errors before any token are returned, later ones arrive as
+    /// [`WorkEvent::Failed`] on the stream.
+    pub async fn submit(&self, work: WorkRequest) -> Result<WorkStream, WorkerError> {
+        let mut avoid = Vec::new();
+        let mut last_err = WorkerError::Overloaded { max: 0 };
+        for _ in 0..MAX_ATTEMPTS {
+            let route = self.registry.route(&work.prompt, avoid.clone()).await?;
+            match self.start(&work, &route).await {
+                Ok(stream) => return Ok(stream),
+                Err((failed, e)) => {
+                    release(&self.registry, &route);
+                    match failed {
+                        Some(addr) => {
+                            tracing::warn!(%addr, "worker unreachable, trying another: {e}");
+                            self.registry.mark_down(&addr);
+                            avoid.push(addr);
+                            last_err = e;
+                        }
+                        None => return Err(e),
+                    }
+                }
+            }
+        }
+        Err(last_err)
+    }
+
+    /// Opens the route's connections. On failure: which worker was unreachable (to avoid) or
+    /// `None` when the worker refused (overloaded, invalid: no point trying another).
+    async fn start(
+        &self,
+        work: &WorkRequest,
+        route: &Route,
+    ) -> Result<WorkStream, (Option<String>, WorkerError)> {
+        let msg = |mode: Mode| GenerateMsg {
+            id: work.id.0,
+            prompt: work.prompt.clone(),
+            sampling: sampling_msg(&work.sampling),
+            max_tokens: work.max_tokens,
+            stop: work.stop.clone(),
+            ignore_eos: work.ignore_eos,
+            mode,
+        };
+        let open = |addr: String, mode: Mode| async move {
+            RemoteRequest::open(&addr, msg(mode), OPEN_TIMEOUT).await.map_err(|e| match e {
+                WorkerError::Remote(_) => (Some(addr), e),
+                other => (None, other),
+            })
+        };
+        let (tx, stream) = WorkStream::channel(work.id);
+        let clock = Clock { arrived: work.arrived, admitted: work.admitted };
+        match route {
+            Route::Colocated(addr) => {
+                let conn = open(addr.clone(), Mode::Full).await?;
+                let registry = self.registry.clone();
+                let addr = addr.clone();
+                tokio::spawn(async move {
+                    pump_colocated(conn, &tx, clock, &registry).await;
+                    registry.done(&addr);
+                });
+            }
+            Route::Disaggregated { prefill, decode } => {
+                let transfer = TransferId(self.transfers.fetch_add(1, Ordering::Relaxed));
+                let dconn = open(decode.clone(), Mode::Decode { transfer }).await?;
+                let pconn =
+                    open(prefill.clone(), Mode::Prefill { transfer, decode_addr: decode.clone() }).await?;
+                let registry = self.registry.clone();
+                let (p, d) = (prefill.clone(), decode.clone());
+                tokio::spawn(async move {
+                    pump_disaggregated(pconn, dconn, &tx, clock, &registry).await;
+                    registry.done(&p);
+                    registry.done(&d);
+                });
+            }
+        }
+        Ok(stream)
+    }
+}
+
+fn release(registry: &Registry, route: &Route) {
+    match route {
+        Route::Colocated(a) => registry.done(a),
+        Route::Disaggregated { prefill, decode } => {
+            registry.done(prefill);
+            registry.done(decode);
+        }
+    }
+}
+
+/// The gateway's own marks of one request.
+#[derive(Clone, Copy)]
+struct Clock {
+    arrived: Instant,
+    admitted: Instant,
+}
+
+impl Clock {
+    /// The gateway's stage, TTFT and E2E, then every stage the workers measured.
+    fn assemble(&self, first_token: Option<Instant>, parts: &[&ServerTiming]) -> ServerTiming {
+        let mut t = ServerTiming::default();
+        let since = |i: Instant| ms(i.saturating_duration_since(self.arrived).as_nanos() as u64);
+        t.stages_ms.insert(Stage::Gateway, since(self.admitted));
+        t.ttft_ms = first_token.map(since);
+        t.e2e_ms = Some(since(Instant::now()));
+        for p in parts {
+            let mut p = (*p).clone();
+            p.stages_ms.remove(&Stage::Gateway);
+            t.absorb(&p);
+        }
+        t
+    }
+}
+
+fn fail(tx: &UnboundedSender<WorkEvent>, message: String) {
+    let _ = tx.send(WorkEvent::Failed { message });
+}
+
+/// Reads the next event of `conn`, or `None` when the client went away (cancel).
+async fn next_or_cancel(
+    conn: &mut RemoteRequest,
+    tx: &UnboundedSender<WorkEvent>,
+) -> Option<Result<Option<FromWorker>, WorkerError>> {
+    tokio::select! {
+        r = conn.next() => Some(r),
+        () = tx.closed() => None,
+    }
+}
+
+async fn pump_colocated(
+    mut conn: RemoteRequest,
+    tx: &UnboundedSender<WorkEvent>,
+    clock: Clock,
+    registry: &Registry,
+) {
+    let mut first = None;
+    loop {
+        let Some(event) = next_or_cancel(&mut conn, tx).await else { return };
+        match event {
+            Ok(Some(FromWorker::Text { delta, tokens })) => {
+                first.get_or_insert_with(Instant::now);
+                let _ = tx.send(WorkEvent::Text { delta, tokens });
+            }
+            Ok(Some(FromWorker::Finished { reason, usage, timing })) => {
+                let timing = clock.assemble(first, &[&timing]);
+                let _ = tx.send(WorkEvent::Finished { reason, usage: usage_of(usage), timing });
+                return;
+            }
+            Ok(Some(FromWorker::Failed { message })) => return fail(tx, message),
+            Ok(Some(other)) => {
+                return fail(tx, format!("unexpected message from {}: {other:?}", conn.addr()))
+            }
+            Ok(None) | Err(_) => {
+                registry.mark_down(conn.addr());
+                return fail(tx, format!("worker {} died mid-request", conn.addr()));
+            }
+        }
+    }
+}
+
+async fn pump_disaggregated(
+    mut pconn: RemoteRequest,
+    mut dconn: RemoteRequest,
+    tx: &UnboundedSender<WorkEvent>,
+    clock: Clock,
+    registry: &Registry,
+) {
+    let mut first = None;
+    // Phase 1: the prefill worker, up to the handoff.
+    let (ptiming, pusage) = loop {
+        let Some(event) = next_or_cancel(&mut pconn, tx).await else { return };
+        match event {
+            Ok(Some(FromWorker::Text { delta, tokens })) => {
+                first.get_or_insert_with(Instant::now);
+                let _ = tx.send(WorkEvent::Text { delta, tokens });
+            }
+            Ok(Some(FromWorker::Handoff { first_token, sampler, timing, usage })) => {
+                if let Err(e) = dconn.send(&ToWorker::Handoff { first_token, sampler }).await {
+                    registry.mark_down(dconn.addr());
+                    return fail(tx, format!("decode worker lost at handoff: {e}"));
+                }
+                first.get_or_insert_with(Instant::now);
+                break (timing, usage);
+            }
+            Ok(Some(FromWorker::Finished { reason, usage, timing })) => {
+                // The first token ended the request; the decode worker's reservation is dropped
+                // with its connection.
+                let timing = clock.assemble(first, &[&timing]);
+                let _ = tx.send(WorkEvent::Finished { reason, usage: usage_of(usage), timing });
+                return;
+            }
+            Ok(Some(FromWorker::Failed { message })) => return fail(tx, message),
+            Ok(Some(other)) => {
+                return fail(tx, format!("unexpected message from {}: {other:?}", pconn.addr()))
+            }
+            Ok(None) | Err(_) => {
+                registry.mark_down(pconn.addr());
+                return fail(tx, format!("prefill worker {} died mid-request", pconn.addr()));
+            }
+        }
+    };
+    // The prefill worker's transfer report arrives on its own time.
+    let report = tokio::spawn(async move {
+        match pconn.next().await {
+            Ok(Some(FromWorker::KvSent { ok, ms, bytes })) => Some((ok, ms, bytes)),
+            _ => None,
+        }
+    });
+    // Phase 2: the decode worker.
+    loop {
+        let Some(event) = next_or_cancel(&mut dconn, tx).await else { return };
+        match event {
+            Ok(Some(FromWorker::Text { delta, tokens })) => {
+                let _ = tx.send(WorkEvent::Text { delta, tokens });
+            }
+            Ok(Some(FromWorker::Finished { reason, usage, timing })) => {
+                let mut kv = ServerTiming::default();
+                if let Ok(Ok(Some((ok, ms, bytes)))) = tokio::time::timeout(KV_REPORT_WAIT, report).await {
+                    if ok {
+                        kv.stages_ms.insert(Stage::KvTransfer, ms);
+                        kv.kv_transfer_bytes = Some(bytes);
+                    }
+                }
+                let mut timing = clock.assemble(first, &[&ptiming, &kv, &timing]);
+                timing.cached_tokens = pusage.cached_tokens;
+                let mut usage = usage_of(usage);
+                usage.cached_tokens = pusage.cached_tokens;
+                let _ = tx.send(WorkEvent::Finished { reason, usage, timing });
+                return;
+            }
+            Ok(Some(FromWorker::Failed { message })) => return fail(tx, message),
+            Ok(Some(other)) => {
+                return fail(tx, format!("unexpected message from {}: {other:?}", dconn.addr()))
+            }
+            Ok(None) | Err(_) => {
+                registry.mark_down(dconn.addr());
+                return fail(tx, format!("decode worker {} died mid-stream", dconn.addr()));
+            }
+        }
+    }
+}

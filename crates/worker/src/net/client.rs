@@ -1,0 +1,78 @@
+//! The gateway's side of a worker connection: open a request and read its events, or poll stats.
+
+use super::{read_control, write_control};
+use crate::WorkerError;
+use std::time::Duration;
+use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, RejectKind, StatsMsg, ToWorker};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+
+fn remote(addr: &str, e: impl std::fmt::Display) -> WorkerError {
+    WorkerError::Remote(format!("{addr}: {e}"))
+}
+
+async fn connect(addr: &str, timeout: Duration) -> Result<TcpStream, WorkerError> {
+    let s = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| remote(addr, "connect timed out"))?
+        .map_err(|e| remote(addr, e))?;
+    let _ = s.set_nodelay(true);
+    Ok(s)
+}
+
+/// Asks the worker at `addr` for its stats (health checks and routing).
+pub async fn stats(addr: &str, timeout: Duration) -> Result<StatsMsg, WorkerError> {
+    let work = async {
+        let (mut rd, mut wr) = connect(addr, timeout).await?.into_split();
+        write_control(&mut wr, &ToWorker::Stats).await.map_err(|e| remote(addr, e))?;
+        match read_control::<_, FromWorker>(&mut rd).await.map_err(|e| remote(addr, e))? {
+            Some(FromWorker::Stats(s)) => Ok(s),
+            other => Err(remote(addr, format!("expected stats, got {other:?}"))),
+        }
+    };
+    tokio::time::timeout(timeout, work).await.map_err(|_| remote(addr, "stats timed out"))?
+}
+
+/// One request's connection to a worker. Dropping it cancels the request on the worker.
+#[derive(Debug)]
+pub struct RemoteRequest {
+    addr: String,
+    rd: OwnedReadHalf,
+    wr: OwnedWriteHalf,
+}
+
+impl RemoteRequest {
+    /// Opens a request; the worker's refusal comes back as the matching [`WorkerError`].
+    pub async fn open(addr: &str, msg: GenerateMsg, timeout: Duration) -> Result<Self, WorkerError> {
+        let (mut rd, mut wr) = connect(addr, timeout).await?.into_split();
+        write_control(&mut wr, &ToWorker::Generate(msg)).await.map_err(|e| remote(addr, e))?;
+        let first = tokio::time::timeout(timeout, read_control::<_, FromWorker>(&mut rd))
+            .await
+            .map_err(|_| remote(addr, "no answer in time"))?
+            .map_err(|e| remote(addr, e))?;
+        match first {
+            Some(FromWorker::Accepted) => Ok(Self { addr: addr.to_owned(), rd, wr }),
+            Some(FromWorker::Rejected { kind, message }) => Err(match kind {
+                RejectKind::Overloaded => WorkerError::Overloaded { max: 0 },
+                RejectKind::ContextOverflow | RejectKind::Invalid => WorkerError::InvalidRequest(message),
+                RejectKind::Unavailable => WorkerError::Remote(format!("{addr}: {message}")),
+            }),
+            other => Err(remote(addr, format!("expected accepted, got {other:?}"))),
+        }
+    }
+
+    /// The worker's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The next event; `Ok(None)` when the worker closed the connection.
+    pub async fn next(&mut self) -> Result<Option<FromWorker>, WorkerError> {
+        read_control(&mut self.rd).await.map_err(|e| remote(&self.addr, e))
+    }
+
+    /// Sends a message on the request's connection (the handoff to a decode worker).
+    pub async fn send(&mut self, msg: &ToWorker) -> Result<(), WorkerError> {
+        write_control(&mut self.wr, msg).await.map_err(|e| remote(&self.addr, e))
+    }
+}

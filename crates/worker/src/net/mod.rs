@@ -1,0 +1,118 @@
+//! A worker on the network: the server side a `tokenpath worker` process runs ([`server`]) and
+//! the client side the gateway uses to reach it ([`client`]). One request per TCP connection, so
+//! a closed connection IS the cancellation (gateway → worker) and the failure signal (worker →
+//! gateway), with nothing to multiplex or time out by hand. Frames and messages come from the
+//! protocol crate; this module only moves them.
+
+pub mod client;
+pub mod server;
+
+use tokenpath_protocol::cluster::{decode_control, encode_control, SamplingMsg, StatsMsg, UsageMsg};
+use tokenpath_protocol::frame::{read_frame, write_frame, FrameKind};
+use tokenpath_protocol::ProtocolError;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::{TokenUsage, WorkerStats};
+use tokenpath_engine::sampling::{SamplerState, SamplingParams};
+use tokenpath_protocol::cluster::SamplerPos;
+
+/// Reads one control message; `Ok(None)` at a clean end of stream.
+pub(crate) async fn read_control<R: AsyncRead + Unpin, T: for<'de> serde::Deserialize<'de>>(
+    r: &mut R,
+) -> Result<Option<T>, ProtocolError> {
+    match read_frame(r).await? {
+        None => Ok(None),
+        Some((FrameKind::Control, payload)) => decode_control(&payload).map(Some),
+        Some((FrameKind::KvChunk, _)) => {
+            Err(ProtocolError::InvalidFrame { message: "a KV chunk where a control message belongs".into() })
+        }
+    }
+}
+
+/// Writes one control message.
+pub(crate) async fn write_control<W: AsyncWrite + Unpin, T: serde::Serialize>(
+    w: &mut W,
+    msg: &T,
+) -> Result<(), ProtocolError> {
+    write_frame(w, FrameKind::Control, &encode_control(msg)?).await
+}
+
+pub(crate) fn usage_msg(u: TokenUsage) -> UsageMsg {
+    UsageMsg { prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens, cached_tokens: u.cached_tokens }
+}
+
+/// The worker-side usage of a message.
+pub fn usage_of(u: UsageMsg) -> TokenUsage {
+    TokenUsage { prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens, cached_tokens: u.cached_tokens }
+}
+
+/// Wire form of sampling parameters.
+pub fn sampling_msg(p: &SamplingParams) -> SamplingMsg {
+    SamplingMsg {
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: p.top_p,
+        seed: p.seed,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+    }
+}
+
+pub(crate) fn sampling_params(m: &SamplingMsg) -> SamplingParams {
+    SamplingParams {
+        temperature: m.temperature,
+        top_k: m.top_k,
+        top_p: m.top_p,
+        seed: m.seed,
+        presence_penalty: m.presence_penalty,
+        frequency_penalty: m.frequency_penalty,
+    }
+}
+
+pub(crate) fn sampler_pos(s: SamplerState) -> SamplerPos {
+    SamplerPos { seed: s.seed, word_pos: s.word_pos }
+}
+
+pub(crate) fn sampler_state(p: SamplerPos) -> SamplerState {
+    SamplerState { seed: p.seed, word_pos: p.word_pos }
+}
+
+pub(crate) fn stats_msg(s: &WorkerStats, role: &str, id: &str, n_ctx: usize, block_size: usize, in_flight: usize) -> StatsMsg {
+    StatsMsg {
+        role: role.to_owned(),
+        worker_id: id.to_owned(),
+        n_ctx: n_ctx as u64,
+        block_size: block_size as u64,
+        in_flight: in_flight as u64,
+        waiting: s.waiting as u64,
+        running: s.running as u64,
+        kv_blocks_used: s.kv_blocks_used as u64,
+        kv_blocks_free: s.kv_blocks_free as u64,
+        busy_seconds: s.busy_seconds,
+        uptime_seconds: s.uptime_seconds,
+        flops: s.flops,
+        prompt_tokens_computed: s.prompt_tokens_computed,
+        prompt_tokens_cached: s.prompt_tokens_cached,
+        generated_tokens: s.generated_tokens,
+        kv_fallbacks: s.kv_fallbacks,
+    }
+}
+
+/// A stats message as worker stats (the gateway renders remote workers like local ones).
+pub fn stats_of(m: &StatsMsg) -> WorkerStats {
+    WorkerStats {
+        waiting: m.waiting as usize,
+        running: m.running as usize,
+        kv_blocks_used: m.kv_blocks_used as usize,
+        kv_blocks_free: m.kv_blocks_free as usize,
+        busy_seconds: m.busy_seconds,
+        uptime_seconds: m.uptime_seconds,
+        flops: m.flops,
+        prompt_tokens_computed: m.prompt_tokens_computed,
+        prompt_tokens_cached: m.prompt_tokens_cached,
+        generated_tokens: m.generated_tokens,
+        kv_fallbacks: m.kv_fallbacks,
+        ..WorkerStats::default()
+    }
+}
+
