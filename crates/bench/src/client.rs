@@ -3,6 +3,7 @@
 //! it carried (0 for role-only, empty, usage and keep-alive events), so the `timeline` crate, not
 //! this code, decides what the first token is.
 
+use crate::tokens::ChatMsg;
 use crate::workload::RequestSpec;
 use futures_util::StreamExt as _;
 use std::time::{Duration, Instant};
@@ -42,20 +43,51 @@ pub async fn send(
     t0: Instant,
     t_sched: Option<Nanos>,
 ) -> ClientRecord {
+    send_chat(client, target, id, &messages_of(spec, &[]), spec.max_tokens, t0, t_sched).await.0
+}
+
+/// The messages of `spec` after the earlier turns `history` (system message first).
+pub fn messages_of(spec: &RequestSpec, history: &[ChatMsg]) -> Vec<ChatMsg> {
+    let mut m = Vec::with_capacity(history.len() + 2);
+    if let Some(sys) = &spec.system {
+        m.push(ChatMsg::new("system", sys.clone()));
+    }
+    m.extend_from_slice(history);
+    m.push(ChatMsg::new("user", spec.prompt.clone()));
+    m
+}
+
+/// Like [`send`] with explicit chat `messages`; also returns the generated text (empty on
+/// failure), which a multi-turn session puts into its next prompt.
+pub async fn send_chat(
+    client: &reqwest::Client,
+    target: &Target,
+    id: u64,
+    messages: &[ChatMsg],
+    max_tokens: u32,
+    t0: Instant,
+    t_sched: Option<Nanos>,
+) -> (ClientRecord, String) {
     let t_send = since(t0);
     let mut rec = ClientRecord::new(RequestId(id), t_sched.unwrap_or(t_send), t_send, target.stream);
+    let messages: Vec<serde_json::Value> =
+        messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect();
     let body = serde_json::json!({
         "model": target.model,
-        "messages": [{"role": "user", "content": spec.prompt}],
-        "max_tokens": spec.max_tokens,
+        "messages": messages,
+        "max_tokens": max_tokens,
         "stream": target.stream,
         "stream_options": if target.stream { serde_json::json!({"include_usage": true}) } else { serde_json::Value::Null },
         "ignore_eos": if target.ignore_eos { serde_json::Value::Bool(true) } else { serde_json::Value::Null },
     });
-    let fut = exchange(client, target, body, &mut rec, t0);
+    let mut text = String::new();
+    let fut = exchange(client, target, body, &mut rec, &mut text, t0);
     match tokio::time::timeout(target.timeout, fut).await {
         Ok(Ok(())) => {}
-        Ok(Err((kind, message))) => rec.outcome = Outcome::Failed { kind, message },
+        Ok(Err((kind, message))) => {
+            text.clear();
+            rec.outcome = Outcome::Failed { kind, message }
+        }
         Err(_) => {
             rec.outcome = Outcome::Failed {
                 kind: "timeout".into(),
@@ -63,8 +95,11 @@ pub async fn send(
             }
         }
     }
+    if !rec.is_ok() {
+        text.clear();
+    }
     rec.t_done.get_or_insert(since(t0));
-    rec
+    (rec, text)
 }
 
 type Failure = (String, String);
@@ -74,6 +109,7 @@ async fn exchange(
     target: &Target,
     body: serde_json::Value,
     rec: &mut ClientRecord,
+    text: &mut String,
     t0: Instant,
 ) -> Result<(), Failure> {
     let url = format!("{}/v1/chat/completions", target.url.trim_end_matches('/'));
@@ -84,8 +120,8 @@ async fn exchange(
     let resp = req.send().await.map_err(|e| ("connect".to_owned(), e.to_string()))?;
     let status = resp.status();
     if !status.is_success() {
-        let text = resp.text().await.unwrap_or_default();
-        return Err((format!("http_{}", status.as_u16()), text.chars().take(300).collect()));
+        let body = resp.text().await.unwrap_or_default();
+        return Err((format!("http_{}", status.as_u16()), body.chars().take(300).collect()));
     }
     if !target.stream {
         let bytes = resp.bytes().await.map_err(|e| ("read".to_owned(), e.to_string()))?;
@@ -96,6 +132,7 @@ async fn exchange(
         }
         let n = view.usage.as_ref().map_or(1, |u| u.completion_tokens as u32);
         rec.events.push(StreamEvent { at_ns: at, tokens: n });
+        text.push_str(&view.text);
         rec.usage = view.usage.as_ref().map(|u| u.to_timeline());
         rec.server = view.timing;
         return finish_reason(rec, view.finish_reason);
@@ -121,6 +158,7 @@ async fn exchange(
             // Without the model's tokenizer a content-bearing event counts as one token; the
             // server's `usage` stays the truth for N_out.
             rec.events.push(StreamEvent { at_ns: at, tokens: u32::from(view.carries_tokens()) });
+            text.push_str(&view.text);
             if let Some(u) = &view.usage {
                 rec.usage = Some(u.to_timeline());
             }

@@ -13,6 +13,14 @@ pub enum BenchError {
         /// Why.
         source: std::io::Error,
     },
+    /// A report file could not be written.
+    #[error("cannot write {path}")]
+    Write {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
     /// A records file is not valid.
     #[error("{path}:{line}: not a request record: {reason}")]
     BadRecord {
@@ -23,6 +31,19 @@ pub enum BenchError {
         /// Why.
         reason: String,
     },
+    /// A trace file line that is not a request.
+    #[error("{path}:{line}: bad trace line: {reason}")]
+    BadTrace {
+        /// The file.
+        path: String,
+        /// 1-based line (0: the whole file).
+        line: usize,
+        /// Why.
+        reason: String,
+    },
+    /// A `--find-max-rate` search that cannot run.
+    #[error("bad rate search: {0}")]
+    BadSearch(String),
     /// A run with no request in it.
     #[error("no requests to report on")]
     NoRequests,

@@ -10,9 +10,14 @@ pub mod arrival;
 pub mod client;
 pub mod compare;
 mod error;
+pub mod html;
+pub mod progress;
 pub mod report;
 pub mod run;
+pub mod search;
 pub mod text;
+pub mod tokens;
+pub mod trace;
 pub mod workload;
 
 pub use error::BenchError;

@@ -77,6 +77,9 @@ pub struct Report {
     pub n_out_sources: BTreeMap<String, u64>,
     /// Things the reader must know to trust the numbers.
     pub notes: Vec<String>,
+    /// Client token counts (with a tokenizer) against the server's `usage`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_check: Option<crate::tokens::TokenCheck>,
 }
 
 fn summarize(values: Vec<f64>) -> Option<Summary> {
@@ -224,7 +227,14 @@ impl Report {
         if stages.is_empty() {
             notes.push("the server sent no `timing`: no per-stage breakdown".into());
         }
-        Ok(Report { window, summary, stages, tail, goodput: good, errors, n_out_sources, notes })
+        let token_check = crate::tokens::TokenCheck::of(in_window.iter().copied());
+        if token_check.is_none() {
+            notes.push(
+                "no tokenizer given: prompt lengths are approximate; the server's `usage` is the truth"
+                    .into(),
+            );
+        }
+        Ok(Report { window, summary, stages, tail, goodput: good, errors, n_out_sources, notes, token_check })
     }
 
     /// A plain-text table for the terminal.
@@ -282,6 +292,18 @@ impl Report {
         }
         for (kind, n) in &self.errors {
             let _ = writeln!(out, "errors {kind}: {n}");
+        }
+        if let Some(c) = &self.token_check {
+            let _ = writeln!(
+                out,
+                "tokens vs usage: prompt {} of {} differ (max {}), output {} of {} differ (max {})",
+                c.prompt.disagree,
+                c.prompt.compared,
+                c.prompt.max_abs_diff,
+                c.output.disagree,
+                c.output.compared,
+                c.output.max_abs_diff
+            );
         }
         for n in &self.notes {
             let _ = writeln!(out, "note: {n}");

@@ -87,6 +87,9 @@ async fn records_follow_the_definitions_over_a_real_socket() {
         concurrency: None,
         num_requests: 6,
         seed: 1,
+        duration: None,
+        ramp: None,
+        tokenizer: None,
     };
     let mut seen = 0;
     let records = run(&cfg, &mut |_, _, _| seen += 1).await.unwrap();

@@ -4,13 +4,13 @@
 
 use crate::WindowArgs;
 use clap::{Args, ValueEnum};
-use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
-use tokenpath_bench::arrival::Arrival;
+use tokenpath_bench::arrival::{Arrival, Ramp};
 use tokenpath_bench::client::Target;
 use tokenpath_bench::report::{Report, ReportOptions};
 use tokenpath_bench::run::{run, RunConfig};
+use tokenpath_bench::search::{find_max_rate, SearchConfig};
 use tokenpath_bench::workload::Workload;
 use tokenpath_timeline::SloSpec;
 
@@ -50,10 +50,17 @@ pub struct TargetArgs {
 /// What load to offer.
 #[derive(Debug, Args)]
 pub struct LoadArgs {
-    /// `agent-longtail` (default), `agent-longtail:S_LO-S_HI:L_LO-L_HI:SHARE:O_LO-O_HI`, or
-    /// `fixed:IN:OUT` (token counts).
+    /// `agent-longtail` (default), `agent-longtail:S_LO-S_HI:L_LO-L_HI:SHARE:O_LO-O_HI`,
+    /// `fixed:IN:OUT`, `random:uniform:I_LO-I_HI:O_LO-O_HI`,
+    /// `random:lognormal:I_MEDIAN,I_SIGMA:O_MEDIAN,O_SIGMA`,
+    /// `shared-prefix[:GROUPS:PREFIX:S_LO-S_HI:O_LO-O_HI]`, `multi-turn[:TURNS:I_LO-I_HI:O_LO-O_HI]`
+    /// (--rate then starts sessions) or `trace:FILE.jsonl` (its timestamps are the schedule).
     #[arg(long, default_value = "agent-longtail")]
     workload: Workload,
+    /// A GGUF file with the model's tokenizer (only its metadata is read): exact prompt lengths,
+    /// and client token counts checked against the server's `usage`.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Offered rate, requests/s.
     #[arg(long, default_value_t = 1.0)]
     rate: f64,
@@ -67,9 +74,17 @@ pub struct LoadArgs {
     /// (replaces --rate/--arrival).
     #[arg(long)]
     concurrency: Option<usize>,
-    /// Requests to send.
-    #[arg(long, default_value_t = 50)]
-    num_requests: usize,
+    /// Requests to send at most (default 50; 100000 when --duration, --ramp or a trace bounds
+    /// the run).
+    #[arg(long)]
+    num_requests: Option<usize>,
+    /// Schedule no send at or after this many seconds.
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Linear rate ramp `FROM:TO:SECONDS` (requests/s), warping the --arrival process; the ramp's
+    /// end ends the run.
+    #[arg(long)]
+    ramp: Option<Ramp>,
     /// Seed of the workload and arrivals.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -89,6 +104,18 @@ pub struct BenchArgs {
     /// Write the summary and every request record as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Search the highest --rate whose --slo attainment reaches --attainment, each probe a run
+    /// of --num-requests / --duration starting at --rate (×2 up, then bisection).
+    #[arg(long, requires = "slo")]
+    find_max_rate: bool,
+    /// Fraction of requests that must meet every SLO, for --find-max-rate.
+    #[arg(long, default_value_t = 0.9)]
+    attainment: f64,
+    /// Most probes of --find-max-rate.
+    #[arg(long, default_value_t = 8)]
+    max_probes: usize,
+    #[command(flatten)]
+    output: crate::output::OutputArgs,
 }
 
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
@@ -110,22 +137,45 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         workload: args.load.workload.clone(),
         arrival,
         concurrency: args.load.concurrency,
-        num_requests: args.load.num_requests,
+        num_requests: args.load.num_requests.unwrap_or(
+            if args.load.duration.is_some()
+                || args.load.ramp.is_some()
+                || args.load.workload.schedule().is_some()
+            {
+                100_000
+            } else {
+                50
+            },
+        ),
         seed: args.load.seed,
+        duration: args.load.duration.map(|d| Duration::from_secs_f64(d.max(0.0))),
+        ramp: args.load.ramp,
+        tokenizer: match &args.load.tokenizer {
+            Some(p) => Some(std::sync::Arc::new(crate::bench_tokenizer::GgufTokenizer::open(p)?)),
+            None => None,
+        },
     };
+    if args.find_max_rate {
+        return search_max_rate(&args, &cfg);
+    }
     eprintln!(
-        "bench: {} requests at {} req/s ({:?}) against {} ({})",
-        cfg.num_requests, args.load.rate, args.load.arrival, t.url, t.model
+        "bench: {} ≤ {} requests at {} req/s ({:?}{}{}) against {} ({})",
+        cfg.workload,
+        cfg.num_requests,
+        args.load.rate,
+        args.load.arrival,
+        args.load
+            .ramp
+            .map_or(String::new(), |r| format!(", ramp {}→{} req/s over {} s", r.from, r.to, r.duration_s)),
+        args.load.duration.map_or(String::new(), |d| format!(", for {d} s")),
+        t.url,
+        t.model
     );
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let mut failed = 0usize;
-    let mut progress = |done: usize, total: usize, rec: &tokenpath_timeline::ClientRecord| {
-        failed += usize::from(!rec.is_ok());
-        eprint!("\r  {done}/{total} done, {failed} failed ");
-        let _ = std::io::stderr().flush();
-    };
-    let records = rt.block_on(run(&cfg, &mut progress))?;
-    eprintln!();
+    let live = crate::output::Live::start(&cfg, &args.output);
+    let records = rt.block_on(run(&cfg, &mut live.callback()));
+    live.finish();
+    let records = records?;
     let opts =
         ReportOptions { warmup_s: args.window.warmup_s, cooldown_s: args.window.cooldown_s, slo: args.slo };
     let report = Report::build(&records, &opts)?;
@@ -136,13 +186,69 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             obj.insert(
                 "config".into(),
                 serde_json::json!({
-                    "url": t.url, "model": t.model, "workload": format!("{:?}", cfg.workload),
+                    "url": t.url, "model": t.model, "workload": cfg.workload.to_string(),
                     "rate": args.load.rate, "arrival": format!("{:?}", args.load.arrival),
                     "num_requests": cfg.num_requests, "seed": cfg.seed, "stream": cfg.target.stream,
+                    "duration_s": args.load.duration, "ramp": args.load.ramp.map(|r| format!("{}:{}:{}", r.from, r.to, r.duration_s)),
+                    "tokenizer": args.load.tokenizer.as_ref().map(|p| p.display().to_string()),
                 }),
             );
             obj.insert("requests".into(), serde_json::to_value(&records)?);
         }
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
+        eprintln!("wrote {}", path.display());
+    }
+    crate::output::write_bench_html(&args.output, args.out.as_deref(), &report, &records)?;
+    Ok(())
+}
+
+/// `--find-max-rate`: probes printed as they finish, the answer last; `--out` gets the search.
+fn search_max_rate(args: &BenchArgs, cfg: &RunConfig) -> anyhow::Result<()> {
+    let slo = args.slo.clone().ok_or_else(|| anyhow::anyhow!("--find-max-rate needs --slo"))?;
+    let search = SearchConfig {
+        start_rate: args.load.rate,
+        attainment: args.attainment,
+        slo,
+        max_probes: args.max_probes,
+        tolerance: 0.1,
+        report: ReportOptions {
+            warmup_s: args.window.warmup_s,
+            cooldown_s: args.window.cooldown_s,
+            slo: None,
+        },
+    };
+    eprintln!(
+        "find-max-rate: {} at ≥ {:.1}% attainment, from {} req/s, ≤ {} probes of {} requests{}",
+        search.slo,
+        search.attainment * 100.0,
+        search.start_rate,
+        search.max_probes,
+        cfg.num_requests,
+        cfg.duration.map_or(String::new(), |d| format!(" / {:.1} s", d.as_secs_f64())),
+    );
+    println!(
+        "{:>12}{:>13}{:>15}{:>12}{:>8}",
+        "rate (r/s)", "attainment", "goodput (r/s)", "sent (r/s)", "pass"
+    );
+    let mut on_probe = |p: &tokenpath_bench::search::Probe| {
+        println!(
+            "{:>12.3}{:>12.1}%{:>15.3}{:>12.3}{:>8}",
+            p.rate,
+            p.attainment * 100.0,
+            p.goodput_rps,
+            p.achieved_send_rps,
+            if p.passed { "yes" } else { "no" }
+        );
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let result = rt.block_on(find_max_rate(cfg, &search, &mut |_, _, _| {}, &mut on_probe))?;
+    match (result.max_rate, result.first_failing_rate) {
+        (Some(r), Some(f)) => println!("max rate meeting {}: {r:.3} req/s (fails at {f:.3})", result.slo),
+        (Some(r), None) => println!("max rate meeting {}: ≥ {r:.3} req/s (no probe failed)", result.slo),
+        (None, _) => println!("no probed rate met {} at {:.1}%", result.slo, search.attainment * 100.0),
+    }
+    if let Some(path) = &args.out {
+        let doc = serde_json::json!({ "find_max_rate": result });
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
         eprintln!("wrote {}", path.display());
     }

@@ -3,12 +3,18 @@
 
 mod bench;
 mod bench_engine;
+mod bench_tokenizer;
 mod compare;
 mod generate;
+mod output;
 mod serve;
+mod topology;
+mod worker;
 
+use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
+use tokenpath_bench::html::{self, HtmlOptions, RunView};
 use tokenpath_bench::report::{load_records, Report, ReportOptions};
 use tokenpath_timeline::SloSpec;
 
@@ -33,17 +39,30 @@ enum Command {
     Compare(compare::CompareArgs),
     /// Generate text from one prompt on the embedded CPU engine (default model: SmolLM2-135M).
     Generate(generate::GenerateArgs),
-    /// Summarise a saved run (bench JSON or JSON Lines of request records) with explicit metric
-    /// definitions: TTFT, TPOT, chunk gap, ITL, E2E, throughput, goodput, per-stage tails.
+    /// Summarise saved runs (bench JSON or JSON Lines of request records) with explicit metric
+    /// definitions: TTFT, TPOT, chunk gap, ITL, E2E, throughput, goodput, per-stage tails;
+    /// `--html` draws several runs side by side on one self-contained page.
     Report(ReportArgs),
-    /// Serve the OpenAI-compatible API (gateway + one colocated worker on the embedded engine).
+    /// Serve the OpenAI-compatible API: gateway + one colocated worker on the embedded engine, or
+    /// prefill/decode worker processes (--prefill N --decode M, --cluster FILE).
     Serve(serve::ServeArgs),
+    /// Run one engine instance as a worker process (role prefill, decode or both) for a gateway
+    /// started with --prefill/--decode, --cluster or --accept-workers.
+    Worker(worker::WorkerArgs),
 }
 
 #[derive(Debug, Args)]
 struct ReportArgs {
-    /// Records file: a bench JSON (with a `requests` array) or JSON Lines, one record per line.
-    file: PathBuf,
+    /// Records files: bench JSON (with a `requests` array) or JSON Lines, one record per line.
+    /// Several runs go side by side in the HTML report.
+    #[arg(required = true, num_args = 1..)]
+    files: Vec<PathBuf>,
+    /// Name of each run, in the order of the files (default: the file's stem).
+    #[arg(long)]
+    label: Vec<String>,
+    /// Write a self-contained HTML report of every run, overlaid on one page, here.
+    #[arg(long)]
+    html: Option<PathBuf>,
     #[command(flatten)]
     window: WindowArgs,
     /// SLOs for goodput, e.g. `ttft:2s,tpot:100ms,e2e:30s`.
@@ -85,18 +104,44 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Report(args) => report(args),
         Command::Serve(args) => serve::run(args),
+        Command::Worker(args) => worker::run(args),
     }
 }
 
 fn report(args: ReportArgs) -> anyhow::Result<()> {
-    let records = load_records(&args.file)?;
     let opts =
         ReportOptions { warmup_s: args.window.warmup_s, cooldown_s: args.window.cooldown_s, slo: args.slo };
-    let report = Report::build(&records, &opts)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", report.render_table());
+    let paths: Vec<&std::path::Path> = args.files.iter().map(PathBuf::as_path).collect();
+    let labels = html::run_labels(&paths, &args.label);
+    let mut runs = Vec::with_capacity(paths.len());
+    for (path, label) in paths.iter().zip(labels) {
+        let records = load_records(path)?;
+        let report = Report::build(&records, &opts).with_context(|| format!("{}", path.display()))?;
+        runs.push(RunView::from_report(label, report, &records));
+    }
+    match (args.json, runs.as_slice()) {
+        (true, [one]) => println!("{}", serde_json::to_string_pretty(&one.report)?),
+        (true, _) => {
+            let by_label: serde_json::Map<String, serde_json::Value> = runs
+                .iter()
+                .map(|r| Ok((r.label.clone(), serde_json::to_value(&r.report)?)))
+                .collect::<anyhow::Result<_>>()?;
+            println!("{}", serde_json::to_string_pretty(&by_label)?);
+        }
+        (false, [one]) => print!("{}", one.report.render_table()),
+        (false, _) => {
+            for r in &runs {
+                println!("== {} ==", r.label);
+                print!("{}", r.report.render_table());
+            }
+        }
+    }
+    if let Some(path) = &args.html {
+        let names: Vec<&str> = runs.iter().map(|r| r.label.as_str()).collect();
+        let opts =
+            HtmlOptions { title: format!("tokenpath report: {}", names.join(" vs ")), ..Default::default() };
+        html::write_html(path, &html::render(&runs, &opts))?;
+        eprintln!("wrote {}", path.display());
     }
     Ok(())
 }

@@ -1,20 +1,23 @@
-//! `tokenpath serve`: the gateway and one colocated worker on the embedded engine.
+//! `tokenpath serve`: the gateway with one colocated worker on the embedded engine, or with worker
+//! processes (`--prefill N --decode M` starts them here, `--cluster FILE` lists them elsewhere).
 //!
 //! Thin on purpose: parse flags (each with a `TOKENPATH_*` environment variable), load the model,
-//! start the worker thread, bind, and hand over to `Gateway::serve` until Ctrl-C or SIGTERM.
+//! start the worker(s), bind, and hand over to `Gateway::serve` until Ctrl-C or SIGTERM.
 //! Every decision (batching, admission, status codes, draining) lives in the worker and gateway
 //! crates, where it is tested without a process.
 
 use crate::generate::ModelArgs;
+use crate::topology::{load_cluster_file, Children, CpuList};
 use anyhow::Context as _;
 use clap::Args;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokenpath_engine::Engine;
-use tokenpath_gateway::{ApiKeys, Gateway, GatewayConfig};
+use tokenpath_gateway::cluster::{Cluster, Registry};
+use tokenpath_gateway::{ApiKeys, Backend, Gateway, GatewayConfig};
 use tokenpath_timeline::WorkerId;
-use tokenpath_worker::{Worker, WorkerConfig};
+use tokenpath_worker::{Role, Worker, WorkerConfig};
 
 /// Flags of `tokenpath serve`.
 #[derive(Debug, Args)]
@@ -26,7 +29,40 @@ pub struct ServeArgs {
     #[command(flatten)]
     batching: BatchingArgs,
     #[command(flatten)]
+    topology: TopologyArgs,
+    #[command(flatten)]
     http: HttpArgs,
+}
+
+/// Which processes run the model: one colocated worker in this process (the default), worker
+/// processes started here (`--prefill N --decode M`), or workers listed in a cluster file.
+#[derive(Debug, Args)]
+struct TopologyArgs {
+    /// Prefill worker processes to start (prefill/decode disaggregation; needs --decode ≥ 1).
+    #[arg(long, default_value_t = 0, env = "TOKENPATH_PREFILL")]
+    prefill: usize,
+    /// Decode worker processes to start.
+    #[arg(long, default_value_t = 0, env = "TOKENPATH_DECODE")]
+    decode: usize,
+    /// Cores for the prefill workers (e.g. `0`); default: not pinned.
+    #[arg(long, env = "TOKENPATH_PREFILL_CPUS")]
+    prefill_cpus: Option<CpuList>,
+    /// Cores for the decode workers (e.g. `1`); default: not pinned.
+    #[arg(long, env = "TOKENPATH_DECODE_CPUS")]
+    decode_cpus: Option<CpuList>,
+    /// Workers from a file (`[[worker]]` tables with `addr` and `role`); more may register at
+    /// run time (`tokenpath worker --register http://this-gateway`).
+    #[arg(long, env = "TOKENPATH_CLUSTER", value_name = "cluster.toml")]
+    cluster: Option<std::path::PathBuf>,
+    /// Accept workers that register at run time even with no --cluster and no --prefill/--decode.
+    #[arg(long, env = "TOKENPATH_ACCEPT_WORKERS")]
+    accept_workers: bool,
+}
+
+impl TopologyArgs {
+    fn is_cluster(&self) -> bool {
+        self.prefill + self.decode > 0 || self.cluster.is_some() || self.accept_workers
+    }
 }
 
 /// Where to listen and who may call.
@@ -42,6 +78,9 @@ struct ListenArgs {
     /// are visible to every user of the machine.
     #[arg(long, env = "TOKENPATH_API_KEYS", hide_env_values = true)]
     api_keys: Option<String>,
+    /// API keys with per-tenant rate limits, from a TOML file (see deploy/keys.example.toml).
+    #[arg(long, env = "TOKENPATH_API_KEYS_FILE", value_name = "PATH")]
+    api_keys_file: Option<std::path::PathBuf>,
     /// Bind a non-loopback address even without API keys (anyone who reaches it can use it).
     #[arg(long, env = "TOKENPATH_ALLOW_OPEN_PUBLIC")]
     allow_open_public: bool,
@@ -49,7 +88,7 @@ struct ListenArgs {
 
 /// How the worker batches and what it may hold.
 #[derive(Debug, Args)]
-struct BatchingArgs {
+pub(crate) struct BatchingArgs {
     /// Most prompt tokens prefilled per engine step (chunked prefill).
     #[arg(long, default_value_t = tokenpath_worker::DEFAULT_PREFILL_CHUNK, env = "TOKENPATH_PREFILL_CHUNK")]
     prefill_chunk: usize,
@@ -62,6 +101,39 @@ struct BatchingArgs {
     /// KV cache size in tokens (default: four full contexts).
     #[arg(long, env = "TOKENPATH_KV_TOKENS")]
     kv_tokens: Option<usize>,
+    /// Do not reuse the KV of prompt prefixes seen before.
+    #[arg(long, env = "TOKENPATH_NO_PREFIX_CACHE")]
+    no_prefix_cache: bool,
+}
+
+impl BatchingArgs {
+    /// The worker configuration these flags describe.
+    pub(crate) fn worker_config(&self) -> WorkerConfig {
+        WorkerConfig {
+            prefill_chunk: self.prefill_chunk,
+            max_queue: self.max_queue,
+            max_batch: self.max_batch,
+            kv_tokens: self.kv_tokens,
+            prefix_cache: !self.no_prefix_cache,
+            ..WorkerConfig::default()
+        }
+    }
+
+    /// The same flags for a child `tokenpath worker`.
+    fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            format!("--prefill-chunk={}", self.prefill_chunk),
+            format!("--max-queue={}", self.max_queue),
+            format!("--max-batch={}", self.max_batch),
+        ];
+        if let Some(k) = self.kv_tokens {
+            a.push(format!("--kv-tokens={k}"));
+        }
+        if self.no_prefix_cache {
+            a.push("--no-prefix-cache".into());
+        }
+        a
+    }
 }
 
 /// HTTP-side limits and names.
@@ -86,13 +158,19 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let served_model_name = args.http.served_model_name.clone().unwrap_or_else(|| {
         path.file_stem().map_or_else(|| "tokenpath".to_owned(), |s| s.to_string_lossy().into_owned())
     });
-    let api_keys =
-        ApiKeys::parse(args.listen.api_keys.as_deref().unwrap_or("")).map_err(anyhow::Error::msg)?;
+    let api_keys = match (&args.listen.api_keys_file, &args.listen.api_keys) {
+        (Some(_), Some(_)) => anyhow::bail!(
+            "API keys given twice: use either --api-keys-file (TOKENPATH_API_KEYS_FILE) or --api-keys \
+             (TOKENPATH_API_KEYS)"
+        ),
+        (Some(path), None) => ApiKeys::load(path)?,
+        (None, spec) => ApiKeys::parse(spec.as_deref().unwrap_or("")).map_err(anyhow::Error::msg)?,
+    };
     if api_keys.is_empty() {
         if !args.listen.host.is_loopback() && !args.listen.allow_open_public {
             anyhow::bail!(
-                "refusing to bind {} without API keys: set TOKENPATH_API_KEYS (tenant:key,...) or pass \
-                 --allow-open-public",
+                "refusing to bind {} without API keys: set TOKENPATH_API_KEYS (tenant:key,...) or \
+                 --api-keys-file, or pass --allow-open-public",
                 args.listen.host
             );
         }
@@ -101,42 +179,89 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             "!!! NO API KEYS: anyone who can reach this address can use the model (set TOKENPATH_API_KEYS) !!!"
         );
     } else {
-        tracing::info!(keys = api_keys.len(), "API keys required");
+        let limited: Vec<&str> =
+            api_keys.tenants().filter(|(_, l)| !l.is_unlimited()).map(|(t, _)| t.0.as_str()).collect();
+        tracing::info!(keys = api_keys.len(), rate_limited_tenants = ?limited, "API keys required");
     }
     tracing::info!(model = %path.display(), "loading model");
     let engine = Arc::new(Engine::open(&path).with_context(|| format!("loading {}", path.display()))?);
-    let config = WorkerConfig {
-        id: WorkerId("w0".into()),
-        prefill_chunk: args.batching.prefill_chunk,
-        max_queue: args.batching.max_queue,
-        max_batch: args.batching.max_batch,
-        kv_tokens: args.batching.kv_tokens,
-        ..WorkerConfig::default()
+    let gateway_config = GatewayConfig {
+        served_model_name: served_model_name.clone(),
+        max_body_bytes: args.http.max_body_bytes,
+        shutdown_grace: Duration::from_secs(args.http.shutdown_grace_s),
+        peak_flops: args.http.peak_gflops.map(|g| g * 1e9),
+        api_keys,
     };
-    let worker = Worker::spawn(engine, config).context("starting the worker")?;
-    let gateway = Gateway::new(
-        GatewayConfig {
-            served_model_name: served_model_name.clone(),
-            max_body_bytes: args.http.max_body_bytes,
-            shutdown_grace: Duration::from_secs(args.http.shutdown_grace_s),
-            peak_flops: args.http.peak_gflops.map(|g| g * 1e9),
-            api_keys,
-        },
-        worker.handle(),
-    )?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(async move {
+    // Dropped last: every worker process started here is killed and reaped on the way out.
+    let mut children = Children::default();
+    let mut local = None;
+    runtime.block_on(async {
+        let backend = if args.topology.is_cluster() {
+            let workers = start_workers(&args, &path, &mut children)?;
+            let registry = Registry::start(workers);
+            if args.topology.prefill + args.topology.decode > 0 || args.topology.cluster.is_some() {
+                tracing::info!("waiting for the workers to come up");
+                if !registry.wait_ready(Duration::from_secs(300)).await {
+                    let dead = children.exited();
+                    anyhow::bail!("the workers did not come up (exited: {dead:?}); see their logs above");
+                }
+            }
+            Backend::Cluster { engine, cluster: Cluster::new(registry) }
+        } else {
+            let config = WorkerConfig { id: WorkerId("w0".into()), ..args.batching.worker_config() };
+            let worker = Worker::spawn(engine, config).context("starting the worker")?;
+            let handle = worker.handle();
+            local = Some(worker);
+            Backend::Local(handle)
+        };
+        let gateway = Gateway::with_backend(gateway_config, backend)?;
         let addr = std::net::SocketAddr::new(args.listen.host, args.listen.port);
         let listener = tokenpath_gateway::bind(&addr.to_string()).await?;
-        let local = listener.local_addr().context("reading the bound address")?;
-        tracing::info!(%local, model = %served_model_name, "serving the OpenAI API on http://{local}/v1");
+        let bound = listener.local_addr().context("reading the bound address")?;
+        tracing::info!(local = %bound, model = %served_model_name, "serving the OpenAI API on http://{bound}/v1");
         gateway.serve(listener, tokenpath_gateway::shutdown_signal()).await?;
         anyhow::Ok(())
     })?;
+    drop(local);
+    drop(children);
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Starts the `--prefill`/`--decode` worker processes and reads the cluster file.
+fn start_workers(
+    args: &ServeArgs,
+    model: &std::path::Path,
+    children: &mut Children,
+) -> anyhow::Result<Vec<(String, Role)>> {
+    let t = &args.topology;
+    if (t.prefill == 0) != (t.decode == 0) {
+        anyhow::bail!(
+            "prefill/decode disaggregation needs both --prefill and --decode (got {} and {})",
+            t.prefill,
+            t.decode
+        );
+    }
+    let mut workers = match &t.cluster {
+        Some(file) => load_cluster_file(file)?,
+        None => Vec::new(),
+    };
+    let mut extra = args.batching.to_args();
+    extra.push(format!("--model={}", model.display()));
+    for (role, n, cpus) in
+        [(Role::Prefill, t.prefill, &t.prefill_cpus), (Role::Decode, t.decode, &t.decode_cpus)]
+    {
+        for i in 0..n {
+            let name = format!("{}{i}", if role == Role::Prefill { "p" } else { "d" });
+            let addr = children.spawn(&name, role, cpus.as_ref(), &extra)?;
+            tracing::info!(worker = %name, %addr, %role, cpus = ?cpus, "worker process started");
+            workers.push((addr, role));
+        }
+    }
+    Ok(workers)
 }

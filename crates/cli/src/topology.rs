@@ -30,7 +30,9 @@ impl FromStr for CpuList {
         let mut cpus = Vec::new();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (a, b) = part.split_once('-').unwrap_or((part, part));
-            let parse = |x: &str| x.trim().parse::<usize>().map_err(|_| format!("{part:?} is not a core number or range"));
+            let parse = |x: &str| {
+                x.trim().parse::<usize>().map_err(|_| format!("{part:?} is not a core number or range"))
+            };
             let (a, b) = (parse(a)?, parse(b)?);
             if a > b || b >= 1024 {
                 return Err(format!("{part:?} is not a valid core range"));
@@ -94,7 +96,8 @@ pub fn load_cluster_file(path: &Path) -> anyhow::Result<Vec<(String, Role)>> {
         .into_iter()
         .enumerate()
         .map(|(i, w)| {
-            let role = w.role.parse::<Role>().with_context(|| format!("worker {} in {}", i + 1, path.display()))?;
+            let role =
+                w.role.parse::<Role>().with_context(|| format!("worker {} in {}", i + 1, path.display()))?;
             Ok((w.addr, role))
         })
         .collect()
@@ -106,7 +109,13 @@ pub struct Children(Vec<(String, Child)>);
 
 impl Children {
     /// Starts `tokenpath worker --role ROLE --listen 127.0.0.1:0 …extra` and returns its address.
-    pub fn spawn(&mut self, name: &str, role: Role, cpus: Option<&CpuList>, extra: &[String]) -> anyhow::Result<String> {
+    pub fn spawn(
+        &mut self,
+        name: &str,
+        role: Role,
+        cpus: Option<&CpuList>,
+        extra: &[String],
+    ) -> anyhow::Result<String> {
         let exe = std::env::current_exe().context("finding the tokenpath executable")?;
         let mut cmd = Command::new(exe);
         cmd.args(["worker", "--role", &role.to_string(), "--listen", "127.0.0.1:0", "--id", name]);

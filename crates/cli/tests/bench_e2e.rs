@@ -66,3 +66,74 @@ fn serve_bench_compare_through_real_processes() {
     assert!(String::from_utf8_lossy(&gated.stderr).contains("not present"));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The workload and run-control flags through the real binary against the tiny model: a
+/// multi-turn run with `--tokenizer` (exact client token counts checked against `usage`), a
+/// shared-prefix run bounded by a ramp, and a `--find-max-rate` search with a tiny budget.
+#[test]
+fn workloads_tokenizer_ramp_and_rate_search() {
+    let dir = std::env::temp_dir().join(format!("tp-e2e-wl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.gguf");
+    let spec = TinySpec { n_ctx: 1024, ..TinySpec::default() };
+    std::fs::write(&model, tiny_model_bytes(&spec).unwrap()).unwrap();
+    let support::Served { child: mut server, port, .. } = support::serve(&model, &["--kv-tokens", "8192"]);
+    let url = format!("http://127.0.0.1:{port}");
+    let bench = |extra: &[&str], out: &Path| {
+        let o = Command::new(BIN)
+            .args(["bench", "--url", &url, "--ignore-eos", "--seed", "7"])
+            .args(extra)
+            .arg("--out")
+            .arg(out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap();
+        (text, json)
+    };
+
+    let (text, mt) = bench(
+        &["--workload", "multi-turn:2:8-16:3-3", "--rate", "20", "--num-requests", "6"]
+            .iter()
+            .copied()
+            .chain(["--tokenizer", model.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+        &dir.join("mt.json"),
+    );
+    assert_eq!(mt["summary"]["completed"], 6, "{}", mt["errors"]);
+    let reqs = mt["requests"].as_array().unwrap();
+    // A second turn's prompt holds the first turn's prompt and answer: it is longer on the server.
+    for s in 0..3 {
+        let (a, b) = (&reqs[2 * s]["usage"]["prompt_tokens"], &reqs[2 * s + 1]["usage"]["prompt_tokens"]);
+        assert!(b.as_u64().unwrap() > a.as_u64().unwrap() + 3, "session {s}: {a} then {b}");
+    }
+    let check = &mt["token_check"]["prompt"];
+    assert_eq!(check["compared"], 6, "{mt}");
+    assert_eq!(check["disagree"], 0, "our tokenizer and template are the server's: {check}");
+    assert!(text.contains("tokens vs usage"), "{text}");
+
+    let (_, sp) = bench(
+        &["--workload", "shared-prefix:2:64:4-8:2-2", "--arrival", "constant", "--ramp", "5:15:1"],
+        &dir.join("sp.json"),
+    );
+    // Λ(1 s) = 10 expected arrivals: constant arrivals through the ramp send 11 (t = 0 included).
+    assert_eq!(sp["requests"].as_array().unwrap().len(), 11);
+    assert!(sp["notes"].as_array().unwrap().iter().any(|n| n.as_str().unwrap().contains("approximate")));
+
+    let (text, search) = bench(
+        &["--workload", "fixed:8:2", "--rate", "2", "--num-requests", "3"]
+            .iter()
+            .copied()
+            .chain(["--find-max-rate", "--slo", "e2e:30s", "--attainment", "0.9", "--max-probes", "2"])
+            .collect::<Vec<_>>(),
+        &dir.join("search.json"),
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+    let probes = search["find_max_rate"]["probes"].as_array().unwrap();
+    assert_eq!(probes.len(), 2, "{search}");
+    assert_eq!(search["find_max_rate"]["max_rate"], 4.0, "{search}");
+    assert!(text.contains("max rate meeting"), "{text}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -6,28 +6,11 @@
 
 mod support;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 
-fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let status = out.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
-    (status, body)
-}
+use support::http;
 
 #[test]
 fn serve_answers_and_exits_cleanly_on_sigterm() {

@@ -264,7 +264,7 @@ impl KvCache {
     /// table; nothing from the wire is trusted.
     pub fn write_blocks(&mut self, table: &BlockTable, first: usize, bytes: &[u8]) -> Result<()> {
         let per_block = self.block_bytes();
-        if bytes.len() % per_block != 0 {
+        if !bytes.len().is_multiple_of(per_block) {
             return Err(EngineError::InvalidArgument(format!(
                 "KV bytes ({}) are not a whole number of {per_block}-byte blocks",
                 bytes.len()

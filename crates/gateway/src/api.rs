@@ -100,14 +100,14 @@ async fn generate(
     let admitted = if body.as_ref().map_or(0, Bytes::len) > INLINE_BODY_BYTES {
         let state = Arc::clone(&app);
         let t = tenant.clone();
-        tokio::task::spawn_blocking(move || admit(&state, endpoint, body, arrived, t.as_ref())).await.unwrap_or_else(
-            |e| {
+        tokio::task::spawn_blocking(move || admit(&state, endpoint, body, arrived, t.as_ref()))
+            .await
+            .unwrap_or_else(|e| {
                 tracing::error!("admission task failed: {e}");
                 Err(Reject::new(ApiError::server_error(
                     "The server had an error while processing your request.",
                 )))
-            },
-        )
+            })
     } else {
         admit(&app, endpoint, body, arrived, tenant.as_ref())
     };
@@ -124,7 +124,7 @@ async fn generate(
 struct Admitted {
     id: RequestId,
     req: GenerationRequest,
-    stream: tokenpath_worker::WorkStream,
+    work: WorkRequest,
     /// Charges the tenant's output tokens as they are generated.
     meter: OutputMeter,
 }
@@ -177,12 +177,11 @@ fn admit(
         admitted: Instant::now(),
         mode: tokenpath_worker::WorkMode::Full,
     };
-    let stream = app.worker.submit(work).map_err(|e| Reject::from_worker(&e, endpoint.prompt_param()))?;
-    Ok(Admitted { id, req, stream, meter })
+    Ok(Admitted { id, req, work, meter })
 }
 
 fn tokenize(app: &AppState, prompt: &Prompt, endpoint: Endpoint) -> Result<Vec<u32>, Reject> {
-    let engine = app.worker.engine();
+    let engine = app.backend.engine();
     let param = endpoint.prompt_param();
     let bad = |e: tokenpath_engine::EngineError| {
         Reject::new(ApiError::invalid_request(
@@ -226,7 +225,15 @@ pub(crate) fn since(arrived: Instant) -> Nanos {
 }
 
 async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arrived: Instant) -> Response {
-    let Admitted { id, req, mut stream, mut meter } = admitted;
+    let Admitted { id, req, work, mut meter } = admitted;
+    let mut stream = match app.backend.submit(work).await {
+        Ok(s) => s,
+        Err(e) => {
+            let reject = Reject::from_worker(&e, endpoint.prompt_param());
+            app.metrics.record_status(reject.status().as_u16(), "none");
+            return reject.into_response();
+        }
+    };
     let created = unix_now();
     let model = app.config.served_model_name.clone();
     if req.params.stream {
@@ -352,7 +359,7 @@ pub(crate) async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap)
             "object": "model",
             "created": app.started_unix,
             "owned_by": "tokenpath",
-            "max_model_len": app.worker.n_ctx(),
+            "max_model_len": app.backend.n_ctx(),
         }],
     });
     ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
@@ -365,7 +372,7 @@ pub(crate) async fn health() -> Response {
 
 /// `GET /ready`: the model is loaded, the worker runs and the server is not draining.
 pub(crate) async fn ready(State(app): State<Arc<AppState>>) -> Response {
-    let (status, text) = if !app.worker.is_alive() {
+    let (status, text) = if !app.backend.is_ready() {
         (StatusCode::SERVICE_UNAVAILABLE, "worker_down")
     } else if app.is_draining() {
         (StatusCode::SERVICE_UNAVAILABLE, "draining")
@@ -378,8 +385,75 @@ pub(crate) async fn ready(State(app): State<Arc<AppState>>) -> Response {
 
 /// `GET /metrics`.
 pub(crate) async fn metrics(State(app): State<Arc<AppState>>) -> Response {
-    let text = app.metrics.render(&app.worker.stats());
+    let text = app.metrics.render(&app.backend.stats());
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
+        .into_response()
+}
+
+/// `GET /admin/workers`: the cluster's workers as the router sees them.
+pub(crate) async fn list_workers(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(reject) = authenticate(&app, &headers) {
+        return reject.into_response();
+    }
+    let workers: Vec<serde_json::Value> = app
+        .backend
+        .cluster()
+        .map(|c| c.registry().workers())
+        .unwrap_or_default()
+        .iter()
+        .map(|w| {
+            serde_json::json!({
+                "addr": w.addr,
+                "role": w.role.to_string(),
+                "up": w.up,
+                "in_flight": w.in_flight,
+                "stats": w.stats,
+            })
+        })
+        .collect();
+    ([(header::CONTENT_TYPE, "application/json")], serde_json::json!({ "workers": workers }).to_string())
+        .into_response()
+}
+
+/// `POST /admin/workers` with `{"addr": "host:port", "role": "prefill|decode|both"}`: a worker
+/// registering at run time. It serves once its first health poll succeeds.
+pub(crate) async fn register_worker(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(reject) = authenticate(&app, &headers) {
+        return reject.into_response();
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Registration {
+        addr: String,
+        role: String,
+    }
+    let parsed = body
+        .map_err(|e| e.body_text())
+        .and_then(|b| serde_json::from_slice::<Registration>(&b).map_err(|e| e.to_string()))
+        .and_then(|r| {
+            let role = r.role.parse::<tokenpath_worker::Role>().map_err(|e| e.to_string())?;
+            if r.addr.parse::<std::net::SocketAddr>().is_err() && !r.addr.contains(':') {
+                return Err(format!("{:?} is not a host:port address", r.addr));
+            }
+            Ok((r.addr, role))
+        });
+    let (addr, role) = match parsed {
+        Ok(x) => x,
+        Err(message) => return Reject::new(ApiError::invalid_request(message, None)).into_response(),
+    };
+    let Some(cluster) = app.backend.cluster() else {
+        return Reject::new(ApiError::invalid_request(
+            "this gateway runs a local worker; start it with --prefill/--decode or --cluster to accept workers",
+            None,
+        ))
+        .into_response();
+    };
+    cluster.registry().register(addr.clone(), role);
+    ([(header::CONTENT_TYPE, "application/json")], serde_json::json!({ "registered": addr }).to_string())
         .into_response()
 }
 

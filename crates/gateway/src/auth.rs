@@ -3,10 +3,12 @@
 //! timing reveal a key.
 //!
 //! Keys come from a spec string (`tenant:key,tenant2:key2`, e.g. the `TOKENPATH_API_KEYS`
-//! environment variable). No keys configured means the API is open; the binary then refuses to
-//! bind anything but loopback unless told otherwise. Rate limits per key build on the tenant
-//! returned here (next step of issue 4).
+//! environment variable; no limits) or from a TOML key file ([`crate::keyfile`], with per-tenant
+//! rate limits). No keys configured means the API is open; the binary then refuses to bind
+//! anything but loopback unless told otherwise. A tenant may hold several keys (rotation); its
+//! limits, and so its rate-limit buckets, are the tenant's, not a key's.
 
+use crate::ratelimit::RateLimits;
 use sha2::{Digest, Sha256};
 use std::fmt;
 
@@ -29,21 +31,39 @@ pub(crate) enum AuthFailure {
     Wrong,
 }
 
-/// The configured keys, as digests.
+/// The configured keys, as digests, and each tenant's limits.
 #[derive(Clone, Default)]
 pub struct ApiKeys {
-    keys: Vec<(Tenant, [u8; 32])>,
+    /// Index into `tenants`, and the key's digest.
+    keys: Vec<(usize, [u8; 32])>,
+    /// Each tenant once.
+    tenants: Vec<(Tenant, RateLimits)>,
 }
 
 impl fmt::Debug for ApiKeys {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never print digests: only who has a key.
-        f.debug_list().entries(self.keys.iter().map(|(t, _)| &t.0)).finish()
+        f.debug_list()
+            .entries(self.keys.iter().filter_map(|(t, _)| self.tenants.get(*t)).map(|(t, _)| &t.0))
+            .finish()
     }
 }
 
-fn digest(key: &str) -> [u8; 32] {
+/// One configured key: whose it is, its digest, and the tenant's limits.
+#[derive(Clone, Debug)]
+pub(crate) struct KeyEntry {
+    pub(crate) tenant: Tenant,
+    pub(crate) digest: [u8; 32],
+    pub(crate) limits: RateLimits,
+}
+
+pub(crate) fn digest(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
+}
+
+/// Tenant names become metric labels and log fields: short, plain ASCII.
+fn valid_tenant(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
 }
 
 /// Equality of two digests whose running time does not depend on where they differ.
@@ -67,9 +87,52 @@ impl ApiKeys {
                     i + 1
                 ));
             }
-            keys.push((Tenant(tenant.to_owned()), digest(key)));
+            keys.push(KeyEntry {
+                tenant: Tenant(tenant.to_owned()),
+                digest: digest(key),
+                limits: RateLimits::default(),
+            });
         }
-        Ok(Self { keys })
+        Self::from_entries(keys, "API key")
+    }
+
+    /// Keys from entries; `what` names an entry in errors (`API key`, `key entry`), by position
+    /// from 1. Refuses invalid tenant names, a key given twice, and one tenant with two sets of
+    /// limits.
+    pub(crate) fn from_entries(entries: Vec<KeyEntry>, what: &str) -> Result<Self, String> {
+        let mut out = Self::default();
+        for (i, e) in entries.into_iter().enumerate() {
+            let n = i + 1;
+            if !valid_tenant(&e.tenant.0) {
+                return Err(format!(
+                    "{what} #{n}: the tenant name must be 1-64 characters of A-Z a-z 0-9 - _ ."
+                ));
+            }
+            if let Some(j) = out.keys.iter().position(|(_, d)| ct_eq(d, &e.digest)) {
+                return Err(format!("{what} #{n}: the same key as {what} #{}", j + 1));
+            }
+            let t = match out.tenants.iter().position(|(t, _)| *t == e.tenant) {
+                Some(t) if out.tenants[t].1 != e.limits => {
+                    return Err(format!(
+                        "{what} #{n}: tenant {} already has different limits; give every key of a tenant \
+                         the same limits",
+                        e.tenant
+                    ));
+                }
+                Some(t) => t,
+                None => {
+                    out.tenants.push((e.tenant, e.limits));
+                    out.tenants.len() - 1
+                }
+            };
+            out.keys.push((t, e.digest));
+        }
+        Ok(out)
+    }
+
+    /// Each tenant once, with its limits.
+    pub fn tenants(&self) -> impl Iterator<Item = (&Tenant, &RateLimits)> {
+        self.tenants.iter().map(|(t, l)| (t, l))
     }
 
     /// Whether no key is configured (the API is open).
@@ -98,10 +161,10 @@ impl ApiKeys {
         let mut found = None;
         for (tenant, k) in &self.keys {
             if ct_eq(&d, k) && found.is_none() {
-                found = Some(tenant.clone());
+                found = Some(*tenant);
             }
         }
-        found.map(Some).ok_or(AuthFailure::Wrong)
+        found.and_then(|t| self.tenants.get(t)).map(|(t, _)| Some(t.clone())).ok_or(AuthFailure::Wrong)
     }
 }
 
@@ -119,7 +182,9 @@ mod tests {
         assert_eq!(keys.check(Some(b"sk-bob-4567")), Err(AuthFailure::Missing));
         assert_eq!(keys.check(None), Err(AuthFailure::Missing));
         assert_eq!(ApiKeys::default().check(None), Ok(None));
-        for bad in ["alice", ":sk-12345678", "alice:short"] {
+        for bad in
+            ["alice", ":sk-12345678", "alice:short", "al ice:sk-12345678", "a:sk-12345678,b:sk-12345678"]
+        {
             let err = ApiKeys::parse(bad).unwrap_err();
             assert!(err.contains("#1") && !err.contains("sk-"), "{err}");
         }

@@ -4,6 +4,7 @@
 //! module maps them to an OpenAI-shaped error body and a status, and attaches `Retry-After` where
 //! a retry can succeed. A closed `match` over [`ErrorKind`] means a new kind cannot be forgotten.
 
+use crate::ratelimit::RateLimited;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use tokenpath_protocol::{ApiError, ErrorKind};
@@ -26,6 +27,17 @@ pub enum GatewayError {
     /// A configuration that cannot work.
     #[error("invalid gateway configuration: {0}")]
     Config(String),
+    /// API keys that cannot be used (the message names the entry, never the key).
+    #[error("invalid API keys: {0}")]
+    Keys(String),
+    /// An API key file that cannot be read or used (the message names the entry, never the key).
+    #[error("API key file {path}: {message}")]
+    KeyFile {
+        /// The file.
+        path: String,
+        /// What is wrong, and where.
+        message: String,
+    },
 }
 
 /// A rejected request: the OpenAI error, and the status when it is not the kind's usual one.
@@ -49,6 +61,11 @@ impl Reject {
             None,
         );
         Reject { api, status: Some(StatusCode::PAYLOAD_TOO_LARGE), retry_after_s: 1 }
+    }
+
+    /// 429: over a tenant's rate limit, retry when its bucket says.
+    pub(crate) fn rate_limited(r: &RateLimited) -> Self {
+        Reject { api: ApiError::rate_limit(r.message()), status: None, retry_after_s: r.retry_after_s.max(1) }
     }
 
     /// 404 for a path that does not exist.
@@ -129,5 +146,14 @@ mod tests {
         assert_eq!(status_of(ErrorKind::ModelNotFound), StatusCode::NOT_FOUND);
         assert_eq!(status_of(ErrorKind::Authentication), StatusCode::UNAUTHORIZED);
         assert_eq!(status_of(ErrorKind::RateLimit), StatusCode::TOO_MANY_REQUESTS);
+        let limited = RateLimited {
+            limit: crate::ratelimit::Limit::InputTokens,
+            per_minute: 600,
+            retry_after_s: 7,
+            too_large: None,
+        };
+        let resp = Reject::rate_limited(&limited).into_response();
+        assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "7");
     }
 }

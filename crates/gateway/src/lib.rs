@@ -1,9 +1,9 @@
 //! The gateway is the first stage of the path: API keys, validation, tokenization, routing to
-//! the worker, SSE, and `/metrics` (rate limits come next).
+//! the worker, SSE, `/metrics`, and per-tenant rate limits ([`ratelimit`]).
 //!
 //! It is the only crate that knows HTTP, and the only place where HTTP status codes are chosen
 //! ([`error`]): every other crate returns typed errors and this crate maps them. Shape: an axum
-//! router over one immutable [`AppState`] (config, the worker's handle, the metrics registry
+//! router over one immutable [`AppState`] (config, the [`Backend`], the metrics registry
 //! whose metrics are atomics, and a watch channel that says "draining"); the engine's mutable
 //! state lives on the worker's thread, never here. [`Gateway::serve`] runs until its shutdown
 //! future resolves, then drains: new requests get 503, running streams may finish within the
@@ -11,12 +11,18 @@
 
 mod api;
 mod auth;
+pub mod backend;
+pub mod cluster;
 mod error;
+mod keyfile;
 pub mod metrics;
+mod ratelimit;
 mod stream;
 
 pub use auth::{ApiKeys, Tenant};
+pub use backend::Backend;
 pub use error::GatewayError;
+pub use ratelimit::RateLimits;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
@@ -67,8 +73,10 @@ impl Default for GatewayConfig {
 pub(crate) struct AppState {
     config: GatewayConfig,
     limits: Limits,
-    worker: WorkerHandle,
+    backend: Backend,
     metrics: metrics::Metrics,
+    /// Per-tenant buckets (atomics; see the module).
+    limiter: ratelimit::RateLimiter,
     next_id: AtomicU64,
     started_unix: u64,
     draining: watch::Receiver<bool>,
@@ -88,8 +96,13 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// A gateway for `worker`.
+    /// A gateway for one local `worker`.
     pub fn new(config: GatewayConfig, worker: WorkerHandle) -> Result<Self, GatewayError> {
+        Self::with_backend(config, Backend::Local(worker))
+    }
+
+    /// A gateway for any backend (a local worker or a cluster of worker processes).
+    pub fn with_backend(config: GatewayConfig, backend: Backend) -> Result<Self, GatewayError> {
         if config.served_model_name.is_empty() {
             return Err(GatewayError::Config("the served model name is empty".into()));
         }
@@ -101,11 +114,16 @@ impl Gateway {
         }
         let (drain, draining) = watch::channel(false);
         let metrics = metrics::Metrics::with_peak_flops(config.peak_flops);
-        let limits = Limits { max_tokens_cap: u32::try_from(worker.n_ctx()).unwrap_or(u32::MAX) };
+        let limits = Limits { max_tokens_cap: u32::try_from(backend.n_ctx()).unwrap_or(u32::MAX) };
+        let limiter = ratelimit::RateLimiter::new(
+            config.api_keys.tenants(),
+            Arc::new(ratelimit::MonotonicClock::new()),
+        );
         let state = AppState {
+            limiter,
             config,
             limits,
-            worker,
+            backend,
             metrics,
             next_id: AtomicU64::new(1),
             started_unix: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -123,6 +141,7 @@ impl Gateway {
             .route("/health", get(api::health))
             .route("/ready", get(api::ready))
             .route("/metrics", get(api::metrics))
+            .route("/admin/workers", get(api::list_workers).post(api::register_worker))
             .fallback(api::fallback)
             .layer(DefaultBodyLimit::max(self.state.config.max_body_bytes))
             .with_state(Arc::clone(&self.state))
@@ -147,14 +166,14 @@ impl Gateway {
             r = &mut server => return r.map_err(GatewayError::Serve),
             () = shutdown => {}
         }
-        let in_flight = self.state.worker.in_flight();
+        let in_flight = self.state.backend.in_flight();
         tracing::info!(in_flight, grace_s = grace.as_secs_f64(), "shutting down: no new requests, draining");
         self.drain.send_replace(true);
         match tokio::time::timeout(grace, server).await {
             Ok(r) => r.map_err(GatewayError::Serve),
             Err(_) => {
                 tracing::warn!(
-                    in_flight = self.state.worker.in_flight(),
+                    in_flight = self.state.backend.in_flight(),
                     "grace period over; cancelling the requests still running"
                 );
                 Ok(())

@@ -22,7 +22,8 @@
 //! | `tokenpath_prompt_tokens_total` | `vllm:prompt_tokens_total` |
 //! | `tokenpath_generation_tokens_total` | `vllm:generation_tokens_total` |
 //! | `tokenpath_cached_prompt_tokens_total` | `vllm:prefix_cache_hits_total` (in tokens) |
-//! | `tokenpath_tenant_requests_total{tenant}` | — (per API key owner) |
+//! | `tokenpath_tenant_requests_total{tenant}` | — (per API key owner; `anonymous` without keys) |
+//! | `tokenpath_rate_limited_requests_total{tenant, limit}` | — (429s by tenant and by limit: `requests`, `input_tokens`, `output_tokens`) |
 //! | `tokenpath_requests_total{status, finish_reason}` | `vllm:request_success_total{finished_reason}` (+ errors) |
 //! | `tokenpath_num_requests_waiting` | `vllm:num_requests_waiting` |
 //! | `tokenpath_num_requests_running` | `vllm:num_requests_running` |
@@ -61,6 +62,11 @@ pub const CACHED_PROMPT_TOKENS: &str = "tokenpath_cached_prompt_tokens";
 pub const REQUESTS: &str = "tokenpath_requests";
 /// Authenticated requests per tenant (API key owner), whatever their outcome (counter).
 pub const TENANT_REQUESTS: &str = "tokenpath_tenant_requests";
+/// Requests refused by their tenant's rate limit, by tenant and limit (counter).
+pub const RATE_LIMITED_REQUESTS: &str = "tokenpath_rate_limited_requests";
+/// The `tenant` label of requests when no API keys are configured (tenants otherwise come only
+/// from the key configuration, so the label's cardinality is bounded).
+pub const ANONYMOUS_TENANT: &str = "anonymous";
 /// Requests waiting for their first prefill chunk.
 pub const NUM_REQUESTS_WAITING: &str = "tokenpath_num_requests_waiting";
 /// Sequences in the running batch.
@@ -90,6 +96,13 @@ struct TenantLabel {
     tenant: String,
 }
 
+/// `tenant` and `limit` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RateLimitLabels {
+    tenant: String,
+    limit: &'static str,
+}
+
 /// `status` and `finish_reason` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -113,6 +126,7 @@ pub struct Metrics {
     cached_tokens: Counter,
     requests: Family<RequestLabels, Counter>,
     tenants: Family<TenantLabel, Counter>,
+    rate_limited: Family<RateLimitLabels, Counter>,
     waiting: Gauge,
     running: Gauge,
     kv_used: Gauge,
@@ -163,6 +177,7 @@ impl Metrics {
             cached_tokens: Counter::default(),
             requests: Family::default(),
             tenants: Family::default(),
+            rate_limited: Family::default(),
             waiting: Gauge::default(),
             running: Gauge::default(),
             kv_used: Gauge::default(),
@@ -197,6 +212,11 @@ impl Metrics {
         );
         registry.register(REQUESTS, "Requests by HTTP status and finish reason", m.requests.clone());
         registry.register(TENANT_REQUESTS, "Authenticated requests per tenant", m.tenants.clone());
+        registry.register(
+            RATE_LIMITED_REQUESTS,
+            "Requests refused by their tenant's rate limit, by limit",
+            m.rate_limited.clone(),
+        );
         registry.register(
             NUM_REQUESTS_WAITING,
             "Requests waiting for their first prefill chunk",
@@ -258,6 +278,12 @@ impl Metrics {
         self.tenants.get_or_create(&TenantLabel { tenant: tenant.to_owned() }).inc();
     }
 
+    /// A request of `tenant` refused by its `limit` (`requests`, `input_tokens`,
+    /// `output_tokens`).
+    pub fn record_rate_limited(&self, tenant: &str, limit: &'static str) {
+        self.rate_limited.get_or_create(&RateLimitLabels { tenant: tenant.to_owned(), limit }).inc();
+    }
+
     /// The Prometheus text exposition, worker gauges refreshed from `stats`.
     pub fn render(&self, stats: &WorkerStats) -> String {
         let as_i64 = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
@@ -299,6 +325,7 @@ mod tests {
         m.record_finished("stop", usage, &timing, &rec);
         m.record_status(503, "none");
         m.record_tenant("alice");
+        m.record_rate_limited("alice", "input_tokens");
         let stats = WorkerStats {
             waiting: 2,
             running: 5,
@@ -318,6 +345,7 @@ mod tests {
             CACHED_PROMPT_TOKENS,
             REQUESTS,
             TENANT_REQUESTS,
+            RATE_LIMITED_REQUESTS,
             NUM_REQUESTS_WAITING,
             NUM_REQUESTS_RUNNING,
             KV_BLOCKS_USED,
@@ -333,6 +361,10 @@ mod tests {
         assert!(text.contains("tokenpath_requests_total{status=\"503\",finish_reason=\"none\"} 1"), "{text}");
         assert!(text.contains("tokenpath_kv_blocks_used 9"), "{text}");
         assert!(text.contains("tokenpath_tenant_requests_total{tenant=\"alice\"} 1"), "{text}");
+        assert!(
+            text.contains("tokenpath_rate_limited_requests_total{tenant=\"alice\",limit=\"input_tokens\"} 1"),
+            "{text}"
+        );
         assert!(!text.contains(WORKER_PEAK_FLOPS));
         let text = Metrics::with_peak_flops(Some(1e11)).render(&stats);
         assert!(text.contains("tokenpath_worker_peak_flops 100000000000"), "{text}");

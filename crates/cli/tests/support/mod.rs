@@ -38,3 +38,70 @@ pub fn serve(model: &Path, extra: &[&str]) -> Served {
     let logs = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
     Served { child, port, logs }
 }
+
+/// One plain HTTP/1.1 request over a `TcpStream` (no client dependency): status and body.
+pub fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
+}
+
+/// A `tokenpath worker` process; killed on drop.
+pub struct WorkerProc {
+    pub child: Child,
+    pub addr: String,
+}
+
+impl Drop for WorkerProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `tokenpath worker --role ROLE --model MODEL EXTRA...` and reads its address.
+pub fn worker(model: &Path, role: &str, extra: &[&str]) -> WorkerProc {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+        .args(["worker", "--role", role, "--listen", "127.0.0.1:0"])
+        .args(extra)
+        .arg("--model")
+        .arg(model)
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("worker exited before listening").unwrap();
+    let addr = line.strip_prefix("tokenpath worker listening on ").expect("address line").trim().to_owned();
+    std::thread::spawn(move || lines.for_each(drop));
+    WorkerProc { child, addr }
+}
+
+impl Served {
+    /// Kills the server (and, through its guard, any worker processes it started).
+    pub fn stop(mut self) {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while self.child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                let _ = self.child.kill();
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _ = self.child.wait();
+    }
+}

@@ -38,12 +38,20 @@ pub(crate) async fn write_control<W: AsyncWrite + Unpin, T: serde::Serialize>(
 }
 
 pub(crate) fn usage_msg(u: TokenUsage) -> UsageMsg {
-    UsageMsg { prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens, cached_tokens: u.cached_tokens }
+    UsageMsg {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+        cached_tokens: u.cached_tokens,
+    }
 }
 
 /// The worker-side usage of a message.
 pub fn usage_of(u: UsageMsg) -> TokenUsage {
-    TokenUsage { prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens, cached_tokens: u.cached_tokens }
+    TokenUsage {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+        cached_tokens: u.cached_tokens,
+    }
 }
 
 /// Wire form of sampling parameters.
@@ -77,7 +85,14 @@ pub(crate) fn sampler_state(p: SamplerPos) -> SamplerState {
     SamplerState { seed: p.seed, word_pos: p.word_pos }
 }
 
-pub(crate) fn stats_msg(s: &WorkerStats, role: &str, id: &str, n_ctx: usize, block_size: usize, in_flight: usize) -> StatsMsg {
+pub(crate) fn stats_msg(
+    s: &WorkerStats,
+    role: &str,
+    id: &str,
+    n_ctx: usize,
+    block_size: usize,
+    in_flight: usize,
+) -> StatsMsg {
     StatsMsg {
         role: role.to_owned(),
         worker_id: id.to_owned(),
@@ -115,4 +130,3 @@ pub fn stats_of(m: &StatsMsg) -> WorkerStats {
         ..WorkerStats::default()
     }
 }
-

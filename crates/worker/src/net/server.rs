@@ -34,7 +34,11 @@ pub struct ServerConfig {
 }
 
 /// Serves `handle` on `listener` until the listener fails.
-pub async fn serve(listener: TcpListener, handle: WorkerHandle, config: ServerConfig) -> Result<(), WorkerError> {
+pub async fn serve(
+    listener: TcpListener,
+    handle: WorkerHandle,
+    config: ServerConfig,
+) -> Result<(), WorkerError> {
     loop {
         let (stream, peer) = listener.accept().await.map_err(WorkerError::Spawn)?;
         let _ = stream.set_nodelay(true);
@@ -55,7 +59,11 @@ fn accepts(role: Role, mode: &Mode) -> bool {
     )
 }
 
-async fn connection(stream: TcpStream, handle: &WorkerHandle, config: &ServerConfig) -> Result<(), ProtocolError> {
+async fn connection(
+    stream: TcpStream,
+    handle: &WorkerHandle,
+    config: &ServerConfig,
+) -> Result<(), ProtocolError> {
     let (mut rd, mut wr) = stream.into_split();
     let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, read_control::<_, ToWorker>(&mut rd))
         .await
@@ -65,14 +73,23 @@ async fn connection(stream: TcpStream, handle: &WorkerHandle, config: &ServerCon
         Some(ToWorker::Stats) => {
             let s = handle.stats();
             let bs = handle.kv_layout().block_size;
-            let msg = stats_msg(&s, &config.role.to_string(), &handle.id().0, handle.n_ctx(), bs, handle.in_flight());
+            let msg = stats_msg(
+                &s,
+                &config.role.to_string(),
+                &handle.id().0,
+                handle.n_ctx(),
+                bs,
+                handle.in_flight(),
+            );
             write_control(&mut wr, &FromWorker::Stats(msg)).await
         }
         Some(ToWorker::Generate(msg)) => generate(msg, rd, wr, handle, config).await,
         Some(ToWorker::KvBegin { transfer, n_tokens, layout }) => {
             receive_kv(transfer, n_tokens, layout, rd, wr, handle).await
         }
-        Some(other) => Err(ProtocolError::InvalidFrame { message: format!("unexpected first message {other:?}") }),
+        Some(other) => {
+            Err(ProtocolError::InvalidFrame { message: format!("unexpected first message {other:?}") })
+        }
     }
 }
 
@@ -124,13 +141,9 @@ async fn generate(
     };
     write_control(&mut wr, &FromWorker::Accepted).await?;
     let mut kv = match &msg.mode {
-        Mode::Prefill { transfer, decode_addr } => Some(KvSender::start(
-            *transfer,
-            decode_addr.clone(),
-            prompt_len,
-            handle,
-            config.fault_corrupt_kv,
-        )),
+        Mode::Prefill { transfer, decode_addr } => {
+            Some(KvSender::start(*transfer, decode_addr.clone(), prompt_len, handle, config.fault_corrupt_kv))
+        }
         _ => None,
     };
     loop {
@@ -202,7 +215,13 @@ struct KvSender {
 }
 
 impl KvSender {
-    fn start(transfer: TransferId, addr: String, n_tokens: usize, handle: &WorkerHandle, corrupt: bool) -> Self {
+    fn start(
+        transfer: TransferId,
+        addr: String,
+        n_tokens: usize,
+        handle: &WorkerHandle,
+        corrupt: bool,
+    ) -> Self {
         let (chunks, rx) = mpsc::unbounded_channel();
         let (done, done_rx) = tokio::sync::oneshot::channel();
         let (res_tx, result) = tokio::sync::oneshot::channel();
@@ -245,7 +264,8 @@ async fn send_kv(
     mut done: tokio::sync::oneshot::Receiver<()>,
     corrupt: bool,
 ) -> Result<u64, ProtocolError> {
-    let conn = TcpStream::connect(addr).await.map_err(|e| ProtocolError::Connection { message: e.to_string() })?;
+    let conn =
+        TcpStream::connect(addr).await.map_err(|e| ProtocolError::Connection { message: e.to_string() })?;
     let _ = conn.set_nodelay(true);
     let (mut rd, mut wr) = conn.into_split();
     let n = u32::try_from(n_tokens).unwrap_or(u32::MAX);
@@ -284,11 +304,14 @@ async fn send_kv(
             let payload = chunk.encode();
             if corrupt && frames == 0 {
                 // Header (and CRC) of the true payload, then one flipped byte on the wire.
-                let header = tokenpath_protocol::frame::FrameHeader::for_payload(FrameKind::KvChunk, &payload)?;
+                let header =
+                    tokenpath_protocol::frame::FrameHeader::for_payload(FrameKind::KvChunk, &payload)?;
                 let mut bad = payload;
                 let last = bad.len() - 1;
                 bad[last] ^= 0x5a;
-                wr.write_all(&header.encode()).await.map_err(|e| ProtocolError::Connection { message: e.to_string() })?;
+                wr.write_all(&header.encode())
+                    .await
+                    .map_err(|e| ProtocolError::Connection { message: e.to_string() })?;
                 wr.write_all(&bad).await.map_err(|e| ProtocolError::Connection { message: e.to_string() })?;
             } else {
                 write_frame(&mut wr, FrameKind::KvChunk, &payload).await?;
@@ -303,7 +326,9 @@ async fn send_kv(
         Some(FromWorker::KvAck { ok: false, message }) => Err(ProtocolError::Connection {
             message: format!("the decode worker refused the transfer: {}", message.unwrap_or_default()),
         }),
-        other => Err(ProtocolError::Connection { message: format!("expected an acknowledgement, got {other:?}") }),
+        other => {
+            Err(ProtocolError::Connection { message: format!("expected an acknowledgement, got {other:?}") })
+        }
     }
 }
 
@@ -320,7 +345,8 @@ async fn receive_kv(
     let ours = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
     let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
     let expected_blocks = (n_tokens as usize).div_ceil(l.block_size);
-    let mut problem = (layout != ours).then(|| format!("KV layout {layout:?} does not match this worker's {ours:?}"));
+    let mut problem =
+        (layout != ours).then(|| format!("KV layout {layout:?} does not match this worker's {ours:?}"));
     let (mut frames, mut blocks) = (0u32, 0usize);
     while problem.is_none() {
         match read_frame(&mut rd).await {
