@@ -15,6 +15,7 @@ pub mod progress;
 pub mod report;
 pub mod run;
 pub mod search;
+pub mod side_by_side;
 pub mod text;
 pub mod tokens;
 pub mod trace;

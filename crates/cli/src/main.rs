@@ -3,8 +3,10 @@
 
 mod bench;
 mod bench_engine;
+mod bench_kv;
 mod bench_tokenizer;
 mod compare;
+mod demo;
 mod generate;
 mod output;
 mod serve;
@@ -34,6 +36,12 @@ enum Command {
     /// Measure the embedded engine's prefill and decode throughput (next to llama.cpp's with
     /// --peer-json; `scripts/bench-engine` runs both).
     BenchEngine(bench_engine::BenchEngineArgs),
+    /// Measure KV transfer between workers over loopback next to a plain TCP copy of the same
+    /// bytes (GB/s, ratio, and the 4,096-token target).
+    BenchKv(bench_kv::BenchKvArgs),
+    /// The main job: the same long-tail workload against one colocated worker and against a
+    /// prefill/decode-disaggregated pair on the same two cores, side by side, with an HTML report.
+    Demo(demo::DemoArgs),
     /// Diff two saved runs metric by metric and stage by stage, with bootstrap 95% confidence
     /// intervals; `--fail-if ttft.p99>+10%` exits non-zero on a regression.
     Compare(compare::CompareArgs),
@@ -103,6 +111,8 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Generate(args) => generate::run(args),
         Command::Report(args) => report(args),
+        Command::BenchKv(args) => bench_kv::run(args),
+        Command::Demo(args) => demo::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Worker(args) => worker::run(args),
     }

@@ -281,8 +281,13 @@ impl KvCache {
         let elems = self.layout.block_elems();
         for (b, chunk) in targets.iter().zip(bytes.chunks_exact(per_block)) {
             let off = b.0 as usize * elems;
-            for (dst, src) in self.data[off..off + elems].iter_mut().zip(chunk.chunks_exact(2)) {
-                *dst = f16::from_bits(u16::from_le_bytes([src[0], src[1]]));
+            let dst = &mut self.data[off..off + elems];
+            if cfg!(target_endian = "little") {
+                bytemuck::cast_slice_mut::<f16, u8>(dst).copy_from_slice(chunk);
+            } else {
+                for (d, src) in dst.iter_mut().zip(chunk.chunks_exact(2)) {
+                    *d = f16::from_bits(u16::from_le_bytes([src[0], src[1]]));
+                }
             }
         }
         Ok(())

@@ -270,7 +270,10 @@ pub enum FromWorker {
     },
 }
 
-/// One chunk of KV blocks: `transfer u64 | first_block u32 | n_blocks u32 | bytes`.
+/// One chunk of KV blocks: `bytes | transfer u64 | first_block u32 | n_blocks u32`. The ids
+/// trail the bytes so neither side copies the bulk: the sender writes the block bytes straight
+/// from its export buffer followed by [`KvChunk::trailer`], the receiver truncates the trailer
+/// off the payload it read.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvChunk {
     /// Which transfer.
@@ -283,39 +286,46 @@ pub struct KvChunk {
     pub bytes: Vec<u8>,
 }
 
-const KV_PREFIX: usize = 16;
+/// Bytes of a KV chunk's trailer.
+pub const KV_TRAILER: usize = 16;
 
 impl KvChunk {
-    /// The frame payload.
+    /// The 16 trailer bytes of a chunk.
+    pub fn trailer(transfer: TransferId, first_block: u32, n_blocks: u32) -> [u8; KV_TRAILER] {
+        let mut t = [0u8; KV_TRAILER];
+        t[..8].copy_from_slice(&transfer.0.to_le_bytes());
+        t[8..12].copy_from_slice(&first_block.to_le_bytes());
+        t[12..16].copy_from_slice(&n_blocks.to_le_bytes());
+        t
+    }
+
+    /// The whole frame payload (tests and small chunks; the sender avoids this copy).
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(KV_PREFIX + self.bytes.len());
-        out.extend_from_slice(&self.transfer.0.to_le_bytes());
-        out.extend_from_slice(&self.first_block.to_le_bytes());
-        out.extend_from_slice(&self.n_blocks.to_le_bytes());
+        let mut out = Vec::with_capacity(self.bytes.len() + KV_TRAILER);
         out.extend_from_slice(&self.bytes);
+        out.extend_from_slice(&Self::trailer(self.transfer, self.first_block, self.n_blocks));
         out
     }
 
     /// Decodes a frame payload; `block_bytes` is the receiver's own block size in bytes (never
     /// taken from the wire) and the block count must match the byte count exactly.
     pub fn decode(mut payload: Vec<u8>, block_bytes: usize) -> Result<Self, ProtocolError> {
-        if payload.len() < KV_PREFIX {
-            return Err(ProtocolError::InvalidFrame { message: "KV chunk shorter than its prefix".into() });
-        }
-        let u32_at =
-            |i: usize| u32::from_le_bytes([payload[i], payload[i + 1], payload[i + 2], payload[i + 3]]);
-        let mut t = [0u8; 8];
-        t.copy_from_slice(&payload[..8]);
-        let transfer = TransferId(u64::from_le_bytes(t));
-        let first_block = u32_at(8);
-        let n_blocks = u32_at(12);
-        let bytes = payload.split_off(KV_PREFIX);
-        if block_bytes == 0 || (n_blocks as usize).checked_mul(block_bytes) != Some(bytes.len()) {
+        let Some(split) = payload.len().checked_sub(KV_TRAILER) else {
+            return Err(ProtocolError::InvalidFrame { message: "KV chunk shorter than its trailer".into() });
+        };
+        let t = &payload[split..];
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&t[..8]);
+        let transfer = TransferId(u64::from_le_bytes(id));
+        let first_block = u32::from_le_bytes([t[8], t[9], t[10], t[11]]);
+        let n_blocks = u32::from_le_bytes([t[12], t[13], t[14], t[15]]);
+        payload.truncate(split);
+        if block_bytes == 0 || (n_blocks as usize).checked_mul(block_bytes) != Some(payload.len()) {
             return Err(ProtocolError::InvalidFrame {
-                message: format!("KV chunk says {n_blocks} blocks but carries {} bytes", bytes.len()),
+                message: format!("KV chunk says {n_blocks} blocks but carries {} bytes", payload.len()),
             });
         }
-        Ok(Self { transfer, first_block, n_blocks, bytes })
+        Ok(Self { transfer, first_block, n_blocks, bytes: payload })
     }
 }
 
@@ -371,7 +381,7 @@ mod tests {
 
     #[test]
     fn kv_chunks_check_their_size_against_the_receivers_block() {
-        let c = KvChunk { transfer: TransferId(1), first_block: 2, n_blocks: 2, bytes: vec![7; 8] };
+        let c = KvChunk { transfer: TransferId(1), first_block: 2, n_blocks: 2, bytes: (0..8).collect() };
         assert_eq!(KvChunk::decode(c.encode(), 4).unwrap(), c);
         assert!(KvChunk::decode(c.encode(), 3).is_err());
         assert!(KvChunk::decode(c.encode(), 0).is_err());

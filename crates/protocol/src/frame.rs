@@ -166,6 +166,31 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     Ok(Some((header.kind, payload)))
 }
 
+/// Writes one frame whose payload is the concatenation of `parts`, without joining them (the
+/// KV sender's block bytes go out straight from its buffer), and flushes.
+pub async fn write_frame_parts<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    kind: FrameKind,
+    parts: &[&[u8]],
+) -> Result<(), ProtocolError> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let len32 = u32::try_from(len).ok().filter(|&l| l <= kind.max_len()).ok_or(ProtocolError::TooLarge {
+        what: "frame payload",
+        len: len as u64,
+        max: kind.max_len().into(),
+    })?;
+    let mut crc = crc32fast::Hasher::new();
+    for p in parts {
+        crc.update(p);
+    }
+    let header = FrameHeader { kind, len: len32, crc: crc.finalize() };
+    w.write_all(&header.encode()).await.map_err(io)?;
+    for p in parts {
+        w.write_all(p).await.map_err(io)?;
+    }
+    w.flush().await.map_err(io)
+}
+
 /// Writes one frame (header and payload) and flushes.
 pub async fn write_frame<W: AsyncWrite + Unpin>(
     w: &mut W,
@@ -207,6 +232,10 @@ mod tests {
         flipped[FRAME_HEADER_LEN + 2] ^= 0x10;
         let err = block_on(read_frame(&mut &flipped[..])).unwrap_err();
         assert!(matches!(err, ProtocolError::Checksum { .. }), "{err:?}");
+
+        let mut parts = Vec::new();
+        block_on(write_frame_parts(&mut parts, FrameKind::KvChunk, &[b"hello", b" kv"])).unwrap();
+        assert_eq!(parts, buf, "a payload in parts frames exactly like the joined payload");
 
         let truncated = &buf[..buf.len() - 1];
         let err = block_on(read_frame(&mut &truncated[..])).unwrap_err();

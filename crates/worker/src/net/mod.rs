@@ -4,6 +4,7 @@
 //! gateway), with nothing to multiplex or time out by hand. Frames and messages come from the
 //! protocol crate; this module only moves them.
 
+pub mod bench;
 pub mod client;
 pub mod server;
 

@@ -12,7 +12,7 @@ use super::{read_control, sampler_pos, sampler_state, sampling_params, stats_msg
 use crate::{Role, WorkEvent, WorkMode, WorkRequest, WorkerError, WorkerHandle};
 use std::time::{Duration, Instant};
 use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, KvChunk, Mode, RejectKind, ToWorker, TransferId};
-use tokenpath_protocol::frame::{read_frame, write_frame, FrameKind, MAX_KV_CHUNK_BYTES};
+use tokenpath_protocol::frame::{read_frame, write_frame_parts, FrameKind, MAX_KV_CHUNK_BYTES};
 use tokenpath_protocol::ProtocolError;
 use tokenpath_timeline::RequestId;
 use tokio::io::AsyncWriteExt;
@@ -208,14 +208,14 @@ async fn generate(
 }
 
 /// The outgoing half of a KV transfer: a task that owns the connection to the decode worker.
-struct KvSender {
+pub(crate) struct KvSender {
     chunks: mpsc::UnboundedSender<(u32, Vec<u8>)>,
     done: tokio::sync::oneshot::Sender<()>,
     result: tokio::sync::oneshot::Receiver<(bool, u64)>,
 }
 
 impl KvSender {
-    fn start(
+    pub(crate) fn start(
         transfer: TransferId,
         addr: String,
         n_tokens: usize,
@@ -242,12 +242,12 @@ impl KvSender {
         Self { chunks, done, result }
     }
 
-    fn chunk(&self, first_block: u32, bytes: Vec<u8>) {
+    pub(crate) fn chunk(&self, first_block: u32, bytes: Vec<u8>) {
         let _ = self.chunks.send((first_block, bytes));
     }
 
     /// Every block was handed over; the receiver resolves with (acknowledged, bytes).
-    fn finish(self) -> tokio::sync::oneshot::Receiver<(bool, u64)> {
+    pub(crate) fn finish(self) -> tokio::sync::oneshot::Receiver<(bool, u64)> {
         let _ = self.done.send(());
         self.result
     }
@@ -270,7 +270,8 @@ async fn send_kv(
     let (mut rd, mut wr) = conn.into_split();
     let n = u32::try_from(n_tokens).unwrap_or(u32::MAX);
     write_control(&mut wr, &ToWorker::KvBegin { transfer, n_tokens: n, layout }).await?;
-    let per_frame = (MAX_KV_CHUNK_BYTES as usize / block_bytes.max(1)).max(1);
+    let per_frame =
+        ((MAX_KV_CHUNK_BYTES as usize - tokenpath_protocol::cluster::KV_TRAILER) / block_bytes.max(1)).max(1);
     let (mut frames, mut bytes_sent) = (0u32, 0u64);
     let mut finished = false;
     loop {
@@ -295,26 +296,19 @@ async fn send_kv(
             continue;
         };
         for (i, part) in bytes.chunks(per_frame * block_bytes).enumerate() {
-            let chunk = KvChunk {
-                transfer,
-                first_block: first_block + (i * per_frame) as u32,
-                n_blocks: (part.len() / block_bytes.max(1)) as u32,
-                bytes: part.to_vec(),
-            };
-            let payload = chunk.encode();
+            let n_blocks = (part.len() / block_bytes.max(1)) as u32;
+            let trailer = KvChunk::trailer(transfer, first_block + (i * per_frame) as u32, n_blocks);
             if corrupt && frames == 0 {
                 // Header (and CRC) of the true payload, then one flipped byte on the wire.
-                let header =
-                    tokenpath_protocol::frame::FrameHeader::for_payload(FrameKind::KvChunk, &payload)?;
-                let mut bad = payload;
-                let last = bad.len() - 1;
-                bad[last] ^= 0x5a;
-                wr.write_all(&header.encode())
-                    .await
-                    .map_err(|e| ProtocolError::Connection { message: e.to_string() })?;
-                wr.write_all(&bad).await.map_err(|e| ProtocolError::Connection { message: e.to_string() })?;
+                let mut bad = part.to_vec();
+                bad.extend_from_slice(&trailer);
+                let header = tokenpath_protocol::frame::FrameHeader::for_payload(FrameKind::KvChunk, &bad)?;
+                bad[0] ^= 0x5a;
+                let io = |e: std::io::Error| ProtocolError::Connection { message: e.to_string() };
+                wr.write_all(&header.encode()).await.map_err(io)?;
+                wr.write_all(&bad).await.map_err(io)?;
             } else {
-                write_frame(&mut wr, FrameKind::KvChunk, &payload).await?;
+                write_frame_parts(&mut wr, FrameKind::KvChunk, &[part, &trailer]).await?;
             }
             frames += 1;
             bytes_sent += part.len() as u64;

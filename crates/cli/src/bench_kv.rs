@@ -1,0 +1,140 @@
+//! `tokenpath bench-kv`: how fast a prompt's KV moves from a prefill to a decode worker over
+//! loopback, next to a plain TCP copy of the same bytes measured in the same run.
+
+use crate::generate::ModelArgs;
+use anyhow::Context as _;
+use clap::Args;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokenpath_engine::sampling::SamplingParams;
+use tokenpath_engine::Engine;
+use tokenpath_timeline::{RequestId, Stage};
+use tokenpath_worker::{Role, WorkEvent, WorkMode, WorkRequest, Worker, WorkerConfig, WorkerHandle};
+
+/// Flags of `tokenpath bench-kv`.
+#[derive(Debug, Args)]
+pub struct BenchKvArgs {
+    /// Prompt tokens whose KV moves.
+    #[arg(long, default_value_t = 4096)]
+    tokens: usize,
+    /// Transfers (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Also run one real prefill/decode handoff of a --tokens prompt through a prefill worker and
+    /// a decode worker on loopback, and report the transfer time left after the prefill ended
+    /// (blocks leave while the prefill still runs; this is the `kv_transfer` stage of a request).
+    #[arg(long)]
+    live: bool,
+    /// Write the figures as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+pub fn run(args: BenchKvArgs) -> anyhow::Result<()> {
+    let path = args.model.path();
+    let engine = Arc::new(Engine::open(&path).with_context(|| format!("loading {}", path.display()))?);
+    let kv_tokens = (args.tokens + 64).max(engine.model().config().n_ctx);
+    let worker =
+        Worker::spawn(engine, WorkerConfig { kv_tokens: Some(kv_tokens), ..WorkerConfig::default() })?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let b = rt.block_on(tokenpath_worker::net::bench::kv_transfer(
+        &worker.handle(),
+        args.tokens,
+        args.repeats.max(1),
+    ))?;
+    let (ours, tcp) = (b.transfer_median_ms(), b.tcp_median_ms());
+    println!("KV transfer of a {}-token prompt: {:.1} MB", b.tokens, b.bytes as f64 / 1e6);
+    println!("  {:<38} {:>9} {:>9}", "", "ms (p50)", "GB/s");
+    println!("  {:<38} {ours:>9.1} {:>9.2}", "tokenpath (frames + CRC + import + ack)", b.gbps(ours));
+    println!("  {:<38} {tcp:>9.1} {:>9.2}", "plain loopback TCP copy", b.gbps(tcp));
+    println!("  ratio tokenpath / plain TCP throughput: {:.2}", tcp / ours);
+    println!(
+        "  target: a 4,096-token prompt's KV within 50 ms -> {}",
+        if b.tokens == 4096 {
+            if ours <= 50.0 {
+                "met"
+            } else {
+                "NOT met"
+            }
+        } else {
+            "(run with --tokens 4096)"
+        }
+    );
+    let live = if args.live { Some(rt.block_on(live_handoff(&worker.handle(), args.tokens))?) } else { None };
+    if let Some((prefill_ms, exposed_ms, bytes)) = live {
+        println!(
+            "  live handoff: prefill {prefill_ms:.0} ms, then the last blocks and the acknowledgement took \
+             {exposed_ms:.1} ms ({:.1} MB moved in total, overlapping the prefill)",
+            bytes as f64 / 1e6
+        );
+        println!(
+            "  target on the serving path: KV in the decode worker within 50 ms of the prefill's end -> {}",
+            if exposed_ms <= 50.0 { "met" } else { "NOT met" }
+        );
+    }
+    if let Some(p) = &args.json {
+        let v = serde_json::json!({
+            "live_prefill_ms": live.map(|l| l.0), "live_kv_transfer_ms": live.map(|l| l.1),
+            "tokens": b.tokens, "bytes": b.bytes,
+            "transfer_ms": b.transfer_ms, "tcp_ms": b.tcp_ms,
+            "transfer_p50_ms": ours, "tcp_p50_ms": tcp,
+            "transfer_gbps": b.gbps(ours), "tcp_gbps": b.gbps(tcp),
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    drop(worker);
+    Ok(())
+}
+
+/// One request through a prefill worker and a decode worker served on loopback by this process:
+/// (prefill ms, kv_transfer ms after the prefill, bytes moved).
+async fn live_handoff(decode: &WorkerHandle, tokens: usize) -> anyhow::Result<(f64, f64, u64)> {
+    use tokenpath_gateway::cluster::{Cluster, Registry};
+    use tokenpath_worker::net::server::{serve, ServerConfig};
+    let engine = Arc::clone(decode.engine());
+    let prefill = Worker::spawn(engine, WorkerConfig { prefix_cache: false, ..WorkerConfig::default() })?;
+    let mut addrs = Vec::new();
+    for (h, role) in [(prefill.handle(), Role::Prefill), (decode.clone(), Role::Decode)] {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        addrs.push((l.local_addr()?.to_string(), role));
+        tokio::spawn(serve(l, h, ServerConfig { role, fault_corrupt_kv: false }));
+    }
+    let registry = Registry::start(addrs);
+    anyhow::ensure!(
+        registry.wait_ready(Duration::from_secs(30)).await,
+        "the loopback workers did not come up"
+    );
+    let cluster = Cluster::new(registry);
+    let now = Instant::now();
+    let prompt: Vec<u32> = (0..tokens).map(|i| 200 + (i as u32 * 7919) % 40_000).collect();
+    let mut stream = cluster
+        .submit(WorkRequest {
+            id: RequestId(1),
+            prompt,
+            sampling: SamplingParams::greedy(),
+            max_tokens: Some(2),
+            stop: Vec::new(),
+            ignore_eos: true,
+            arrived: now,
+            admitted: now,
+            mode: WorkMode::Full,
+        })
+        .await?;
+    while let Some(ev) = stream.next().await {
+        match ev {
+            WorkEvent::Finished { timing, .. } => {
+                let kv = timing
+                    .stage_ms(Stage::KvTransfer)
+                    .context("the handoff reported no kv_transfer stage")?;
+                let prefill = timing.stage_ms(Stage::Prefill).unwrap_or(f64::NAN);
+                return Ok((prefill, kv, timing.kv_transfer_bytes.unwrap_or(0)));
+            }
+            WorkEvent::Failed { message } => anyhow::bail!("the handoff failed: {message}"),
+            _ => {}
+        }
+    }
+    anyhow::bail!("the handoff stream ended without finishing")
+}
