@@ -31,7 +31,7 @@ pub struct DemoArgs {
     /// Offered rate, requests/s (the same for both topologies).
     #[arg(long, default_value_t = 0.6)]
     rate: f64,
-    /// Seconds of load per topology (default 100; 20 with --quick).
+    /// Seconds of load per topology (default 90; 20 with --quick).
     #[arg(long)]
     duration: Option<f64>,
     /// The workload (any `tokenpath bench --workload`).
@@ -49,6 +49,10 @@ pub struct DemoArgs {
     /// Do not pin the PD workers to cores 0 and 1.
     #[arg(long)]
     no_pin: bool,
+    /// Also run the colocated worker without chunked prefill (one step per whole prompt): the
+    /// baseline the head-of-line blocking argument is about.
+    #[arg(long)]
+    unchunked: bool,
     #[command(flatten)]
     model: crate::generate::ModelArgs,
 }
@@ -163,7 +167,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         );
     }
     let slo: SloSpec = args.slo.parse().map_err(|e| anyhow::anyhow!("--slo: {e}"))?;
-    let duration = args.duration.unwrap_or(if args.quick { 20.0 } else { 100.0 });
+    let duration = args.duration.unwrap_or(if args.quick { 20.0 } else { 90.0 });
     std::fs::create_dir_all(&args.out_dir).with_context(|| format!("creating {}", args.out_dir.display()))?;
     let pids: Pids = Arc::default();
     on_signal(Arc::clone(&pids));
@@ -174,7 +178,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             pd_args.extend([flag.to_owned(), c]);
         }
     }
-    let topologies = [
+    let mut topologies = vec![
         Topology {
             label: "colocated",
             what: "one worker on both cores (chunked prefill, 512 tokens)",
@@ -186,9 +190,20 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             serve_args: pd_args,
         },
     ];
+    if args.unchunked {
+        topologies.insert(
+            1,
+            Topology {
+                label: "colocated-unchunked",
+                what: "one worker on both cores, each prompt prefilled in one step",
+                serve_args: vec!["--prefill-chunk=8192".into()],
+            },
+        );
+    }
+    let n = topologies.len();
     let mut files = Vec::new();
     for (i, t) in topologies.iter().enumerate() {
-        eprintln!("\ndemo {}/2: {} — {}", i + 1, t.label, t.what);
+        eprintln!("\ndemo {}/{n}: {} — {}", i + 1, t.label, t.what);
         let log = args.out_dir.join(format!("{}-serve.log", t.label));
         let mut server = start_server(&model, &t.serve_args, &log, &pids)?;
         let out = args.out_dir.join(format!("{}.json", t.label));
@@ -230,6 +245,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let html_opts = HtmlOptions { title: "tokenpath demo: colocated vs PD".into(), ..HtmlOptions::default() };
     html::write_html(&page, &html::render(&views, &html_opts))?;
     println!("\nHTML report (both runs): {}", page.display());
-    println!("stage-by-stage diff:     tokenpath compare {} {}", files[0].display(), files[1].display());
+    let pd = files.last().map_or_else(String::new, |f| f.display().to_string());
+    println!("stage-by-stage diff:     tokenpath compare {} {pd}", files[0].display());
     Ok(())
 }

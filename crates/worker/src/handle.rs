@@ -159,6 +159,9 @@ pub enum WorkEvent {
         usage: TokenUsage,
         /// The stages this worker measured.
         timing: ServerTiming,
+        /// When the prefill ended (the transfer's remaining time is measured from here, so the
+        /// wait for a busy core to pick the event up is counted, not lost).
+        at: Instant,
     },
     /// Generation failed after it was accepted (an engine error).
     Failed {

@@ -239,7 +239,7 @@ impl Seq {
                 let first_token = self.tokens[self.prompt_len];
                 let sampler = self.sampler.state();
                 let usage = self.usage();
-                let _ = self.events.send(WorkEvent::Handoff { first_token, sampler, usage, timing });
+                let _ = self.events.send(WorkEvent::Handoff { first_token, sampler, usage, timing, at });
             }
             Ending::Failed(message) => {
                 self.stamp(Mark::Failed, at);

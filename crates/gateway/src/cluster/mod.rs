@@ -100,9 +100,10 @@ impl Cluster {
             })
         };
         let (tx, stream) = WorkStream::channel(work.id);
-        let clock = Clock { arrived: work.arrived, admitted: work.admitted };
+        let mut clock = Clock { arrived: work.arrived, admitted: work.admitted, dispatched: Instant::now() };
         match route {
             Route::Colocated(addr) => {
+                clock.dispatched = Instant::now();
                 let conn = open(addr.clone(), Mode::Full).await?;
                 let registry = self.registry.clone();
                 let addr = addr.clone();
@@ -114,6 +115,7 @@ impl Cluster {
             Route::Disaggregated { prefill, decode } => {
                 let transfer = TransferId(self.transfers.fetch_add(1, Ordering::Relaxed));
                 let dconn = open(decode.clone(), Mode::Decode { transfer }).await?;
+                clock.dispatched = Instant::now();
                 let pconn =
                     open(prefill.clone(), Mode::Prefill { transfer, decode_addr: decode.clone() }).await?;
                 let registry = self.registry.clone();
@@ -144,6 +146,10 @@ fn release(registry: &Registry, route: &Route) {
 struct Clock {
     arrived: Instant,
     admitted: Instant,
+    /// When the request left for the worker that runs its prefill (routing and, in PD, the
+    /// decode worker's reservation happen before): this part of the wait for a prefill slot is
+    /// the gateway's, and is added to the `queue` stage.
+    dispatched: Instant,
 }
 
 impl Clock {
@@ -159,6 +165,8 @@ impl Clock {
             p.stages_ms.remove(&Stage::Gateway);
             t.absorb(&p);
         }
+        let dispatch = ms(self.dispatched.saturating_duration_since(self.admitted).as_nanos() as u64);
+        *t.stages_ms.entry(Stage::Queue).or_insert(0.0) += dispatch;
         t
     }
 }

@@ -41,11 +41,14 @@ pub async fn serve(
 ) -> Result<(), WorkerError> {
     loop {
         let (stream, peer) = listener.accept().await.map_err(WorkerError::Spawn)?;
+        // A request's clock on this worker starts when its connection arrives, not when a busy
+        // core got round to reading it.
+        let accepted = Instant::now();
         let _ = stream.set_nodelay(true);
         let handle = handle.clone();
         let config = config.clone();
         tokio::spawn(async move {
-            if let Err(e) = connection(stream, &handle, &config).await {
+            if let Err(e) = connection(stream, accepted, &handle, &config).await {
                 tracing::debug!(%peer, "connection ended: {e}");
             }
         });
@@ -61,6 +64,7 @@ fn accepts(role: Role, mode: &Mode) -> bool {
 
 async fn connection(
     stream: TcpStream,
+    accepted: Instant,
     handle: &WorkerHandle,
     config: &ServerConfig,
 ) -> Result<(), ProtocolError> {
@@ -83,7 +87,7 @@ async fn connection(
             );
             write_control(&mut wr, &FromWorker::Stats(msg)).await
         }
-        Some(ToWorker::Generate(msg)) => generate(msg, rd, wr, handle, config).await,
+        Some(ToWorker::Generate(msg)) => generate(msg, accepted, rd, wr, handle, config).await,
         Some(ToWorker::KvBegin { transfer, n_tokens, layout }) => {
             receive_kv(transfer, n_tokens, layout, rd, wr, handle).await
         }
@@ -105,6 +109,7 @@ fn reject_of(e: &WorkerError) -> (RejectKind, String) {
 
 async fn generate(
     msg: GenerateMsg,
+    accepted: Instant,
     mut rd: OwnedReadHalf,
     mut wr: OwnedWriteHalf,
     handle: &WorkerHandle,
@@ -114,7 +119,7 @@ async fn generate(
         let message = format!("a {} worker does not run {:?} requests", config.role, msg.mode);
         return write_control(&mut wr, &FromWorker::Rejected { kind: RejectKind::Invalid, message }).await;
     }
-    let now = Instant::now();
+    let now = accepted;
     let mode = match &msg.mode {
         Mode::Full => WorkMode::Full,
         Mode::Prefill { .. } => WorkMode::Prefill,
@@ -159,8 +164,8 @@ async fn generate(
                             kv.chunk(first_block, bytes);
                         }
                     }
-                    WorkEvent::Handoff { first_token, sampler, usage, timing } => {
-                        let ended = Instant::now();
+                    WorkEvent::Handoff { first_token, sampler, usage, timing, at } => {
+                        let ended = at;
                         let result = kv.take().map(|k| k.finish());
                         write_control(&mut wr, &FromWorker::Handoff {
                             first_token,
