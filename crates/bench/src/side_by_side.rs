@@ -28,10 +28,10 @@ pub fn render(runs: &[(&str, &Report)]) -> String {
     };
     row("requests ok / failed", &|r| format!("{} / {}", r.summary.completed, r.summary.failed));
     for (name, get) in [
-        ("TTFT ms (client)", (|r: &Report| r.summary.ttft_ms.clone()) as fn(&Report) -> Option<Summary>),
-        ("TPOT ms", |r: &Report| r.summary.tpot_ms.clone()),
-        ("chunk gap ms", |r: &Report| r.summary.chunk_gap_ms.clone()),
-        ("E2E ms", |r: &Report| r.summary.e2e_ms.clone()),
+        ("TTFT ms (client)", (|r: &Report| r.summary.ttft_ms) as fn(&Report) -> Option<Summary>),
+        ("TPOT ms", |r: &Report| r.summary.tpot_ms),
+        ("chunk gap ms", |r: &Report| r.summary.chunk_gap_ms),
+        ("E2E ms", |r: &Report| r.summary.e2e_ms),
     ] {
         row(&format!("{name} p50"), &|r| cell(&get(r), false));
         row(&format!("{name} p99"), &|r| cell(&get(r), true));
