@@ -62,6 +62,8 @@ struct Topology {
     label: &'static str,
     what: &'static str,
     serve_args: Vec<String>,
+    /// Engine instances (each busy at most 100% of the time).
+    engines: f64,
 }
 
 /// A child `tokenpath serve`, stopped on drop.
@@ -152,6 +154,23 @@ fn on_signal(pids: Pids) {
     });
 }
 
+/// The sum of every sample of counter `name` on the server's `/metrics` (plain HTTP/1.1: the
+/// demo needs one number, not a client).
+fn scrape(port: u16, name: &str) -> Option<f64> {
+    use std::io::Read as _;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    let values: Vec<f64> = body
+        .lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
+}
+
 #[derive(Debug, Parser)]
 struct BenchCli {
     #[command(flatten)]
@@ -183,11 +202,13 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             label: "colocated",
             what: "one worker on both cores (chunked prefill, 512 tokens)",
             serve_args: Vec::new(),
+            engines: 1.0,
         },
         Topology {
             label: "pd-1p1d",
             what: "prefill worker on core 0, decode worker on core 1",
             serve_args: pd_args,
+            engines: 2.0,
         },
     ];
     if args.unchunked {
@@ -197,11 +218,13 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 label: "colocated-unchunked",
                 what: "one worker on both cores, each prompt prefilled in one step",
                 serve_args: vec!["--prefill-chunk=8192".into()],
+                engines: 1.0,
             },
         );
     }
     let n = topologies.len();
     let mut files = Vec::new();
+    let mut busy = Vec::new();
     for (i, t) in topologies.iter().enumerate() {
         eprintln!("\ndemo {}/{n}: {} — {}", i + 1, t.label, t.what);
         let log = args.out_dir.join(format!("{}-serve.log", t.label));
@@ -220,7 +243,13 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             format!("--label={}", t.label),
         ];
         let bench = BenchCli::try_parse_from(&argv).context("building the bench arguments")?;
+        let busy0 = scrape(server.port, "tokenpath_worker_busy_seconds_total");
+        let t0 = Instant::now();
         crate::bench::run_bench(bench.args).with_context(|| format!("benchmarking {}", t.label))?;
+        let busy1 = scrape(server.port, "tokenpath_worker_busy_seconds_total");
+        if let (Some(a), Some(b)) = (busy0, busy1) {
+            busy.push((t.label, (b - a) / (t0.elapsed().as_secs_f64() * t.engines)));
+        }
         if let Ok(Some(status)) = server.child.try_wait() {
             anyhow::bail!("the {} server crashed during the run ({status}); see {}", t.label, log.display());
         }
@@ -241,6 +270,10 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         args.workload, args.rate, args.seed, args.slo
     );
     print!("{}", tokenpath_bench::side_by_side::render(&table));
+    println!("\nengine busy (share of wall time inside forward steps, per engine, over the run):");
+    for (label, b) in &busy {
+        println!("  {label}: {:.0}%", b * 100.0);
+    }
     let page = args.out_dir.join("report.html");
     let html_opts = HtmlOptions { title: "tokenpath demo: colocated vs PD".into(), ..HtmlOptions::default() };
     html::write_html(&page, &html::render(&views, &html_opts))?;
