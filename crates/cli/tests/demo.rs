@@ -46,7 +46,10 @@ fn demo_quick_compares_colocated_and_disaggregated() {
             let stages = t["stages_ms"].as_object().unwrap();
             let sum: f64 = stages.values().map(|v| v.as_f64().unwrap()).sum();
             let e2e = t["e2e_ms"].as_f64().unwrap();
-            assert!(sum <= e2e + 1.0, "{label}: stages {sum} > e2e {e2e}");
+            // One clock: the stages tile E2E. Several clocks (PD): a stage's window can overlap
+            // the next process's by the hop between them (the acknowledgement's trip back).
+            let overlap = if pd { (0.01 * e2e).max(5.0) } else { 1.0 };
+            assert!(sum <= e2e + overlap, "{label}: stages {sum} > e2e {e2e}");
             if pd {
                 assert!(
                     stages.contains_key("kv_transfer")

@@ -118,7 +118,8 @@ fn disaggregated_serving_generates_what_colocated_serving_generates() {
         assert!(t["workers"]["prefill"].is_string() && t["workers"]["decode"].is_string(), "{t}");
         let sum: f64 = t["stages_ms"].as_object().unwrap().values().map(|x| x.as_f64().unwrap()).sum();
         let e2e = t["e2e_ms"].as_f64().unwrap();
-        assert!(sum <= e2e + 1.0, "stages {sum} ms exceed e2e {e2e} ms: {t}");
+        // Three clocks: a stage may overlap the next process's by the hop between them.
+        assert!(sum <= e2e + 5.0, "stages {sum} ms exceed e2e {e2e} ms: {t}");
     }
     assert_eq!(text(&ask(pd.port(), "Seeded sampling", r#","temperature":0.9,"seed":11"#)), seeded);
     assert_no_leaks(pd.port());

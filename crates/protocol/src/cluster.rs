@@ -267,6 +267,11 @@ pub enum FromWorker {
         ok: bool,
         /// What went wrong when not.
         message: Option<String>,
+        /// Time between the blocks landing in the decode worker's cache and this message being
+        /// written (decode clock), which the prefill worker takes off its transfer time: the
+        /// transfer ends when the KV is in place, not when the acknowledgement got a core.
+        #[serde(default)]
+        held_ms: f64,
     },
 }
 

@@ -38,7 +38,7 @@ pub(crate) enum Command {
     /// Decode mode: KV blocks of a transfer.
     KvChunk { transfer: u64, first_block: u32, bytes: Vec<u8> },
     /// Decode mode: a transfer ended (`ok`: every chunk arrived and verified).
-    KvEnd { transfer: u64, n_tokens: usize, ok: bool, reply: oneshot::Sender<Result<(), String>> },
+    KvEnd { transfer: u64, n_tokens: usize, ok: bool, reply: oneshot::Sender<Result<Instant, String>> },
     /// Decode mode: the first token of a transfer's request.
     Handoff { transfer: u64, first_token: u32, sampler: SamplerState },
 }

@@ -361,13 +361,13 @@ impl WorkerHandle {
     }
 
     /// Decode mode: the transfer of `n_tokens` tokens' KV ended, intact (`ok`) or not. The
-    /// returned receiver says whether the blocks were imported.
+    /// returned receiver says whether (and when) the blocks were imported.
     pub fn kv_end(
         &self,
         transfer: u64,
         n_tokens: usize,
         ok: bool,
-    ) -> Result<tokio::sync::oneshot::Receiver<Result<(), String>>, WorkerError> {
+    ) -> Result<tokio::sync::oneshot::Receiver<Result<Instant, String>>, WorkerError> {
         let (reply, rx) = tokio::sync::oneshot::channel();
         self.tx.send(Command::KvEnd { transfer, n_tokens, ok, reply }).map_err(|_| WorkerError::Stopped)?;
         Ok(rx)

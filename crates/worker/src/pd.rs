@@ -60,7 +60,7 @@ impl Batcher {
         }
     }
 
-    pub(crate) fn kv_end(&mut self, transfer: u64, n_tokens: usize, ok: bool) -> Result<(), String> {
+    pub(crate) fn kv_end(&mut self, transfer: u64, n_tokens: usize, ok: bool) -> Result<Instant, String> {
         let now = Instant::now();
         let Some(idx) = self.awaiting.iter().position(|s| s.mode == WorkMode::Decode(transfer)) else {
             return Err(format!("transfer {transfer} is not expected here"));
@@ -85,7 +85,7 @@ impl Batcher {
                 seq.kv = KvState::Failed(now);
             }
         }
-        result
+        result.map(|()| now)
     }
 
     pub(crate) fn set_handoff(&mut self, transfer: u64, first_token: u32, sampler: SamplerState) {

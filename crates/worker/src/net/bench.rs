@@ -98,7 +98,7 @@ pub async fn kv_transfer(
         for (i, c) in chunks.into_iter().enumerate() {
             sender.chunk((i * per) as u32, c);
         }
-        let (ok, _) = sender.finish().await.unwrap_or((false, 0));
+        let (ok, _, _) = sender.finish().await.unwrap_or((false, 0, 0.0));
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         drop(stream);
         if !ok {

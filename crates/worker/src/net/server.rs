@@ -173,11 +173,11 @@ async fn generate(
                             timing,
                             usage: usage_msg(usage),
                         }).await?;
-                        let (ok, bytes) = match result {
-                            Some(rx) => rx.await.unwrap_or((false, 0)),
-                            None => (false, 0),
+                        let (ok, bytes, held_ms) = match result {
+                            Some(rx) => rx.await.unwrap_or((false, 0, 0.0)),
+                            None => (false, 0, 0.0),
                         };
-                        let ms = ended.elapsed().as_secs_f64() * 1e3;
+                        let ms = (ended.elapsed().as_secs_f64() * 1e3 - held_ms).max(0.0);
                         return write_control(&mut wr, &FromWorker::KvSent { ok, ms, bytes }).await;
                     }
                     WorkEvent::Finished { reason, usage, timing } => {
@@ -216,7 +216,7 @@ async fn generate(
 pub(crate) struct KvSender {
     chunks: mpsc::UnboundedSender<(u32, Vec<u8>)>,
     done: tokio::sync::oneshot::Sender<()>,
-    result: tokio::sync::oneshot::Receiver<(bool, u64)>,
+    result: tokio::sync::oneshot::Receiver<(bool, u64, f64)>,
 }
 
 impl KvSender {
@@ -236,10 +236,10 @@ impl KvSender {
         tokio::spawn(async move {
             let r = send_kv(transfer, &addr, n_tokens, layout, block_bytes, rx, done_rx, corrupt).await;
             let verdict = match r {
-                Ok(b) => (true, b),
+                Ok((b, held)) => (true, b, held),
                 Err(e) => {
                     tracing::warn!(transfer = transfer.0, "KV transfer to {addr} failed: {e}");
-                    (false, 0)
+                    (false, 0, 0.0)
                 }
             };
             let _ = res_tx.send(verdict);
@@ -252,7 +252,7 @@ impl KvSender {
     }
 
     /// Every block was handed over; the receiver resolves with (acknowledged, bytes).
-    pub(crate) fn finish(self) -> tokio::sync::oneshot::Receiver<(bool, u64)> {
+    pub(crate) fn finish(self) -> tokio::sync::oneshot::Receiver<(bool, u64, f64)> {
         let _ = self.done.send(());
         self.result
     }
@@ -268,7 +268,7 @@ async fn send_kv(
     mut chunks: mpsc::UnboundedReceiver<(u32, Vec<u8>)>,
     mut done: tokio::sync::oneshot::Receiver<()>,
     corrupt: bool,
-) -> Result<u64, ProtocolError> {
+) -> Result<(u64, f64), ProtocolError> {
     let conn =
         TcpStream::connect(addr).await.map_err(|e| ProtocolError::Connection { message: e.to_string() })?;
     let _ = conn.set_nodelay(true);
@@ -321,8 +321,8 @@ async fn send_kv(
     }
     write_control(&mut wr, &ToWorker::KvEnd { transfer, chunks: frames }).await?;
     match read_control::<_, FromWorker>(&mut rd).await? {
-        Some(FromWorker::KvAck { ok: true, .. }) => Ok(bytes_sent),
-        Some(FromWorker::KvAck { ok: false, message }) => Err(ProtocolError::Connection {
+        Some(FromWorker::KvAck { ok: true, held_ms, .. }) => Ok((bytes_sent, held_ms)),
+        Some(FromWorker::KvAck { ok: false, message, .. }) => Err(ProtocolError::Connection {
             message: format!("the decode worker refused the transfer: {}", message.unwrap_or_default()),
         }),
         other => {
@@ -386,6 +386,7 @@ async fn receive_kv(
         (Some(p), _) => Err(p),
         (None, v) => v,
     };
-    let ack = FromWorker::KvAck { ok: verdict.is_ok(), message: verdict.err() };
+    let held_ms = verdict.as_ref().map_or(0.0, |at| at.elapsed().as_secs_f64() * 1e3);
+    let ack = FromWorker::KvAck { ok: verdict.is_ok(), message: verdict.err(), held_ms };
     write_control(&mut wr, &ack).await
 }
