@@ -22,6 +22,8 @@ use tokio::sync::mpsc;
 
 /// How long a new connection may take to say what it is.
 const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Target size of one KV frame.
+const KV_FRAME_TARGET_BYTES: usize = 2 << 20;
 
 /// What a worker process serves.
 #[derive(Clone, Debug)]
@@ -275,8 +277,10 @@ async fn send_kv(
     let (mut rd, mut wr) = conn.into_split();
     let n = u32::try_from(n_tokens).unwrap_or(u32::MAX);
     write_control(&mut wr, &ToWorker::KvBegin { transfer, n_tokens: n, layout }).await?;
-    let per_frame =
-        ((MAX_KV_CHUNK_BYTES as usize - tokenpath_protocol::cluster::KV_TRAILER) / block_bytes.max(1)).max(1);
+    // Frames of about 2 MB: small enough that the CRCs, the socket copies and the import overlap
+    // across the two ends, large enough that per-frame costs vanish.
+    let frame = KV_FRAME_TARGET_BYTES.min(MAX_KV_CHUNK_BYTES as usize) - tokenpath_protocol::cluster::KV_TRAILER;
+    let per_frame = (frame / block_bytes.max(1)).max(1);
     let (mut frames, mut bytes_sent) = (0u32, 0u64);
     let mut finished = false;
     loop {
