@@ -47,7 +47,7 @@ pub fn run(args: BenchKvArgs) -> anyhow::Result<()> {
     let (ours, tcp) = (b.transfer_median_ms(), b.tcp_median_ms());
     println!("KV transfer of a {}-token prompt: {:.1} MB", b.tokens, b.bytes as f64 / 1e6);
     println!("  {:<38} {:>9} {:>9}", "", "ms (p50)", "GB/s");
-    println!("  {:<38} {ours:>9.1} {:>9.2}", "tokenpath (frames + CRC + import + ack)", b.gbps(ours));
+    println!("  {:<38} {ours:>9.1} {:>9.2}", "tokenpath (frames + XXH3 + import + ack)", b.gbps(ours));
     println!("  {:<38} {tcp:>9.1} {:>9.2}", "plain loopback TCP copy", b.gbps(tcp));
     println!("  ratio tokenpath / plain TCP throughput: {:.2}", tcp / ours);
     println!(

@@ -75,13 +75,13 @@ pub enum ProtocolError {
         /// What is wrong.
         message: String,
     },
-    /// A frame whose payload does not match its CRC-32: corrupted in flight.
-    #[error("frame checksum mismatch: header says {expected:08x}, payload hashes to {actual:08x}")]
+    /// A frame whose payload does not match its checksum: corrupted in flight.
+    #[error("frame checksum mismatch: header says {expected:016x}, payload hashes to {actual:016x}")]
     Checksum {
-        /// The header's CRC.
-        expected: u32,
-        /// The payload's CRC.
-        actual: u32,
+        /// The header's checksum.
+        expected: u64,
+        /// The payload's.
+        actual: u64,
     },
     /// Reading or writing the connection failed.
     #[error("connection error: {message}")]

@@ -1,4 +1,4 @@
-//! The KV transfer benchmark: the real transfer path (framing, CRC-32 on both sides, loopback
+//! The KV transfer benchmark: the real transfer path (framing, checksums on both sides, loopback
 //! TCP, the decode worker's batcher writing every block into its cache, the acknowledgement)
 //! against a plain loopback TCP copy of the same bytes, measured in the same run so the ratio
 //! means something on a shared machine.

@@ -277,9 +277,10 @@ async fn send_kv(
     let (mut rd, mut wr) = conn.into_split();
     let n = u32::try_from(n_tokens).unwrap_or(u32::MAX);
     write_control(&mut wr, &ToWorker::KvBegin { transfer, n_tokens: n, layout }).await?;
-    // Frames of about 2 MB: small enough that the CRCs, the socket copies and the import overlap
+    // Frames of about 2 MB: small enough that the checksums, the socket copies and the import overlap
     // across the two ends, large enough that per-frame costs vanish.
-    let frame = KV_FRAME_TARGET_BYTES.min(MAX_KV_CHUNK_BYTES as usize) - tokenpath_protocol::cluster::KV_TRAILER;
+    let frame =
+        KV_FRAME_TARGET_BYTES.min(MAX_KV_CHUNK_BYTES as usize) - tokenpath_protocol::cluster::KV_TRAILER;
     let per_frame = (frame / block_bytes.max(1)).max(1);
     let (mut frames, mut bytes_sent) = (0u32, 0u64);
     let mut finished = false;
@@ -308,7 +309,7 @@ async fn send_kv(
             let n_blocks = (part.len() / block_bytes.max(1)) as u32;
             let trailer = KvChunk::trailer(transfer, first_block + (i * per_frame) as u32, n_blocks);
             if corrupt && frames == 0 {
-                // Header (and CRC) of the true payload, then one flipped byte on the wire.
+                // Header (and checksum) of the true payload, then one flipped byte on the wire.
                 let mut bad = part.to_vec();
                 bad.extend_from_slice(&trailer);
                 let header = tokenpath_protocol::frame::FrameHeader::for_payload(FrameKind::KvChunk, &bad)?;
