@@ -16,8 +16,10 @@ pub use registry::{Registry, Route, WorkerView};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, Mode, ToWorker, TransferId};
-use tokenpath_timeline::{ms, ServerTiming, Stage};
+use tokenpath_protocol::cluster::{
+    FromWorker, GenerateMsg, Mode, SamplerPos, ToWorker, TransferId, UsageMsg,
+};
+use tokenpath_timeline::{ms, FinishReason, ServerTiming, Stage};
 use tokenpath_worker::net::client::RemoteRequest;
 use tokenpath_worker::net::{sampling_msg, usage_of};
 use tokenpath_worker::{WorkEvent, WorkRequest, WorkStream, WorkerError};
@@ -175,14 +177,55 @@ fn fail(tx: &UnboundedSender<WorkEvent>, message: String) {
     let _ = tx.send(WorkEvent::Failed { message });
 }
 
-/// Reads the next event of `conn`, or `None` when the client went away (cancel).
-async fn next_or_cancel(
+/// How a worker connection's part of a request ended, after [`relay`].
+enum Relayed {
+    /// The request finished on this worker.
+    Finished(FinishReason, UsageMsg, ServerTiming),
+    /// The prefill worker handed off: first token, sampler position, its stages and usage.
+    Handoff(u32, SamplerPos, ServerTiming, UsageMsg),
+    /// Cancelled by the client, or already failed (the error event is sent, a dead worker
+    /// marked down): nothing left to do.
+    Over,
+}
+
+/// Forwards `conn`'s text to the client (noting the first token's time in `first`) until the
+/// worker finishes or hands off. Every other ending is handled here, once for all pumps.
+async fn relay(
     conn: &mut RemoteRequest,
     tx: &UnboundedSender<WorkEvent>,
-) -> Option<Result<Option<FromWorker>, WorkerError>> {
-    tokio::select! {
-        r = conn.next() => Some(r),
-        () = tx.closed() => None,
+    first: &mut Option<Instant>,
+    registry: &Registry,
+) -> Relayed {
+    loop {
+        let event = tokio::select! {
+            r = conn.next() => r,
+            () = tx.closed() => return Relayed::Over,
+        };
+        match event {
+            Ok(Some(FromWorker::Text { delta, tokens })) => {
+                first.get_or_insert_with(Instant::now);
+                let _ = tx.send(WorkEvent::Text { delta, tokens });
+            }
+            Ok(Some(FromWorker::Finished { reason, usage, timing })) => {
+                return Relayed::Finished(reason, usage, timing)
+            }
+            Ok(Some(FromWorker::Handoff { first_token, sampler, timing, usage })) => {
+                return Relayed::Handoff(first_token, sampler, timing, usage)
+            }
+            Ok(Some(FromWorker::Failed { message })) => {
+                fail(tx, message);
+                return Relayed::Over;
+            }
+            Ok(Some(other)) => {
+                fail(tx, format!("unexpected message from {}: {other:?}", conn.addr()));
+                return Relayed::Over;
+            }
+            Ok(None) | Err(_) => {
+                registry.mark_down(conn.addr());
+                fail(tx, format!("worker {} died mid-request", conn.addr()));
+                return Relayed::Over;
+            }
+        }
     }
 }
 
@@ -193,27 +236,13 @@ async fn pump_colocated(
     registry: &Registry,
 ) {
     let mut first = None;
-    loop {
-        let Some(event) = next_or_cancel(&mut conn, tx).await else { return };
-        match event {
-            Ok(Some(FromWorker::Text { delta, tokens })) => {
-                first.get_or_insert_with(Instant::now);
-                let _ = tx.send(WorkEvent::Text { delta, tokens });
-            }
-            Ok(Some(FromWorker::Finished { reason, usage, timing })) => {
-                let timing = clock.assemble(first, &[&timing]);
-                let _ = tx.send(WorkEvent::Finished { reason, usage: usage_of(usage), timing });
-                return;
-            }
-            Ok(Some(FromWorker::Failed { message })) => return fail(tx, message),
-            Ok(Some(other)) => {
-                return fail(tx, format!("unexpected message from {}: {other:?}", conn.addr()))
-            }
-            Ok(None) | Err(_) => {
-                registry.mark_down(conn.addr());
-                return fail(tx, format!("worker {} died mid-request", conn.addr()));
-            }
+    match relay(&mut conn, tx, &mut first, registry).await {
+        Relayed::Finished(reason, usage, timing) => {
+            let timing = clock.assemble(first, &[&timing]);
+            let _ = tx.send(WorkEvent::Finished { reason, usage: usage_of(usage), timing });
         }
+        Relayed::Handoff(..) => fail(tx, format!("{} handed off a colocated request", conn.addr())),
+        Relayed::Over => {}
     }
 }
 
@@ -226,37 +255,23 @@ async fn pump_disaggregated(
 ) {
     let mut first = None;
     // Phase 1: the prefill worker, up to the handoff.
-    let (ptiming, pusage) = loop {
-        let Some(event) = next_or_cancel(&mut pconn, tx).await else { return };
-        match event {
-            Ok(Some(FromWorker::Text { delta, tokens })) => {
-                first.get_or_insert_with(Instant::now);
-                let _ = tx.send(WorkEvent::Text { delta, tokens });
+    let (ptiming, pusage) = match relay(&mut pconn, tx, &mut first, registry).await {
+        Relayed::Handoff(first_token, sampler, timing, usage) => {
+            if let Err(e) = dconn.send(&ToWorker::Handoff { first_token, sampler }).await {
+                registry.mark_down(dconn.addr());
+                return fail(tx, format!("decode worker lost at handoff: {e}"));
             }
-            Ok(Some(FromWorker::Handoff { first_token, sampler, timing, usage })) => {
-                if let Err(e) = dconn.send(&ToWorker::Handoff { first_token, sampler }).await {
-                    registry.mark_down(dconn.addr());
-                    return fail(tx, format!("decode worker lost at handoff: {e}"));
-                }
-                first.get_or_insert_with(Instant::now);
-                break (timing, usage);
-            }
-            Ok(Some(FromWorker::Finished { reason, usage, timing })) => {
-                // The first token ended the request; the decode worker's reservation is dropped
-                // with its connection.
-                let timing = clock.assemble(first, &[&timing]);
-                let _ = tx.send(WorkEvent::Finished { reason, usage: usage_of(usage), timing });
-                return;
-            }
-            Ok(Some(FromWorker::Failed { message })) => return fail(tx, message),
-            Ok(Some(other)) => {
-                return fail(tx, format!("unexpected message from {}: {other:?}", pconn.addr()))
-            }
-            Ok(None) | Err(_) => {
-                registry.mark_down(pconn.addr());
-                return fail(tx, format!("prefill worker {} died mid-request", pconn.addr()));
-            }
+            first.get_or_insert_with(Instant::now);
+            (timing, usage)
         }
+        Relayed::Finished(reason, usage, timing) => {
+            // The first token ended the request; the decode worker's reservation is dropped
+            // with its connection.
+            let timing = clock.assemble(first, &[&timing]);
+            let _ = tx.send(WorkEvent::Finished { reason, usage: usage_of(usage), timing });
+            return;
+        }
+        Relayed::Over => return,
     };
     // The prefill worker's transfer report arrives on its own time.
     let report = tokio::spawn(async move {
@@ -266,35 +281,22 @@ async fn pump_disaggregated(
         }
     });
     // Phase 2: the decode worker.
-    loop {
-        let Some(event) = next_or_cancel(&mut dconn, tx).await else { return };
-        match event {
-            Ok(Some(FromWorker::Text { delta, tokens })) => {
-                let _ = tx.send(WorkEvent::Text { delta, tokens });
-            }
-            Ok(Some(FromWorker::Finished { reason, usage, timing })) => {
-                let mut kv = ServerTiming::default();
-                if let Ok(Ok(Some((ok, ms, bytes)))) = tokio::time::timeout(KV_REPORT_WAIT, report).await {
-                    if ok {
-                        kv.stages_ms.insert(Stage::KvTransfer, ms);
-                        kv.kv_transfer_bytes = Some(bytes);
-                    }
+    match relay(&mut dconn, tx, &mut first, registry).await {
+        Relayed::Finished(reason, usage, timing) => {
+            let mut kv = ServerTiming::default();
+            if let Ok(Ok(Some((ok, ms, bytes)))) = tokio::time::timeout(KV_REPORT_WAIT, report).await {
+                if ok {
+                    kv.stages_ms.insert(Stage::KvTransfer, ms);
+                    kv.kv_transfer_bytes = Some(bytes);
                 }
-                let mut timing = clock.assemble(first, &[&ptiming, &kv, &timing]);
-                timing.cached_tokens = pusage.cached_tokens;
-                let mut usage = usage_of(usage);
-                usage.cached_tokens = pusage.cached_tokens;
-                let _ = tx.send(WorkEvent::Finished { reason, usage, timing });
-                return;
             }
-            Ok(Some(FromWorker::Failed { message })) => return fail(tx, message),
-            Ok(Some(other)) => {
-                return fail(tx, format!("unexpected message from {}: {other:?}", dconn.addr()))
-            }
-            Ok(None) | Err(_) => {
-                registry.mark_down(dconn.addr());
-                return fail(tx, format!("decode worker {} died mid-stream", dconn.addr()));
-            }
+            let mut timing = clock.assemble(first, &[&ptiming, &kv, &timing]);
+            timing.cached_tokens = pusage.cached_tokens;
+            let mut usage = usage_of(usage);
+            usage.cached_tokens = pusage.cached_tokens;
+            let _ = tx.send(WorkEvent::Finished { reason, usage, timing });
         }
+        Relayed::Handoff(..) => fail(tx, format!("decode worker {} tried to hand off", dconn.addr())),
+        Relayed::Over => {}
     }
 }
