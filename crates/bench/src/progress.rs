@@ -5,10 +5,11 @@
 //! progress callback, which runs in the collector loop (after a request ended, never on a send
 //! task): it takes a short lock and records into two HDR histograms of the `timeline` crate, with
 //! the `timeline` definitions of TTFT and chunk gap. [`LiveProgress`] redraws from its own thread on
-//! a fixed tick, reading a [`Snapshot`]. "Sent" is what the schedule says is due by now (open loop:
-//! the precomputed offsets that have passed, capped below by what has ended; closed loop: one
-//! request in flight per client), so the run needs no hook on its send path; how late the client
-//! really was shows in the report as schedule lag. The bar is hidden (and no thread is started)
+//! a fixed tick, reading a [`Snapshot`]. "Sent" is what the run really sent: the run increments
+//! the [`LiveStats::send_counter`] (given to it as [`crate::run::RunConfig::send_counter`]) as each
+//! request goes out, one relaxed atomic add on the send path and nothing else. A count derived from
+//! the schedule would be wrong for multi-turn sessions, whose later turns are sent when the
+//! previous turn ends, not at a precomputed offset. The bar is hidden (and no thread is started)
 //! when stderr is not a terminal or the caller asked for none, so pipes and tests stay clean.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -16,17 +17,8 @@ use std::io::IsTerminal as _;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokenpath_timeline::{ms, ClientRecord, LatencyHistogram};
-
-/// How the run sends, which is what "sent" and "in flight" are derived from.
-#[derive(Clone, Debug)]
-pub enum SendPlan {
-    /// Open loop: the precomputed send offsets from the run's start.
-    Open(Vec<Duration>),
-    /// Closed loop: this many clients, each with one request outstanding.
-    Closed(usize),
-}
 
 #[derive(Debug, Default)]
 struct Counts {
@@ -41,8 +33,8 @@ struct Counts {
 #[derive(Debug)]
 pub struct LiveStats {
     total: AtomicUsize,
-    plan: SendPlan,
-    start: Instant,
+    /// Requests sent so far, incremented by the run itself.
+    sent: Arc<AtomicUsize>,
     counts: Mutex<Counts>,
 }
 
@@ -51,7 +43,7 @@ pub struct LiveStats {
 pub struct Snapshot {
     /// Requests in the run.
     pub total: usize,
-    /// Requests sent (due by the schedule).
+    /// Requests sent so far (as the run counted them going out).
     pub sent: usize,
     /// Requests ended, failed ones included.
     pub done: usize,
@@ -66,21 +58,15 @@ pub struct Snapshot {
 }
 
 impl LiveStats {
-    /// Stats for a run of `total` requests sent by `plan`, starting now.
-    pub fn new(total: usize, plan: SendPlan) -> Self {
-        let plan = match plan {
-            SendPlan::Open(mut offsets) => {
-                offsets.sort_unstable();
-                SendPlan::Open(offsets)
-            }
-            closed => closed,
-        };
-        Self {
-            total: AtomicUsize::new(total),
-            plan,
-            start: Instant::now(),
-            counts: Mutex::new(Counts::default()),
-        }
+    /// Stats for a run of `total` requests.
+    pub fn new(total: usize) -> Self {
+        Self { total: AtomicUsize::new(total), sent: Arc::default(), counts: Mutex::new(Counts::default()) }
+    }
+
+    /// The counter of requests sent, for the run to increment as each request goes out (put it
+    /// in [`crate::run::RunConfig::send_counter`]).
+    pub fn send_counter(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.sent)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
@@ -112,15 +98,14 @@ impl LiveStats {
         }
     }
 
-    /// The counts `elapsed` after the run's start.
-    pub fn snapshot_at(&self, elapsed: Duration) -> Snapshot {
+    /// The counts now.
+    pub fn snapshot(&self) -> Snapshot {
         let c = self.lock();
-        let due = match &self.plan {
-            SendPlan::Open(offsets) => offsets.partition_point(|at| *at <= elapsed),
-            SendPlan::Closed(clients) => c.done.saturating_add(*clients),
-        };
         let total = self.total.load(Ordering::Relaxed);
-        let sent = due.max(c.done).min(total);
+        // A request is counted before it is sent and recorded after it ended (through the run's
+        // channel and this lock), so `sent >= done` already; the bounds guard a counter that was
+        // not wired to the run or is shared by several runs.
+        let sent = self.sent.load(Ordering::Relaxed).max(c.done).min(total);
         let p99 = |h: &LatencyHistogram| (!h.is_empty()).then(|| h.percentile_ms(99.0));
         Snapshot {
             total,
@@ -131,11 +116,6 @@ impl LiveStats {
             ttft_p99_ms: p99(&c.ttft),
             chunk_gap_p99_ms: p99(&c.chunk_gap),
         }
-    }
-
-    /// The counts now.
-    pub fn snapshot(&self) -> Snapshot {
-        self.snapshot_at(self.start.elapsed())
     }
 }
 
@@ -256,44 +236,66 @@ mod tests {
     }
 
     #[test]
-    fn counts_follow_the_schedule_and_the_timeline_definitions() {
-        let offsets = (0..10).map(|i| Duration::from_millis(i * 100)).collect();
-        let stats = LiveStats::new(10, SendPlan::Open(offsets));
-        let s = stats.snapshot_at(Duration::from_millis(250));
+    fn counts_follow_the_sends_and_the_timeline_definitions() {
+        let stats = LiveStats::new(10);
+        let sent = stats.send_counter();
+        sent.fetch_add(3, Ordering::Relaxed);
+        let s = stats.snapshot();
         assert_eq!((s.sent, s.done, s.in_flight), (3, 0, 3));
         assert_eq!(s.ttft_p99_ms, None);
         stats.record(&rec(0, 40, 10));
         let mut failed = rec(1, 50, 10);
         failed.outcome = Outcome::Failed { kind: "http_503".into(), message: String::new() };
         stats.record(&failed);
-        let s = stats.snapshot_at(Duration::from_millis(250));
+        let s = stats.snapshot();
         assert_eq!((s.sent, s.done, s.failed, s.in_flight), (3, 2, 1, 1));
         // HDR values: within 0.1% of the exact ones.
         let near = |v: Option<f64>, want: f64| v.is_some_and(|v| (v - want).abs() <= want * 1e-3);
         assert!(near(s.ttft_p99_ms, 40.0), "TTFT from the first token-bearing event: {s:?}");
         assert!(near(s.chunk_gap_p99_ms, 10.0), "{s:?}");
-        let end = stats.snapshot_at(Duration::from_secs(60));
+        sent.fetch_add(7, Ordering::Relaxed);
+        let end = stats.snapshot();
         assert_eq!((end.sent, end.in_flight), (10, 8));
         assert!(end.message().contains("TTFT p99 40.0 ms · gap p99 10.0 ms"), "{}", end.message());
+        assert!(
+            end.message().starts_with("done 2/10 · sent 10 · failed 1 · in flight 8"),
+            "{}",
+            end.message()
+        );
+    }
+
+    /// Regression: the bar used to derive "sent" from the precomputed schedule, which for a
+    /// multi-turn workload holds only the session starts, so a later turn (sent when the previous
+    /// one ended) was never counted: one session of three turns showed "sent 1" and nothing in
+    /// flight while its second turn was running.
+    #[test]
+    fn later_turns_of_a_session_count_as_sent_when_they_go_out() {
+        let stats = LiveStats::new(3);
+        let sent = stats.send_counter();
+        for turn in 0..3u64 {
+            sent.fetch_add(1, Ordering::Relaxed); // the run sends turn `turn`
+            let s = stats.snapshot();
+            assert_eq!((s.sent, s.done, s.in_flight), (turn as usize + 1, turn as usize, 1), "turn {turn}");
+            stats.record(&rec(turn, 10, 5));
+        }
+        let s = stats.snapshot();
+        assert_eq!((s.sent, s.done, s.in_flight), (3, 3, 0));
     }
 
     #[test]
-    fn closed_loop_has_one_request_per_client_in_flight() {
-        let stats = LiveStats::new(5, SendPlan::Closed(2));
-        assert_eq!(stats.snapshot().in_flight, 2);
-        for i in 0..4 {
-            stats.record(&rec(i, 10, 5));
-        }
-        let s = stats.snapshot();
-        assert_eq!((s.sent, s.done, s.in_flight), (5, 4, 1));
-        assert!(s.message().starts_with("done 4/5 · sent 5 · failed 0 · in flight 1"), "{}", s.message());
+    fn sent_stays_within_done_and_total() {
+        let stats = LiveStats::new(2);
+        stats.record(&rec(0, 10, 5)); // a counter not wired to the run: sent is at least done
+        assert_eq!((stats.snapshot().sent, stats.snapshot().in_flight), (1, 0));
+        stats.send_counter().fetch_add(5, Ordering::Relaxed); // shared by several runs
+        assert_eq!(stats.snapshot().sent, 2);
         stats.set_total(7);
-        assert_eq!(stats.snapshot().in_flight, 2, "a larger total (more turns) lets more be sent");
+        assert_eq!(stats.snapshot().in_flight, 4, "a larger total (more turns) lets more be sent");
     }
 
     #[test]
     fn hidden_progress_starts_no_thread() {
-        let stats = Arc::new(LiveStats::new(1, SendPlan::Closed(1)));
+        let stats = Arc::new(LiveStats::new(1));
         let p = LiveProgress::start(stats, false, Duration::from_millis(10));
         assert!(!p.is_visible());
         p.finish();

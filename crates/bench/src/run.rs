@@ -11,6 +11,7 @@ use crate::client::{messages_of, send_chat, Target};
 use crate::tokens::{ChatMsg, PromptTokenizer};
 use crate::workload::{RequestSpec, Workload};
 use crate::BenchError;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokenpath_timeline::{ClientRecord, Nanos};
@@ -38,10 +39,14 @@ pub struct RunConfig {
     pub ramp: Option<Ramp>,
     /// The model's tokenizer: exact prompt lengths, and client-side token counts on each record.
     pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
+    /// Incremented (relaxed) as each request goes out, for a live display of what was really sent
+    /// ([`crate::progress::LiveStats::send_counter`]); a config cloned for several runs counts the
+    /// sends of all of them.
+    pub send_counter: Option<Arc<AtomicUsize>>,
 }
 
 impl RunConfig {
-    /// A config with no duration, ramp or tokenizer.
+    /// A config with no duration, ramp, tokenizer or send counter.
     pub fn new(target: Target, workload: Workload, arrival: Arrival, num_requests: usize, seed: u64) -> Self {
         RunConfig {
             target,
@@ -53,6 +58,7 @@ impl RunConfig {
             duration: None,
             ramp: None,
             tokenizer: None,
+            send_counter: None,
         }
     }
 
@@ -87,6 +93,7 @@ struct Ctx {
     client: reqwest::Client,
     target: Target,
     tok: Option<Arc<dyn PromptTokenizer>>,
+    sent: Option<Arc<AtomicUsize>>,
     t0: Instant,
     tx: tokio::sync::mpsc::UnboundedSender<ClientRecord>,
 }
@@ -103,6 +110,9 @@ impl Ctx {
         t_sched: Option<Nanos>,
     ) -> (String, Nanos) {
         let messages = messages_of(spec, history);
+        if let Some(sent) = &self.sent {
+            sent.fetch_add(1, Ordering::Relaxed);
+        }
         let (mut rec, answer) =
             send_chat(&self.client, &self.target, id, &messages, spec.max_tokens, self.t0, t_sched).await;
         if let Some(tok) = &self.tok {
@@ -182,7 +192,7 @@ pub async fn run(cfg: &RunConfig, progress: Progress<'_>) -> Result<Vec<ClientRe
     let total = specs.len();
     let t0 = Instant::now();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let ctx = Ctx { client, target, tok: cfg.tokenizer.clone(), t0, tx };
+    let ctx = Ctx { client, target, tok: cfg.tokenizer.clone(), sent: cfg.send_counter.clone(), t0, tx };
     let mut tasks = tokio::task::JoinSet::new();
     let jobs = specs.into_iter().enumerate().map(|(id, spec)| (id as u64, spec));
     let start = tokio::time::Instant::from_std(t0);

@@ -90,6 +90,7 @@ async fn records_follow_the_definitions_over_a_real_socket() {
         duration: None,
         ramp: None,
         tokenizer: None,
+        send_counter: None,
     };
     let mut seen = 0;
     let records = run(&cfg, &mut |_, _, _| seen += 1).await.unwrap();

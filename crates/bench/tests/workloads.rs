@@ -1,7 +1,8 @@
 //! The new workloads and the rate search against a scripted SSE server on loopback: a
 //! multi-turn session's later prompts carry exactly the earlier prompts and the answers the
-//! server really returned, a trace's timestamps become the schedule, and `--find-max-rate` stays
-//! within its probe budget and answers with a rate that passed.
+//! server really returned (and each turn counts as sent on the progress bar when it goes out), a
+//! trace's timestamps become the schedule, and `--find-max-rate` stays within its probe budget and
+//! answers with a rate that passed.
 
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
@@ -12,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokenpath_bench::arrival::Arrival;
 use tokenpath_bench::client::Target;
+use tokenpath_bench::progress::{LiveStats, Snapshot};
 use tokenpath_bench::report::ReportOptions;
 use tokenpath_bench::run::{run, RunConfig};
 use tokenpath_bench::search::{find_max_rate, SearchConfig};
@@ -45,11 +47,21 @@ async fn chat(counter: Arc<AtomicU64>, seen: Seen, body: String) -> Response {
 }
 
 async fn server() -> (String, Seen) {
+    server_with(Arc::new(|| {})).await
+}
+
+/// The scripted server, calling `on_request` as each request arrives (before answering it).
+async fn server_with(on_request: Arc<dyn Fn() + Send + Sync>) -> (String, Seen) {
     let counter = Arc::new(AtomicU64::new(0));
     let seen: Seen = Arc::default();
     let s = seen.clone();
-    let app = axum::Router::new()
-        .route("/v1/chat/completions", post(move |body: String| chat(counter.clone(), s.clone(), body)));
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        post(move |body: String| {
+            on_request();
+            chat(counter.clone(), s.clone(), body)
+        }),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -101,6 +113,35 @@ async fn multi_turn_prompts_carry_the_real_answers() {
         }
     }
     assert_eq!(later_turns, 6);
+}
+
+/// The live progress bar's "sent" is what the run really sent. Regression: it was derived from
+/// the precomputed schedule, which for a multi-turn workload holds only the session starts, so a
+/// session's later turns (sent when the previous turn ended) were never counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_counts_each_turn_when_it_is_sent() {
+    let stats = Arc::new(LiveStats::new(4));
+    let at_arrival: Arc<Mutex<Vec<Snapshot>>> = Arc::default();
+    let (s, a) = (stats.clone(), at_arrival.clone());
+    let (url, _) = server_with(Arc::new(move || a.lock().unwrap().push(s.snapshot()))).await;
+    let w: Workload = "multi-turn:4:5-10:2-3".parse().unwrap();
+    let mut cfg = RunConfig::new(target(&url, "m"), w, Arrival::Poisson { rate: 50.0 }, 4, 3);
+    cfg.send_counter = Some(stats.send_counter());
+    let records = run(&cfg, &mut |_, total, rec| {
+        stats.set_total(total);
+        stats.record(rec);
+    })
+    .await
+    .unwrap();
+    assert_eq!(records.len(), 4);
+    assert!(records.iter().all(|r| r.is_ok()));
+    // One session of four turns: when the server sees turn k, exactly k + 1 requests have been
+    // sent, and the one being answered is in flight.
+    let seen = at_arrival.lock().unwrap().clone();
+    assert_eq!(seen.iter().map(|s| s.sent).collect::<Vec<_>>(), [1, 2, 3, 4], "{seen:?}");
+    assert!(seen.iter().all(|s| s.in_flight >= 1), "{seen:?}");
+    let end = stats.snapshot();
+    assert_eq!((end.sent, end.done, end.in_flight), (4, 4, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -125,7 +125,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         ArrivalKind::Gamma => Arrival::Gamma { rate: args.load.rate, cv: args.load.burstiness },
     };
     let t = &args.target;
-    let cfg = RunConfig {
+    let mut cfg = RunConfig {
         target: Target {
             url: t.url.clone(),
             model: t.model.clone(),
@@ -154,6 +154,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             Some(p) => Some(std::sync::Arc::new(crate::bench_tokenizer::GgufTokenizer::open(p)?)),
             None => None,
         },
+        send_counter: None,
     };
     if args.find_max_rate {
         return search_max_rate(&args, &cfg);
@@ -172,7 +173,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         t.model
     );
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let live = crate::output::Live::start(&cfg, &args.output);
+    let live = crate::output::Live::start(&mut cfg, &args.output);
     let records = rt.block_on(run(&cfg, &mut live.callback()));
     live.finish();
     let records = records?;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokenpath_bench::html::{self, HtmlOptions, RunView};
-use tokenpath_bench::progress::{stderr_is_terminal, LiveProgress, LiveStats, SendPlan};
+use tokenpath_bench::progress::{stderr_is_terminal, LiveProgress, LiveStats};
 use tokenpath_bench::report::Report;
 use tokenpath_bench::run::RunConfig;
 use tokenpath_timeline::ClientRecord;
@@ -34,15 +34,11 @@ pub struct Live {
 }
 
 impl Live {
-    /// Starts the bar for `cfg` (hidden under `--no-progress` or when stderr is not a terminal).
-    pub fn start(cfg: &RunConfig, out: &OutputArgs) -> Self {
-        // A config the run will refuse gets a bar with no schedule: the run's error says why.
-        let plan = match (cfg.concurrency, cfg.send_offsets()) {
-            (Some(n), _) => SendPlan::Closed(n),
-            (None, Ok(Some(offsets))) => SendPlan::Open(offsets),
-            (None, _) => SendPlan::Open(Vec::new()),
-        };
-        let stats = Arc::new(LiveStats::new(cfg.num_requests, plan));
+    /// Starts the bar for `cfg` (hidden under `--no-progress` or when stderr is not a terminal)
+    /// and gives the run the bar's counter of requests sent.
+    pub fn start(cfg: &mut RunConfig, out: &OutputArgs) -> Self {
+        let stats = Arc::new(LiveStats::new(cfg.num_requests));
+        cfg.send_counter = Some(stats.send_counter());
         let visible = !out.no_progress && stderr_is_terminal();
         let bar = LiveProgress::start(Arc::clone(&stats), visible, Duration::from_millis(200));
         Self { stats, bar }
