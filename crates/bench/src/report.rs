@@ -233,6 +233,11 @@ impl Report {
                 "no tokenizer given: prompt lengths are approximate; the server's `usage` is the truth"
                     .into(),
             );
+        } else if in_window.iter().all(|r| r.prompt_tokens_hint.is_none()) {
+            notes.push(
+                "the tokenizer has no chat template: prompt token counts were not checked against `usage`"
+                    .into(),
+            );
         }
         Ok(Report { window, summary, stages, tail, goodput: good, errors, n_out_sources, notes, token_check })
     }
@@ -376,6 +381,29 @@ mod tests {
         assert!(json["summary"]["output_tokens_per_s"].as_f64().unwrap() > 0.0);
         assert_eq!(json["summary"]["attainment"], 17.0 / 18.0);
         assert!(report.render_table().contains("TTFT p99 tail"));
+    }
+
+    #[test]
+    fn notes_say_what_the_token_check_could_not_cover() {
+        let note = |records: &[ClientRecord], part: &str| {
+            let r = Report::build(records, &ReportOptions::default()).unwrap();
+            r.notes.iter().any(|n| n.contains(part))
+        };
+        let plain: Vec<ClientRecord> = (0..3).map(|i| rec(i, i * 10, i * 10 + 30, 2)).collect();
+        assert!(note(&plain, "no tokenizer given") && !note(&plain, "no chat template"));
+        // A tokenizer without a chat template: outputs re-tokenized, prompts not counted.
+        let mut no_template = plain.clone();
+        for r in &mut no_template {
+            r.retokenized_output = Some(2);
+        }
+        assert!(note(&no_template, "no chat template") && !note(&no_template, "no tokenizer given"));
+        let check = Report::build(&no_template, &ReportOptions::default()).unwrap().token_check.unwrap();
+        assert_eq!((check.prompt.compared, check.output.compared), (0, 3));
+        let mut with_template = no_template;
+        for r in &mut with_template {
+            r.prompt_tokens_hint = Some(50);
+        }
+        assert!(!note(&with_template, "no chat template") && !note(&with_template, "no tokenizer given"));
     }
 
     #[test]
