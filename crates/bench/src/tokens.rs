@@ -1,7 +1,7 @@
 //! Counting prompt tokens the way the server will. The bench crate does not depend on the engine:
-//! a [`PromptTokenizer`] is a small trait the binary implements over the model's GGUF tokenizer
-//! (metadata only, no weights), so this crate stays a light HTTP client that can measure any
-//! server, and its tests use a byte-level stand-in. With a tokenizer, prompt texts are cut to an
+//! a [`PromptTokenizer`] is a small trait the binary implements over the model's tokenizer (a GGUF
+//! file's metadata, no weights, or a Hugging Face `tokenizer.json`), so this crate stays a light
+//! HTTP client that can measure any server, and its tests use a byte-level stand-in. With a tokenizer, prompt texts are cut to an
 //! exact token count and each record carries the client's count of the rendered chat prompt, to
 //! be checked against the server's `usage`; without one, lengths are approximate and `usage` is
 //! the only truth.

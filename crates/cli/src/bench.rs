@@ -12,6 +12,7 @@ use tokenpath_bench::report::{Report, ReportOptions};
 use tokenpath_bench::run::{run, RunConfig};
 use tokenpath_bench::search::{find_max_rate, SearchConfig};
 use tokenpath_bench::workload::Workload;
+use tokenpath_cli::bench_tokenizer::BenchTokenizer;
 use tokenpath_timeline::SloSpec;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -57,9 +58,11 @@ pub struct LoadArgs {
     /// (--rate then starts sessions) or `trace:FILE.jsonl` (its timestamps are the schedule).
     #[arg(long, default_value = "agent-longtail")]
     workload: Workload,
-    /// A GGUF file with the model's tokenizer (only its metadata is read): exact prompt lengths,
-    /// and client token counts checked against the server's `usage`.
-    #[arg(long)]
+    /// The model's tokenizer: a GGUF file (only its metadata is read), or a Hugging Face
+    /// `tokenizer.json` or its directory (chat template, `bos_token`, `add_bos_token` from the
+    /// `tokenizer_config.json` beside it). Gives exact prompt lengths, and client token counts
+    /// checked against the server's `usage` (prompt counts only with a chat template).
+    #[arg(long, value_name = "FILE|DIR")]
     tokenizer: Option<PathBuf>,
     /// Offered rate, requests/s.
     #[arg(long, default_value_t = 1.0)]
@@ -151,7 +154,17 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         duration: args.load.duration.map(|d| Duration::from_secs_f64(d.max(0.0))),
         ramp: args.load.ramp,
         tokenizer: match &args.load.tokenizer {
-            Some(p) => Some(std::sync::Arc::new(crate::bench_tokenizer::GgufTokenizer::open(p)?)),
+            Some(p) => {
+                let tok = BenchTokenizer::open(p)?;
+                eprintln!("bench: --tokenizer {}: {}", p.display(), tok.describe());
+                if !tok.has_chat_template() {
+                    eprintln!(
+                        "bench: without a chat template the prompt token counts are not checked \
+                         against `usage` (exact prompt lengths and output counts still are)"
+                    );
+                }
+                Some(std::sync::Arc::new(tok))
+            }
             None => None,
         },
         send_counter: None,

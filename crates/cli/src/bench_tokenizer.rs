@@ -1,15 +1,132 @@
-//! `tokenpath bench --tokenizer FILE.gguf`: the model's tokenizer and chat template read from a
-//! GGUF file's metadata, behind the bench crate's `PromptTokenizer` trait. The file is memory-
-//! mapped and only its metadata is parsed; no weight is read, so pointing it at a multi-gigabyte
-//! model costs the vocabulary, not the model. Lives in the binary because the bench crate does
-//! not depend on the engine.
+//! `tokenpath bench --tokenizer PATH`: the model's tokenizer and chat template behind the bench
+//! crate's `PromptTokenizer` trait, read from either
+//! - a GGUF file's metadata ([`GgufTokenizer`]): the file is memory-mapped and only its metadata is
+//!   parsed; no weight is read, so pointing it at a multi-gigabyte model costs the vocabulary, not
+//!   the model; or
+//! - a Hugging Face `tokenizer.json`, or the directory holding one ([`HfTokenizer`], in `hf.rs`):
+//!   what vLLM and SGLang users have next to their model, with the chat template of the sibling
+//!   `tokenizer_config.json`.
+//!
+//! The kind is told by content: the GGUF magic, or a JSON object. Lives here rather than in the
+//! bench crate because that crate does not depend on the engine (whose chat-template renderer both
+//! kinds use).
 
-use std::path::Path;
+mod hf;
+
+pub use hf::HfTokenizer;
+
+use anyhow::Context as _;
+use std::io::Read as _;
+use std::path::{Path, PathBuf};
 use tokenpath_bench::tokens::{ChatMsg, PromptTokenizer};
 use tokenpath_engine::gguf::GgufFile;
 use tokenpath_engine::tokenizer::{
     chat_template_from_gguf, tokenizer_from_gguf, ChatMessage, ChatTemplate, Tokenizer,
 };
+
+/// The tokenizer `--tokenizer PATH` names, of either kind.
+#[derive(Debug)]
+pub enum BenchTokenizer {
+    /// From a GGUF file's metadata.
+    Gguf(Box<GgufTokenizer>),
+    /// From a Hugging Face `tokenizer.json`.
+    Hf(Box<HfTokenizer>),
+}
+
+/// What kind of tokenizer file a path holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizerFile {
+    /// A GGUF file (its magic seen).
+    Gguf(PathBuf),
+    /// A JSON file: a Hugging Face `tokenizer.json` (for a directory, the one inside it).
+    HfJson(PathBuf),
+}
+
+impl TokenizerFile {
+    /// Tells the kind of `path` by content: a directory stands for its `tokenizer.json`, a file
+    /// starting with `GGUF` is a GGUF file, one whose first non-blank byte is `{` is JSON.
+    /// Errors name the path.
+    pub fn detect(path: &Path) -> anyhow::Result<Self> {
+        let meta = std::fs::metadata(path).with_context(|| format!("--tokenizer {}", path.display()))?;
+        if meta.is_dir() {
+            let json = path.join("tokenizer.json");
+            anyhow::ensure!(
+                json.is_file(),
+                "--tokenizer {}: a directory without a tokenizer.json (give a tokenizer.json, its \
+                 directory, or a GGUF file)",
+                path.display()
+            );
+            return Ok(Self::HfJson(json));
+        }
+        let mut head = Vec::with_capacity(64);
+        std::fs::File::open(path)
+            .and_then(|f| f.take(64).read_to_end(&mut head))
+            .with_context(|| format!("--tokenizer {}", path.display()))?;
+        if head.starts_with(b"GGUF") {
+            return Ok(Self::Gguf(path.to_owned()));
+        }
+        let body = head.strip_prefix(b"\xEF\xBB\xBF".as_slice()).unwrap_or(&head);
+        if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
+            return Ok(Self::HfJson(path.to_owned()));
+        }
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+        let why = match ext.as_str() {
+            "gguf" => "named .gguf but has no GGUF magic (truncated or not a GGUF file?)",
+            "json" => "named .json but does not hold a JSON object",
+            _ => "neither a GGUF file (no GGUF magic) nor a JSON tokenizer.json",
+        };
+        anyhow::bail!("--tokenizer {}: {why}", path.display())
+    }
+}
+
+impl BenchTokenizer {
+    /// Opens the tokenizer at `path` (GGUF file, `tokenizer.json`, or a directory holding one).
+    pub fn open(path: &Path) -> anyhow::Result<Self> {
+        Ok(match TokenizerFile::detect(path)? {
+            TokenizerFile::Gguf(p) => Self::Gguf(Box::new(GgufTokenizer::open(&p)?)),
+            TokenizerFile::HfJson(p) => Self::Hf(Box::new(HfTokenizer::open(&p)?)),
+        })
+    }
+
+    /// Whether a chat template was found (without one, prompt counts are not checked).
+    pub fn has_chat_template(&self) -> bool {
+        match self {
+            Self::Gguf(t) => t.chat.is_some(),
+            Self::Hf(t) => t.has_chat_template(),
+        }
+    }
+
+    /// One line for the log: the kind, the vocabulary and where the chat template came from.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Gguf(t) => format!(
+                "GGUF tokenizer, {} tokens, {}",
+                t.tok.vocab_size(),
+                if t.chat.is_some() { "chat template from the file" } else { "no chat template" }
+            ),
+            Self::Hf(t) => t.describe(),
+        }
+    }
+
+    fn inner(&self) -> &dyn PromptTokenizer {
+        match self {
+            Self::Gguf(t) => t.as_ref(),
+            Self::Hf(t) => t.as_ref(),
+        }
+    }
+}
+
+impl PromptTokenizer for BenchTokenizer {
+    fn encode(&self, text: &str) -> Vec<u32> {
+        self.inner().encode(text)
+    }
+    fn decode(&self, ids: &[u32]) -> String {
+        self.inner().decode(ids)
+    }
+    fn count_chat(&self, messages: &[ChatMsg]) -> Option<usize> {
+        self.inner().count_chat(messages)
+    }
+}
 
 /// A GGUF file's tokenizer and chat template.
 #[derive(Debug)]
@@ -21,12 +138,17 @@ pub struct GgufTokenizer {
 impl GgufTokenizer {
     /// Reads the tokenizer metadata of the GGUF file at `path`.
     pub fn open(path: &Path) -> anyhow::Result<Self> {
-        let file =
-            GgufFile::open(path).map_err(|e| anyhow::anyhow!("--tokenizer {}: {e}", path.display()))?;
-        let tok = tokenizer_from_gguf(file.index())?;
-        let chat = chat_template_from_gguf(file.index(), &tok)?;
+        let at = || format!("--tokenizer {}", path.display());
+        let file = GgufFile::open(path).map_err(|e| anyhow::anyhow!("{}: {e}", at()))?;
+        let tok = tokenizer_from_gguf(file.index()).with_context(at)?;
+        let chat = chat_template_from_gguf(file.index(), &tok).with_context(at)?;
         Ok(Self { tok, chat })
     }
+}
+
+/// The engine's messages for the bench's.
+pub(crate) fn chat_messages(messages: &[ChatMsg]) -> Vec<ChatMessage> {
+    messages.iter().map(|m| ChatMessage::new(m.role, m.content.clone())).collect()
 }
 
 impl PromptTokenizer for GgufTokenizer {
@@ -39,9 +161,7 @@ impl PromptTokenizer for GgufTokenizer {
     }
 
     fn count_chat(&self, messages: &[ChatMsg]) -> Option<usize> {
-        let msgs: Vec<ChatMessage> =
-            messages.iter().map(|m| ChatMessage::new(m.role, m.content.clone())).collect();
-        let text = self.chat.as_ref()?.render(&msgs, true).ok()?;
+        let text = self.chat.as_ref()?.render(&chat_messages(messages), true).ok()?;
         self.tok.encode(&text, true, true).ok().map(|ids| ids.len())
     }
 }

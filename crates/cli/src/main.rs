@@ -4,7 +4,6 @@
 mod bench;
 mod bench_engine;
 mod bench_kv;
-mod bench_tokenizer;
 mod compare;
 mod demo;
 mod generate;

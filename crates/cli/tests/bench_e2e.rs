@@ -68,8 +68,9 @@ fn serve_bench_compare_through_real_processes() {
 }
 
 /// The workload and run-control flags through the real binary against the tiny model: a
-/// multi-turn run with `--tokenizer` (exact client token counts checked against `usage`), a
-/// shared-prefix run bounded by a ramp, and a `--find-max-rate` search with a tiny budget.
+/// multi-turn run with `--tokenizer` (exact client token counts checked against `usage`), with the
+/// GGUF file and with the same tokenizer as a Hugging Face `tokenizer.json`, a shared-prefix run
+/// bounded by a ramp, and a `--find-max-rate` search with a tiny budget.
 #[test]
 fn workloads_tokenizer_ramp_and_rate_search() {
     let dir = std::env::temp_dir().join(format!("tp-e2e-wl-{}", std::process::id()));
@@ -88,7 +89,8 @@ fn workloads_tokenizer_ramp_and_rate_search() {
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        // stdout (the report) then stderr (the log lines).
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
         let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap();
         (text, json)
     };
@@ -112,6 +114,58 @@ fn workloads_tokenizer_ramp_and_rate_search() {
     assert_eq!(check["compared"], 6, "{mt}");
     assert_eq!(check["disagree"], 0, "our tokenizer and template are the server's: {check}");
     assert!(text.contains("tokens vs usage"), "{text}");
+
+    // The same with the model's tokenizer as Hugging Face files (`tokenizer.json` and the
+    // `tokenizer_config.json` holding the chat template), given as their directory.
+    let hf_dir = dir.join("hf");
+    support::hf_json::write_hf_files(&model, &hf_dir);
+    let (text, hf) = bench(
+        &["--workload", "multi-turn:2:8-16:3-3", "--rate", "20", "--num-requests", "6"]
+            .iter()
+            .copied()
+            .chain(["--tokenizer", hf_dir.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+        &dir.join("mt-hf.json"),
+    );
+    assert_eq!(hf["summary"]["completed"], 6, "{}", hf["errors"]);
+    assert_eq!(hf["token_check"]["prompt"]["compared"], 6, "{hf}");
+    assert_eq!(
+        hf["token_check"]["prompt"]["disagree"], 0,
+        "tokenizer.json + template: {}",
+        hf["token_check"]
+    );
+    assert_eq!(hf["token_check"]["output"]["compared"], 6, "{hf}");
+    assert!(hf["requests"].as_array().unwrap().iter().all(|r| r["prompt_tokens_hint"].is_u64()));
+    assert!(text.contains("tokens vs usage"), "{text}");
+    assert!(text.contains("Hugging Face tokenizer.json, 267 tokens, chat template from"), "{text}");
+    // A bare tokenizer.json (no config beside it): outputs are re-tokenized, prompts are not
+    // counted, and the report says so.
+    let bare = dir.join("bare").join("tokenizer.json");
+    std::fs::create_dir_all(bare.parent().unwrap()).unwrap();
+    std::fs::copy(hf_dir.join("tokenizer.json"), &bare).unwrap();
+    let (text, b) = bench(
+        &[
+            "--workload",
+            "fixed:8:2",
+            "--rate",
+            "20",
+            "--num-requests",
+            "2",
+            "--tokenizer",
+            bare.to_str().unwrap(),
+        ],
+        &dir.join("bare.json"),
+    );
+    assert!(
+        text.contains("no chat template (no ") && text.contains("prompt token counts are not checked"),
+        "{text}"
+    );
+    assert_eq!(b["token_check"]["prompt"]["compared"], 0, "{b}");
+    assert_eq!(b["token_check"]["output"]["compared"], 2, "{b}");
+    assert!(
+        b["notes"].as_array().unwrap().iter().any(|n| n.as_str().unwrap().contains("no chat template")),
+        "{b}"
+    );
 
     let (_, sp) = bench(
         &["--workload", "shared-prefix:2:64:4-8:2-2", "--arrival", "constant", "--ramp", "5:15:1"],

@@ -1,11 +1,30 @@
 //! Shared by the CLI's process tests: start `tokenpath serve` on a free port and learn the port
-//! from its log line, with stderr drained on a thread so the server never blocks on a full pipe.
+//! from its log line, with stderr drained on a thread so the server never blocks on a full pipe;
+//! find the default model; write a GGUF's tokenizer as Hugging Face files (`hf_json.rs`).
 #![allow(dead_code, clippy::unwrap_used)]
+
+pub mod hf_json;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::thread::JoinHandle;
+
+/// The default model (`scripts/setup --model`), or `None` with a note on stderr when it is absent
+/// outside CI; under CI (`CI` set) `scripts/test` has fetched it and its absence is a failure.
+pub fn default_model() -> Option<std::path::PathBuf> {
+    let p = tokenpath_engine::default_model_path();
+    if p.is_file() {
+        return Some(p);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "default model missing at {} under CI: scripts/test should have fetched it",
+        p.display()
+    );
+    eprintln!("SKIP: default model not found at {} (run scripts/setup --model)", p.display());
+    None
+}
 
 /// A running `tokenpath serve`.
 pub struct Served {

@@ -1,0 +1,7 @@
+//! The library half of the `tokenpath` binary: the code of the binary that is more than argument
+//! glue and that its tests use directly. For now, the tokenizers `tokenpath bench --tokenizer`
+//! reads (GGUF metadata or a Hugging Face `tokenizer.json`), which need both the engine (its
+//! tokenizer and chat-template renderer) and the bench crate (its `PromptTokenizer` trait), so they
+//! belong to neither.
+
+pub mod bench_tokenizer;
