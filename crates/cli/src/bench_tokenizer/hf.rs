@@ -11,8 +11,11 @@
 //!   non-special added tokens are matched, as llama.cpp's user-defined tokens are.
 //! - `count_chat`: the template rendered with the generation prompt, encoded with special tokens
 //!   matched and `add_special_tokens = false` (what `apply_chat_template` and vLLM's chat path do:
-//!   the template writes its own BOS), then BOS put first when `add_bos_token` asks for it and the
-//!   rendered prompt does not already start with it (at most one BOS, as llama.cpp's server does).
+//!   the template writes its own BOS); then, when `add_bos_token` is set and the rendered prompt
+//!   does not already start with BOS, one BOS is counted first, as a server that adds the model's
+//!   BOS does (llama.cpp's, tokenpath's). vLLM adds none, but the templates of models that set
+//!   `add_bos_token` write `bos_token` themselves, so the two agree on those; a BOS is never
+//!   counted twice.
 //! - `decode`: special tokens skipped, invalid UTF-8 replaced (the byte-level decoder is lossy).
 //!
 //! Truncation and padding saved in the file are switched off, as `transformers` does for a call
@@ -94,7 +97,9 @@ impl TokenizerConfig {
     }
 }
 
-/// A Hugging Face tokenizer with its chat template.
+/// A Hugging Face tokenizer with its chat template. Held twice, once with
+/// `encode_special_tokens`: `tokenizers` takes that switch per tokenizer, not per call, and a lock
+/// around one copy would serialise the send tasks' counting.
 #[derive(Debug)]
 pub struct HfTokenizer {
     /// Special-token text is plain text (`encode_special_tokens`): the trait's `encode`.
