@@ -39,6 +39,18 @@ fn bench(ty: GgmlType) {
         );
     }
 
+    // The same product as a one-activation matmul (what the forward pass calls).
+    {
+        let act = vec![m.prepare_input(&x).expect("bench setup")];
+        let iters = 2000;
+        let t = Instant::now();
+        for _ in 0..iters {
+            m.matmul(&act, &mut y).expect("bench setup");
+        }
+        let s = t.elapsed().as_secs_f64();
+        println!("{ty} {rows}x{cols} cached, matmul x1: {:.1} us", s / iters as f64 * 1e6);
+    }
+
     // One row, one thread: the kernel's own cost per block, without rayon or cache misses.
     let act = m.prepare_input(&x).expect("bench setup");
     let row = m.row(0).expect("bench setup");
@@ -68,6 +80,21 @@ fn bench(ty: GgmlType) {
         "{ty} {rows}x{cols} matmul x16: {:.1} us, {:.1} ns per row-dot",
         s / iters as f64 * 1e6,
         s / (iters * rows * 16) as f64 * 1e9
+    );
+
+    // Prefill-sized product: 512 activations.
+    let acts: Vec<_> = (0..512).map(|_| m.prepare_input(&x).expect("bench setup")).collect();
+    let mut out = vec![0f32; 512 * rows];
+    let iters = 10;
+    let t = Instant::now();
+    for _ in 0..iters {
+        m.matmul(&acts, &mut out).expect("bench setup");
+    }
+    let s = t.elapsed().as_secs_f64();
+    println!(
+        "{ty} {rows}x{cols} matmul x512: {:.1} ms, {:.1} GOP/s",
+        s / iters as f64 * 1e3,
+        2.0 * (iters * rows * cols * 512) as f64 / s / 1e9
     );
 
     let n = (100 << 20) / w.len();

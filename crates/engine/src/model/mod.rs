@@ -8,6 +8,7 @@
 
 mod config;
 mod forward;
+mod math;
 
 pub use config::{ModelConfig, SUPPORTED_ARCHITECTURES};
 pub(crate) use forward::gemm_xwt;

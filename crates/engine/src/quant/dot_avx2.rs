@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 
 use super::activation::{BlockQ8K, BlockQ8x32};
 use super::reference::q4k_scale_min;
-use super::GgmlType;
+use super::tile_avx2;
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -46,23 +46,6 @@ unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     _mm_cvtss_f32(s)
-}
-
-/// Σ x·y over 32 byte pairs, x unsigned, y signed, as 8 i32 partial sums.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
-}
-
-/// Loads 16 bytes of packed nibbles as 32 bytes: low nibbles first, then high nibbles.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles(p: *const u8) -> __m256i {
-    unsafe {
-        let q = _mm_loadu_si128(p as *const __m128i);
-        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F))
-    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -117,138 +100,19 @@ pub(crate) unsafe fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// One 32-block's contribution: (scale product broadcast, i32 dot as f32, additive term).
-type BlockTerms = (__m256, __m256, f32);
-
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q8_0: u8 = 2;
-
-/// A 32-element weight block unpacked once, then combined with any number of activations.
-#[derive(Clone, Copy)]
-struct WeightBlock {
-    /// Bytes fed to `vpmaddubsw` as the unsigned operand: the nibbles (Q4_1) or |w| (Q4_0, Q8_0).
-    x: __m256i,
-    /// The signed weights, whose signs are moved onto the activation (Q4_0, Q8_0).
-    sign: __m256i,
-    /// Weight scale.
-    d: f32,
-    /// Weight minimum (Q4_1), else 0.
-    m: f32,
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack<const KIND: u8>(b: *const u8) -> WeightBlock {
-    unsafe {
-        match KIND {
-            Q4_0 => {
-                let w = _mm256_sub_epi8(nibbles(b.add(2)), _mm256_set1_epi8(8));
-                WeightBlock { x: _mm256_sign_epi8(w, w), sign: w, d: f16x2(b).0, m: 0.0 }
-            }
-            Q4_1 => {
-                let (d, m) = f16x2(b);
-                WeightBlock { x: nibbles(b.add(4)), sign: _mm256_setzero_si256(), d, m }
-            }
-            _ => {
-                let w = _mm256_loadu_si256(b.add(2) as *const __m256i);
-                WeightBlock { x: _mm256_sign_epi8(w, w), sign: w, d: f16x2(b).0, m: 0.0 }
-            }
-        }
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn combine<const KIND: u8>(w: &WeightBlock, yb: &BlockQ8x32) -> BlockTerms {
-    unsafe {
-        let yv = _mm256_loadu_si256(yb.qs.as_ptr() as *const __m256i);
-        let d = _mm256_set1_ps(w.d * yb.d);
-        match KIND {
-            Q4_1 => (d, _mm256_cvtepi32_ps(dot_u8_i8(w.x, yv)), w.m * yb.s),
-            _ => (d, _mm256_cvtepi32_ps(dot_u8_i8(w.x, _mm256_sign_epi8(yv, w.sign))), 0.0),
-        }
-    }
-}
-
-/// Dots one row with `N` activations. Each weight block is unpacked once and reused for every
-/// activation; per activation there are two accumulator chains (even / odd blocks) so FMA
-/// latency overlaps. The per-activation arithmetic does not depend on `N`, so a row's result is
-/// bit-identical whether it is computed alone (matvec) or in a batch (matmul): batching never
-/// changes a sequence's output.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn run_multi<const KIND: u8, const N: usize>(row: &[u8], ys: [&[BlockQ8x32]; N]) -> [f32; N] {
-    unsafe {
-        let size = match KIND {
-            Q4_0 => 18,
-            Q4_1 => 20,
-            _ => 34,
-        };
-        let p = row.as_ptr();
-        let nb = if N == 0 { 0 } else { ys[0].len() };
-        let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
-        let (mut add0, mut add1) = ([0f32; N], [0f32; N]);
-        let mut i = 0;
-        while i + 2 <= nb {
-            let w0 = unpack::<KIND>(p.add(size * i));
-            let w1 = unpack::<KIND>(p.add(size * (i + 1)));
-            for b in 0..N {
-                let (d0, p0, a0) = combine::<KIND>(&w0, &ys[b][i]);
-                let (d1, p1, a1) = combine::<KIND>(&w1, &ys[b][i + 1]);
-                acc0[b] = _mm256_fmadd_ps(d0, p0, acc0[b]);
-                acc1[b] = _mm256_fmadd_ps(d1, p1, acc1[b]);
-                add0[b] += a0;
-                add1[b] += a1;
-            }
-            i += 2;
-        }
-        if i < nb {
-            let w0 = unpack::<KIND>(p.add(size * i));
-            for b in 0..N {
-                let (d0, p0, a0) = combine::<KIND>(&w0, &ys[b][i]);
-                acc0[b] = _mm256_fmadd_ps(d0, p0, acc0[b]);
-                add0[b] += a0;
-            }
-        }
-        let mut out = [0f32; N];
-        for b in 0..N {
-            out[b] = hsum(_mm256_add_ps(acc0[b], acc1[b])) + (add0[b] + add1[b]);
-        }
-        out
-    }
-}
-
-/// Q4_0 / Q4_1 / Q8_0 row against `N` activations (each with one block per weight block).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q32_multi<const N: usize>(
-    ty: GgmlType,
-    row: &[u8],
-    ys: [&[BlockQ8x32]; N],
-) -> [f32; N] {
-    unsafe {
-        match ty {
-            GgmlType::Q4_0 => run_multi::<Q4_0, N>(row, ys),
-            GgmlType::Q4_1 => run_multi::<Q4_1, N>(row, ys),
-            GgmlType::Q8_0 => run_multi::<Q8_0, N>(row, ys),
-            _ => [f32::NAN; N],
-        }
-    }
-}
-
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q4_0(row: &[u8], y: &[BlockQ8x32]) -> f32 {
-    unsafe { run_multi::<Q4_0, 1>(row, [y])[0] }
+    unsafe { tile_avx2::dot::<{ tile_avx2::Q4_0 }>(row, y) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q4_1(row: &[u8], y: &[BlockQ8x32]) -> f32 {
-    unsafe { run_multi::<Q4_1, 1>(row, [y])[0] }
+    unsafe { tile_avx2::dot::<{ tile_avx2::Q4_1 }>(row, y) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q8_0(row: &[u8], y: &[BlockQ8x32]) -> f32 {
-    unsafe { run_multi::<Q8_0, 1>(row, [y])[0] }
+    unsafe { tile_avx2::dot::<{ tile_avx2::Q8_0 }>(row, y) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

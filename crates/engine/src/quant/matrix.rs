@@ -5,17 +5,25 @@
 //! contiguous elements per row, and `y = W x` has `y.len() == rows`, `x.len() == cols`. Matvec
 //! quantizes `x` once, then splits rows over rayon tasks sized to a few tens of KB of weights, so
 //! decode streams the weights at memory bandwidth on all cores while tiny matrices stay on the
-//! calling thread. `matmul` runs several activations per row (batched decode): each weight row is
-//! read from memory once and reused from L1 for every sequence, with results bit-identical to
-//! one matvec per sequence.
+//! calling thread. `matmul` / [`matmul_group`] run many activations (batched decode): register
+//! tiles reuse each unpacked weight block for several sequences and each activation block for
+//! several rows, with results bit-identical to one matvec per sequence; a group of matrices that
+//! read the same input (Q, K, V) runs as one parallel region.
 
 use rayon::prelude::*;
 
-use super::{check_dot, dot_many_unchecked, dot_unchecked, row_bytes, GgmlType, Kernel, QuantizedActivation};
+use super::{
+    check_dot, dot_unchecked, row_bytes, rows_times_acts_unchecked, GgmlType, Kernel, Packed,
+    QuantizedActivation, Span,
+};
 use crate::error::{EngineError, Result};
 
 /// Bytes of weights one rayon task should process; below twice this, run on the caller's thread.
 const TASK_BYTES: usize = 32 * 1024;
+/// From this many activations on, products split over activations instead of rows.
+const SPLIT_COLS_FROM: usize = 32;
+/// Activations per task when splitting over activations.
+const COLS_PER_TASK: usize = 32;
 
 /// A quantized matrix `[rows × cols]` borrowing its bytes.
 #[derive(Debug, Clone, Copy)]
@@ -75,6 +83,23 @@ impl<'a> QMatrix<'a> {
         self.data.get(start..start.checked_add(self.row_bytes)?)
     }
 
+    /// Prepares every row of `x` (`rows × cols`, row-major) with [`QMatrix::prepare_input`],
+    /// in parallel for large batches.
+    pub fn prepare_rows(&self, x: &[f32]) -> Result<Vec<QuantizedActivation>> {
+        if self.cols == 0 || !x.len().is_multiple_of(self.cols) {
+            return Err(EngineError::shape(
+                "matmul input length",
+                format!("a multiple of {}", self.cols),
+                x.len(),
+            ));
+        }
+        if x.len() / self.cols >= 8 {
+            x.par_chunks_exact(self.cols).map(|row| self.prepare_input(row)).collect()
+        } else {
+            x.chunks_exact(self.cols).map(|row| self.prepare_input(row)).collect()
+        }
+    }
+
     /// Quantizes an input vector the way this matrix's dot kernel wants it. Reuse the result
     /// for several matrices of the same activation kind (e.g. Q, K and V projections).
     pub fn prepare_input(&self, x: &[f32]) -> Result<QuantizedActivation> {
@@ -127,42 +152,7 @@ impl<'a> QMatrix<'a> {
     /// block unpacked once per four activations). Results are bit-identical to
     /// [`QMatrix::matvec_prepared`] per activation, so batching never changes a sequence's output.
     pub fn matmul(&self, acts: &[QuantizedActivation], out: &mut [f32]) -> Result<()> {
-        let n = acts.len();
-        for a in acts {
-            check_dot(self.ty, self.row_bytes, a)?;
-        }
-        if Some(out.len()) != self.rows.checked_mul(n) {
-            return Err(EngineError::shape(
-                "matmul output length",
-                format!("{} x {n}", self.rows),
-                out.len(),
-            ));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let kernel = Kernel::best().resolve();
-        // Compute row-major [rows][n] so tasks own contiguous output, then transpose.
-        let mut tmp = vec![0f32; out.len()];
-        let per_task = (TASK_BYTES / self.row_bytes.max(1)).max(1);
-        let run = |first: usize, chunk: &mut [f32]| {
-            for (k, o) in chunk.chunks_exact_mut(n).enumerate() {
-                let r = first + k;
-                let row = &self.data[r * self.row_bytes..(r + 1) * self.row_bytes];
-                dot_many_unchecked(kernel, self.ty, row, acts, o);
-            }
-        };
-        if self.data.len() < 2 * TASK_BYTES {
-            run(0, &mut tmp);
-        } else {
-            tmp.par_chunks_mut(per_task * n).enumerate().for_each(|(t, c)| run(t * per_task, c));
-        }
-        for (r, vals) in tmp.chunks_exact(n).enumerate() {
-            for (b, &v) in vals.iter().enumerate() {
-                out[b * self.rows + r] = v;
-            }
-        }
-        Ok(())
+        matmul_group(&[*self], acts, &mut [out])
     }
 
     /// Dequantizes row `i` into `out` (`out.len() == cols`), e.g. an embedding lookup.
@@ -200,4 +190,100 @@ impl<'a> QMatrix<'a> {
         self.dequantize_into(&mut out)?;
         Ok(out)
     }
+}
+
+/// [`QMatrix::matmul`] for several matrices that read the same activations (Q, K and V; gate and
+/// up): `outs[i][b * rows_i + r] = mats[i].row(r) · acts[b]`. All their rows go to the thread pool
+/// as one parallel region, so a decode step pays one fork/join per group, not one per matrix.
+pub fn matmul_group(
+    mats: &[QMatrix<'_>],
+    acts: &[QuantizedActivation],
+    outs: &mut [&mut [f32]],
+) -> Result<()> {
+    let n = acts.len();
+    if mats.len() != outs.len() {
+        return Err(EngineError::shape("matmul group outputs", mats.len(), outs.len()));
+    }
+    for (m, out) in mats.iter().zip(outs.iter()) {
+        for a in acts {
+            check_dot(m.ty, m.row_bytes, a)?;
+        }
+        if Some(out.len()) != m.rows.checked_mul(n) {
+            return Err(EngineError::shape("matmul output length", format!("{} x {n}", m.rows), out.len()));
+        }
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let kernel = Kernel::best().resolve();
+    let packs: Vec<Packed<'_>> = mats.iter().map(|m| Packed::new(kernel, m.ty, acts)).collect();
+    let total: usize = mats.iter().map(|m| m.data.len()).sum();
+    let serial = total.saturating_mul(n) < 2 * TASK_BYTES;
+    if n >= SPLIT_COLS_FROM {
+        // Prefill-sized batches: a task owns a run of activations and every row, which in the
+        // output's `[activation][row]` layout is one contiguous slice, so results are written in
+        // place. Each task streams the (cache-resident) weights once.
+        let mut tasks = Vec::new();
+        for ((m, p), out) in mats.iter().zip(&packs).zip(outs.iter_mut()) {
+            for (t, chunk) in out.chunks_mut(COLS_PER_TASK * m.rows).enumerate() {
+                let span = Span {
+                    first_row: 0,
+                    rows: m.rows,
+                    first_col: t * COLS_PER_TASK,
+                    cols: chunk.len() / m.rows,
+                    row_stride: 1,
+                    col_stride: m.rows,
+                };
+                tasks.push((m, p, span, chunk));
+            }
+        }
+        let run = |(m, p, span, chunk): (&QMatrix<'_>, &Packed<'_>, Span, &mut [f32])| {
+            rows_times_acts_unchecked(kernel, m.ty, m.data, m.row_bytes, p, span, chunk)
+        };
+        if serial {
+            tasks.into_iter().for_each(run);
+        } else {
+            tasks.into_par_iter().for_each(run);
+        }
+        return Ok(());
+    }
+    // Decode-sized batches: a task owns a run of rows (weights streamed from memory once, split
+    // over the cores) and writes them row-major `[row][activation]`; the small result is then
+    // transposed (a plain copy for one activation).
+    let mut tmps: Vec<Vec<f32>> = outs.iter().map(|o| vec![0f32; o.len()]).collect();
+    let mut tasks = Vec::new();
+    for ((m, p), tmp) in mats.iter().zip(&packs).zip(tmps.iter_mut()) {
+        let per_task = (TASK_BYTES / m.row_bytes.max(1) / n.div_ceil(4)).clamp(8, 64);
+        for (t, chunk) in tmp.chunks_mut(per_task * n).enumerate() {
+            let span = Span {
+                first_row: t * per_task,
+                rows: chunk.len() / n,
+                first_col: 0,
+                cols: n,
+                row_stride: n,
+                col_stride: 1,
+            };
+            tasks.push((m, p, span, chunk));
+        }
+    }
+    let run = |(m, p, span, chunk): (&QMatrix<'_>, &Packed<'_>, Span, &mut [f32])| {
+        rows_times_acts_unchecked(kernel, m.ty, m.data, m.row_bytes, p, span, chunk)
+    };
+    if serial {
+        tasks.into_iter().for_each(run);
+    } else {
+        tasks.into_par_iter().for_each(run);
+    }
+    for ((m, tmp), out) in mats.iter().zip(&tmps).zip(outs.iter_mut()) {
+        if n == 1 {
+            out.copy_from_slice(tmp);
+            continue;
+        }
+        for (r, vals) in tmp.chunks_exact(n).enumerate() {
+            for (b, &v) in vals.iter().enumerate() {
+                out[b * m.rows + r] = v;
+            }
+        }
+    }
+    Ok(())
 }

@@ -5,6 +5,8 @@
 //! - `reference`: scalar dequantize/quantize, the executable definition of each block layout;
 //! - `activation`: activation vectors quantized once per matvec to 8-bit blocks;
 //! - `dot_scalar` / `dot_avx2`: row · activation kernels, portable and AVX2+FMA+F16C;
+//! - `tile_avx2`: register tiles (rows × activations) for the 32-block types, the one kernel
+//!   behind their matvec and batched products, so every pair is computed identically;
 //! - `matrix`: [`QMatrix`], a borrowed 2-D weight with rayon-parallel matvec and dequantize.
 //!
 //! The functions here are the checked entry points: they validate lengths and types and return
@@ -17,13 +19,15 @@ mod dot_avx2;
 mod dot_scalar;
 mod matrix;
 mod reference;
+#[cfg(target_arch = "x86_64")]
+mod tile_avx2;
 mod types;
 
 #[cfg(test)]
 mod tests;
 
 pub use activation::{BlockQ8K, BlockQ8x32, QuantizedActivation};
-pub use matrix::QMatrix;
+pub use matrix::{matmul_group, QMatrix};
 pub use types::{ActivationKind, GgmlType};
 
 use crate::error::{EngineError, Result};
@@ -170,38 +174,80 @@ impl Kernel {
     }
 }
 
-/// Dots one row with several activations (all checked with [`check_dot`]), writing
-/// `out[b] = row · acts[b]`. On AVX2 the 32-block types unpack each weight block once for up to
-/// four activations; results are bit-identical to [`dot_unchecked`] one by one.
-pub(crate) fn dot_many_unchecked(
+/// Where a block of results goes: pair (row `first_row + i`, activation `first_col + j`) is
+/// written to `out[i * row_stride + j * col_stride]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Span {
+    pub first_row: usize,
+    pub rows: usize,
+    pub first_col: usize,
+    pub cols: usize,
+    pub row_stride: usize,
+    pub col_stride: usize,
+}
+
+/// Activations prepared once per product for [`rows_times_acts_unchecked`]: on AVX2, packed for
+/// the register tiles of the 32-block types.
+pub(crate) struct Packed<'a> {
+    acts: &'a [QuantizedActivation],
+    #[cfg(target_arch = "x86_64")]
+    tiles: Option<tile_avx2::Pack<'a>>,
+}
+
+impl<'a> Packed<'a> {
+    pub(crate) fn new(kernel: Resolved, ty: GgmlType, acts: &'a [QuantizedActivation]) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let tiles =
+                (kernel.0 && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)).then(|| {
+                    let ys = acts
+                        .iter()
+                        .map(|a| match a {
+                            QuantizedActivation::Q8x32(v) => v.as_slice(),
+                            _ => &[],
+                        })
+                        .collect();
+                    tile_avx2::Pack::new(ty, ys)
+                });
+            Packed { acts, tiles }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (kernel, ty);
+            Packed { acts }
+        }
+    }
+}
+
+/// The pairs of `span` (rows of `data`, activations of `packed`, all checked with
+/// [`check_dot`] against `ty` and `row_bytes`), written into `out` as `span` says. On AVX2 the
+/// 32-block types run register tiles of several rows × several activations; every pair's result
+/// is bit-identical to [`dot_unchecked`] on its own, so batching never changes an output.
+pub(crate) fn rows_times_acts_unchecked(
     kernel: Resolved,
     ty: GgmlType,
-    row: &[u8],
-    acts: &[QuantizedActivation],
+    data: &[u8],
+    row_bytes: usize,
+    packed: &Packed<'_>,
+    span: Span,
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if kernel.0 && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
-        for (a, o) in acts.chunks(4).zip(out.chunks_mut(4)) {
-            let s = |i: usize| match &a[i] {
-                QuantizedActivation::Q8x32(v) => v.as_slice(),
-                _ => &[],
-            };
-            // SAFETY: `Resolved(true)` means the CPU features were detected; `check_dot` matched
-            // every activation's length and kind to the row.
-            unsafe {
-                match a.len() {
-                    4 => o.copy_from_slice(&dot_avx2::dot_q32_multi(ty, row, [s(0), s(1), s(2), s(3)])),
-                    3 => o.copy_from_slice(&dot_avx2::dot_q32_multi(ty, row, [s(0), s(1), s(2)])),
-                    2 => o.copy_from_slice(&dot_avx2::dot_q32_multi(ty, row, [s(0), s(1)])),
-                    _ => o.copy_from_slice(&dot_avx2::dot_q32_multi(ty, row, [s(0)])),
-                }
-            }
-        }
+    if let Some(p) = &packed.tiles {
+        debug_assert_eq!(p.len(), packed.acts.len());
+        // SAFETY: a pack exists only when `Resolved(true)` (CPU features detected); `check_dot`
+        // matched every activation's length and kind to the rows, and `span` lies inside `data`
+        // and `out` (built by the callers in `matrix.rs`).
+        unsafe { tile_avx2::rows_times_acts(ty, data, row_bytes, p, span, out) };
         return;
     }
-    for (o, a) in out.iter_mut().zip(acts) {
-        *o = dot_unchecked(kernel, ty, row, a);
+    for i in 0..span.rows {
+        let r = span.first_row + i;
+        let row = &data[r * row_bytes..(r + 1) * row_bytes];
+        for j in 0..span.cols {
+            out[i * span.row_stride + j * span.col_stride] =
+                dot_unchecked(kernel, ty, row, &packed.acts[span.first_col + j]);
+        }
     }
 }
 

@@ -142,6 +142,43 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Register tiles (several rows × several activations, with ragged edges and column chunks)
+    /// give every pair exactly what a lone dot gives it: batching never changes an output.
+    #[test]
+    fn tiled_matmul_is_bit_identical_to_lone_dots(
+        ty in types(),
+        rows in 1usize..24,
+        n in 1usize..70,
+        col_blocks in 1usize..3,
+        seed in any::<u64>(),
+    ) {
+        let cols = col_blocks * ty.block_size().max(256);
+        let data = random_row(ty, rows * cols / ty.block_size(), seed);
+        let m = QMatrix::new(ty, rows, cols, &data).unwrap();
+        let acts: Vec<QuantizedActivation> = (0..n)
+            .map(|b| {
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| (((i * 31 + b * 977) as u64 ^ seed) % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                m.prepare_input(&x).unwrap()
+            })
+            .collect();
+        let mut out = vec![0f32; rows * n];
+        m.matmul(&acts, &mut out).unwrap();
+        for (b, a) in acts.iter().enumerate() {
+            for r in 0..rows {
+                let lone = vec_dot(ty, m.row(r).unwrap(), a).unwrap();
+                prop_assert_eq!(out[b * rows + r].to_bits(), lone.to_bits(), "{} row {} act {}", ty, r, b);
+                let scalar = vec_dot_with(Kernel::Scalar, ty, m.row(r).unwrap(), a).unwrap();
+                prop_assert!((lone - scalar).abs() <= 1e-4 * (1.0 + scalar.abs()), "{} {} vs {}", ty, lone, scalar);
+            }
+        }
+    }
+}
+
 #[test]
 fn parallel_matvec_equals_serial_dots() {
     // Large enough (> 64 KiB of weights) to take the rayon path, for every supported type.
