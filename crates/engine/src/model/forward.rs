@@ -6,7 +6,7 @@
 use super::{math, Mat, Model};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockId, BlockTable, KvCache};
-use crate::quant::{matmul_group, QMatrix};
+use crate::quant::{matmul_group, matmul_group_interleaved, Interleaved, QMatrix};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
@@ -131,6 +131,16 @@ impl Model {
                 with_dequantized(m, |wf| gemm_xwt(x, wf, &mut ys[i], t, m.rows(), m.cols()))?;
                 done[i] = true;
             }
+        }
+        // Repacked (decode) copies first, all in one parallel region.
+        let il: Vec<usize> = (0..mats.len()).filter(|&i| !done[i] && ws[i].interleaved.is_some()).collect();
+        if !il.is_empty() {
+            let acts = mats[il[0]].prepare_rows(x)?;
+            let gm: Vec<&Interleaved> = il.iter().filter_map(|&i| ws[i].interleaved.as_deref()).collect();
+            let mut outs: Vec<&mut [f32]> =
+                ys.iter_mut().enumerate().filter(|(i, _)| il.contains(i)).map(|(_, y)| y.as_mut_slice()).collect();
+            matmul_group_interleaved(&gm, &acts, &mut outs)?;
+            il.iter().for_each(|&i| done[i] = true);
         }
         while let Some(first) = done.iter().position(|d| !d) {
             let kind = mats[first].ty().activation_kind();

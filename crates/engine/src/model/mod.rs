@@ -16,7 +16,7 @@ pub use forward::{BatchItem, ForwardOutput};
 
 use crate::error::{EngineError, Result};
 use crate::gguf::{Gguf, GgufIndex, TensorView};
-use crate::quant::{GgmlType, QMatrix};
+use crate::quant::{GgmlType, Interleaved, QMatrix};
 use std::ops::Range;
 use std::path::Path;
 
@@ -38,13 +38,15 @@ impl AsRef<[u8]> for ModelBytes {
     }
 }
 
-/// A weight matrix: a type, a shape and where its bytes are in the file.
+/// A weight matrix: a type, a shape and where its bytes are in the file, plus (Q4_1 layer
+/// weights) a copy repacked eight rows at a time for decode.
 #[derive(Debug, Clone)]
 pub struct Mat {
     ty: GgmlType,
     rows: usize,
     cols: usize,
     range: Range<usize>,
+    interleaved: Option<std::sync::Arc<Interleaved>>,
 }
 
 #[derive(Debug)]
@@ -92,7 +94,7 @@ impl Model {
         let mat = |name: &str, rows: usize, cols: usize| -> Result<Mat> {
             let t = file.tensor(name)?;
             t.matrix_checked(rows, cols)?;
-            Ok(Mat { ty: t.ty, rows, cols, range: range_of(&file, &t) })
+            Ok(Mat { ty: t.ty, rows, cols, range: range_of(&file, &t), interleaved: None })
         };
         let vec = |name: &str, n: usize| -> Result<Vec<f32>> {
             let t = file.tensor(name)?;
@@ -125,6 +127,23 @@ impl Model {
             })
             .collect::<Result<Vec<_>>>()?;
         let output_norm = vec("output_norm.weight", d)?;
+        // Decode-time copies of the layer weights (the vocabulary matrix stays in the file).
+        let mut layers = layers;
+        for layer in &mut layers {
+            for m in [
+                &mut layer.wq,
+                &mut layer.wk,
+                &mut layer.wv,
+                &mut layer.wo,
+                &mut layer.w_gate,
+                &mut layer.w_up,
+                &mut layer.w_down,
+            ] {
+                let data = file.bytes().get(m.range.clone()).unwrap_or(&[]);
+                let q = QMatrix::new(m.ty, m.rows, m.cols, data)?;
+                m.interleaved = Interleaved::from_matrix(&q).map(std::sync::Arc::new);
+            }
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("tokenpath-engine-{i}"))
             .build()

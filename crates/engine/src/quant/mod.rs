@@ -17,6 +17,7 @@ mod activation;
 #[cfg(target_arch = "x86_64")]
 mod dot_avx2;
 mod dot_scalar;
+mod interleave;
 mod matrix;
 mod reference;
 #[cfg(target_arch = "x86_64")]
@@ -27,6 +28,7 @@ mod types;
 mod tests;
 
 pub use activation::{BlockQ8K, BlockQ8x32, QuantizedActivation};
+pub use interleave::{matmul_group_interleaved, Interleaved};
 pub use matrix::{matmul_group, QMatrix};
 pub use types::{ActivationKind, GgmlType};
 
