@@ -137,8 +137,12 @@ impl Model {
         if !il.is_empty() {
             let acts = mats[il[0]].prepare_rows(x)?;
             let gm: Vec<&Interleaved> = il.iter().filter_map(|&i| ws[i].interleaved.as_deref()).collect();
-            let mut outs: Vec<&mut [f32]> =
-                ys.iter_mut().enumerate().filter(|(i, _)| il.contains(i)).map(|(_, y)| y.as_mut_slice()).collect();
+            let mut outs: Vec<&mut [f32]> = ys
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| il.contains(i))
+                .map(|(_, y)| y.as_mut_slice())
+                .collect();
             matmul_group_interleaved(&gm, &acts, &mut outs)?;
             il.iter().for_each(|&i| done[i] = true);
         }

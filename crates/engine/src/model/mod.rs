@@ -127,22 +127,16 @@ impl Model {
             })
             .collect::<Result<Vec<_>>>()?;
         let output_norm = vec("output_norm.weight", d)?;
-        // Decode-time copies of the layer weights (the vocabulary matrix stays in the file).
-        let mut layers = layers;
-        for layer in &mut layers {
-            for m in [
-                &mut layer.wq,
-                &mut layer.wk,
-                &mut layer.wv,
-                &mut layer.wo,
-                &mut layer.w_gate,
-                &mut layer.w_up,
-                &mut layer.w_down,
-            ] {
-                let data = file.bytes().get(m.range.clone()).unwrap_or(&[]);
-                let q = QMatrix::new(m.ty, m.rows, m.cols, data)?;
-                m.interleaved = Interleaved::from_matrix(&q).map(std::sync::Arc::new);
-            }
+        // Decode-time copies of every matrix a decode step multiplies (Q4_1 / Q8_0; the
+        // embedding lookups keep reading the file's rows).
+        let (mut layers, mut output) = (layers, output);
+        let mats = layers.iter_mut().flat_map(|l| {
+            [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]
+        });
+        for m in mats.chain(std::iter::once(&mut output)) {
+            let data = file.bytes().get(m.range.clone()).unwrap_or(&[]);
+            let q = QMatrix::new(m.ty, m.rows, m.cols, data)?;
+            m.interleaved = Interleaved::from_matrix(&q).map(std::sync::Arc::new);
         }
         let pool = rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("tokenpath-engine-{i}"))

@@ -1,4 +1,5 @@
-//! Q4_1 weights repacked eight rows at a time, for decode (one to a few dozen activations).
+//! Q4_1 and Q8_0 weights repacked eight rows at a time, for decode (one to a few dozen
+//! activations).
 //!
 //! In ggml's row layout a 32-element block's dot product ends in an 8-lane vector per (row,
 //! activation) pair that must be converted, scaled and folded in on its own: six float and integer
@@ -9,9 +10,12 @@
 //! 2^15) cover the block, and a single `vpmaddwd` + convert + FMA finishes eight pairs. That is
 //! about 2.5 vector operations per pair instead of about 9.
 //!
-//! Layout: for each group of 8 rows and each block, 160 bytes — the 8 scales (f16), the 8 minimums
+//! Layout, per group of 8 rows and per block: Q4_1 — 160 bytes: the 8 scales (f16), the 8 minimums
 //! (f16), then 4 chunks of 32 bytes; byte `i` of lane `j` in chunk `c` holds element `8c + i` of
-//! row `j` in its low nibble and element `8c + 4 + i` in its high nibble.
+//! row `j` in its low nibble and element `8c + 4 + i` in its high nibble. Q8_0 — 272 bytes: the 8
+//! scales, then 8 chunks of 32 bytes, lane `j` of chunk `s` holding elements `4s..4s + 4` of row
+//! `j` (signed, so the sign moves onto the activation and each step widens to 32 bits at once:
+//! two products of 127 · 127 already fill 16 bits).
 //!
 //! Numerics: each block's integer dot product is exact, then `acc = fma(dot, d_w · d_a, acc)` and
 //! `acc_m = fma(m_w, s_a, acc_m)` per row in block order, and the result is `acc + acc_m`. Every
@@ -26,16 +30,22 @@ use crate::error::{EngineError, Result};
 
 /// Rows interleaved together.
 pub const GROUP: usize = 8;
-/// Bytes of one group's block.
-const GROUP_BLOCK: usize = 160;
+/// Bytes of one group's block, by weight type.
+const fn group_block(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 => 272,
+        _ => 160,
+    }
+}
 /// Activations per tile.
 const C: usize = 4;
 /// Row groups per parallel task.
 const GROUPS_PER_TASK: usize = 8;
 
-/// A Q4_1 matrix repacked eight rows at a time (an owned copy).
+/// A Q4_1 or Q8_0 matrix repacked eight rows at a time (an owned copy).
 #[derive(Clone)]
 pub struct Interleaved {
+    ty: GgmlType,
     rows: usize,
     cols: usize,
     data: Vec<u8>,
@@ -43,25 +53,33 @@ pub struct Interleaved {
 
 impl std::fmt::Debug for Interleaved {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Interleaved({} x {} Q4_1, {} bytes)", self.rows, self.cols, self.data.len())
+        write!(f, "Interleaved({} x {} {}, {} bytes)", self.rows, self.cols, self.ty, self.data.len())
     }
 }
 
 impl Interleaved {
-    /// Repacks `m`; `None` unless it is Q4_1 with a multiple of 8 rows.
+    /// Repacks `m`; `None` unless it is Q4_1 or Q8_0 with a whole number of 8-row groups.
     pub fn from_matrix(m: &QMatrix<'_>) -> Option<Self> {
-        if m.ty() != GgmlType::Q4_1 || m.rows() % GROUP != 0 || m.rows() == 0 {
+        let ty = m.ty();
+        if !matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) || m.rows() % GROUP != 0 || m.rows() == 0 {
             return None;
         }
         let nb = m.cols() / 32;
-        let mut data = vec![0u8; m.rows() / GROUP * nb * GROUP_BLOCK];
-        data.par_chunks_mut(nb * GROUP_BLOCK).enumerate().for_each(|(g, out)| {
+        let (gb, sb) = (group_block(ty), ty.type_size());
+        let mut data = vec![0u8; m.rows() / GROUP * nb * gb];
+        data.par_chunks_mut(nb * gb).enumerate().for_each(|(g, out)| {
             for b in 0..nb {
-                let dst = &mut out[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
+                let dst = &mut out[b * gb..(b + 1) * gb];
                 for j in 0..GROUP {
                     let row = m.row(g * GROUP + j).unwrap_or(&[]);
-                    let Some(src) = row.get(b * 20..b * 20 + 20) else { return };
+                    let Some(src) = row.get(b * sb..(b + 1) * sb) else { return };
                     dst[2 * j..2 * j + 2].copy_from_slice(&src[0..2]);
+                    if ty == GgmlType::Q8_0 {
+                        for st in 0..8 {
+                            dst[16 + 32 * st + 4 * j..][..4].copy_from_slice(&src[2 + 4 * st..][..4]);
+                        }
+                        continue;
+                    }
                     dst[16 + 2 * j..16 + 2 * j + 2].copy_from_slice(&src[2..4]);
                     let q = |e: usize| if e < 16 { src[4 + e] & 0x0F } else { src[4 + e - 16] >> 4 };
                     for c in 0..4 {
@@ -72,7 +90,7 @@ impl Interleaved {
                 }
             }
         });
-        Some(Self { rows: m.rows(), cols: m.cols(), data })
+        Some(Self { ty, rows: m.rows(), cols: m.cols(), data })
     }
 
     /// Rows.
@@ -86,8 +104,8 @@ impl Interleaved {
     }
 
     fn group(&self, g: usize) -> &[u8] {
-        let nb = self.cols / 32;
-        &self.data[g * nb * GROUP_BLOCK..(g + 1) * nb * GROUP_BLOCK]
+        let len = self.cols / 32 * group_block(self.ty);
+        &self.data[g * len..(g + 1) * len]
     }
 }
 
@@ -106,12 +124,14 @@ pub fn matmul_group_interleaved(
     for a in acts {
         match a {
             QuantizedActivation::Q8x32(v) => ys.push(v),
-            _ => return Err(EngineError::InvalidArgument("Q4_1 weights need Q8x32 activations".into())),
+            _ => {
+                return Err(EngineError::InvalidArgument("Q4_1 / Q8_0 weights need Q8x32 activations".into()))
+            }
         }
     }
     for (m, out) in mats.iter().zip(outs.iter()) {
         for a in acts {
-            check_dot(GgmlType::Q4_1, m.cols / 32 * 20, a)?;
+            check_dot(m.ty, m.cols / 32 * m.ty.type_size(), a)?;
         }
         if Some(out.len()) != m.rows.checked_mul(n) {
             return Err(EngineError::shape("matmul output length", format!("{} x {n}", m.rows), out.len()));
@@ -146,23 +166,18 @@ pub fn matmul_group_interleaved(
                     // SAFETY: AVX2/FMA/F16C detected (`Kernel::best`); `w` holds one group block
                     // per activation block (`check_dot` above).
                     unsafe {
-                        match k {
-                            4 => avx2_impl::tile::<4>(w, [ys[c], ys[c + 1], ys[c + 2], ys[c + 3]], &mut res),
-                            3 => avx2_impl::tile::<3>(w, [ys[c], ys[c + 1], ys[c + 2]], &mut res),
-                            2 => avx2_impl::tile::<2>(w, [ys[c], ys[c + 1]], &mut res),
-                            _ => avx2_impl::tile::<1>(w, [ys[c]], &mut res),
-                        }
+                        avx2_impl::tile_any(m.ty, w, &ys[c..c + k], &mut res);
                     }
                 } else {
                     for (kk, r) in res.iter_mut().enumerate().take(k) {
-                        *r = portable_group(w, ys[c + kk]);
+                        *r = portable_group(m.ty, w, ys[c + kk]);
                     }
                 }
                 #[cfg(not(target_arch = "x86_64"))]
                 {
                     let _ = avx2;
                     for (kk, r) in res.iter_mut().enumerate().take(k) {
-                        *r = portable_group(w, ys[c + kk]);
+                        *r = portable_group(m.ty, w, ys[c + kk]);
                     }
                 }
                 for (kk, r) in res.iter().enumerate().take(k) {
@@ -193,22 +208,31 @@ fn f16(b: &[u8], i: usize) -> f32 {
 }
 
 /// One group's eight rows · one activation, with the operations the AVX2 tile performs.
-fn portable_group(w: &[u8], y: &[BlockQ8x32]) -> [f32; GROUP] {
+fn portable_group(ty: GgmlType, w: &[u8], y: &[BlockQ8x32]) -> [f32; GROUP] {
+    let gb = group_block(ty);
     let mut acc = [0f32; GROUP];
     let mut accm = [0f32; GROUP];
     for (b, yb) in y.iter().enumerate() {
-        let blk = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
+        let blk = &w[b * gb..(b + 1) * gb];
         for j in 0..GROUP {
             let mut dot = 0i32;
-            for c in 0..4 {
-                for i in 0..4 {
-                    let byte = blk[32 + 32 * c + 4 * j + i];
-                    dot += (byte & 0x0F) as i32 * yb.qs[8 * c + i] as i32;
-                    dot += (byte >> 4) as i32 * yb.qs[8 * c + 4 + i] as i32;
+            if ty == GgmlType::Q8_0 {
+                for st in 0..8 {
+                    for i in 0..4 {
+                        dot += blk[16 + 32 * st + 4 * j + i] as i8 as i32 * yb.qs[4 * st + i] as i32;
+                    }
                 }
+            } else {
+                for c in 0..4 {
+                    for i in 0..4 {
+                        let byte = blk[32 + 32 * c + 4 * j + i];
+                        dot += (byte & 0x0F) as i32 * yb.qs[8 * c + i] as i32;
+                        dot += (byte >> 4) as i32 * yb.qs[8 * c + 4 + i] as i32;
+                    }
+                }
+                accm[j] = f16(&blk[16..], j).mul_add(yb.s, accm[j]);
             }
             acc[j] = (dot as f32).mul_add(f16(blk, j) * yb.d, acc[j]);
-            accm[j] = f16(&blk[16..], j).mul_add(yb.s, accm[j]);
         }
     }
     std::array::from_fn(|j| acc[j] + accm[j])
@@ -216,13 +240,42 @@ fn portable_group(w: &[u8], y: &[BlockQ8x32]) -> [f32; GROUP] {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2_impl {
-    use super::{BlockQ8x32, GROUP, GROUP_BLOCK};
+    use super::{group_block, BlockQ8x32, GgmlType, GROUP};
     use std::arch::x86_64::*;
 
-    /// Eight rows (one group) × `CC` activations.
+    const Q4_1: u8 = 1;
+    const Q8_0: u8 = 8;
+
+    /// Eight rows (one group) × `ys.len()` (1 to 4) activations.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile<const CC: usize>(w: &[u8], ys: [&[BlockQ8x32]; CC], out: &mut [[f32; GROUP]]) {
+    pub(super) unsafe fn tile_any(ty: GgmlType, w: &[u8], ys: &[&[BlockQ8x32]], out: &mut [[f32; GROUP]]) {
         unsafe {
+            macro_rules! go {
+                ($k:literal) => {
+                    match ty {
+                        GgmlType::Q8_0 => tile::<Q8_0, $k>(w, std::array::from_fn(|i| ys[i]), out),
+                        _ => tile::<Q4_1, $k>(w, std::array::from_fn(|i| ys[i]), out),
+                    }
+                };
+            }
+            match ys.len() {
+                4 => go!(4),
+                3 => go!(3),
+                2 => go!(2),
+                _ => go!(1),
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const KIND: u8, const CC: usize>(
+        w: &[u8],
+        ys: [&[BlockQ8x32]; CC],
+        out: &mut [[f32; GROUP]],
+    ) {
+        unsafe {
+            let gb = group_block(if KIND == Q8_0 { GgmlType::Q8_0 } else { GgmlType::Q4_1 });
             let nb = ys[0].len();
             let low4 = _mm256_set1_epi8(0x0F);
             let ones = _mm256_set1_epi16(1);
@@ -230,26 +283,56 @@ mod avx2_impl {
             let mut accm = [_mm256_setzero_ps(); CC];
             let p = w.as_ptr();
             for b in 0..nb {
-                let blk = p.add(b * GROUP_BLOCK);
+                let blk = p.add(b * gb);
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
-                let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i));
+                // Unsigned operands for `vpmaddubsw` (nibbles, or |w| for Q8_0) and Q8_0's signs.
                 let mut q = [_mm256_setzero_si256(); 8];
-                for c in 0..4 {
-                    let v = _mm256_loadu_si256(blk.add(32 + 32 * c) as *const __m256i);
-                    q[2 * c] = _mm256_and_si256(v, low4);
-                    q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                let mut sg = [_mm256_setzero_si256(); 8];
+                if KIND == Q8_0 {
+                    for (st, (qv, sv)) in q.iter_mut().zip(sg.iter_mut()).enumerate() {
+                        let v = _mm256_loadu_si256(blk.add(16 + 32 * st) as *const __m256i);
+                        *qv = _mm256_sign_epi8(v, v);
+                        *sv = v;
+                    }
+                } else {
+                    for c in 0..4 {
+                        let v = _mm256_loadu_si256(blk.add(32 + 32 * c) as *const __m256i);
+                        q[2 * c] = _mm256_and_si256(v, low4);
+                        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    }
                 }
                 for k in 0..CC {
                     let yb = ys[k].get_unchecked(b);
                     let a = yb.qs.as_ptr() as *const i32;
-                    let mut s = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(std::ptr::read_unaligned(a)));
-                    for (st, &qs) in q.iter().enumerate().skip(1) {
+                    let step = |st: usize| {
                         let y = _mm256_set1_epi32(std::ptr::read_unaligned(a.add(st)));
-                        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(qs, y));
-                    }
-                    let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+                        if KIND == Q8_0 {
+                            _mm256_maddubs_epi16(q[st], _mm256_sign_epi8(y, sg[st]))
+                        } else {
+                            _mm256_maddubs_epi16(q[st], y)
+                        }
+                    };
+                    let dot = if KIND == Q8_0 {
+                        // Two products of up to 127 · 127 fill 16 bits: widen every step.
+                        let mut s = _mm256_madd_epi16(step(0), ones);
+                        for st in 1..8 {
+                            s = _mm256_add_epi32(s, _mm256_madd_epi16(step(st), ones));
+                        }
+                        s
+                    } else {
+                        // Nibbles: eight steps sum to at most 8 · 2 · 15 · 127 < 2^15.
+                        let mut s = step(0);
+                        for st in 1..8 {
+                            s = _mm256_add_epi16(s, step(st));
+                        }
+                        _mm256_madd_epi16(s, ones)
+                    };
+                    let dot = _mm256_cvtepi32_ps(dot);
                     acc[k] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(yb.d)), acc[k]);
-                    accm[k] = _mm256_fmadd_ps(mw, _mm256_set1_ps(yb.s), accm[k]);
+                    if KIND == Q4_1 {
+                        let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i));
+                        accm[k] = _mm256_fmadd_ps(mw, _mm256_set1_ps(yb.s), accm[k]);
+                    }
                 }
             }
             for k in 0..CC {
@@ -264,18 +347,23 @@ mod tests {
     use super::*;
     use crate::quant::{quantize, vec_dot};
 
-    fn matrix(rows: usize, cols: usize, seed: u32) -> Vec<u8> {
+    fn matrix_of(ty: GgmlType, rows: usize, cols: usize, seed: u32) -> Vec<u8> {
         let x: Vec<f32> = (0..rows * cols)
             .map(|i| ((((i as u32) ^ seed).wrapping_mul(2_654_435_761) >> 8) % 2001) as f32 / 1000.0 - 1.0)
             .collect();
-        quantize(GgmlType::Q4_1, &x).unwrap()
+        quantize(ty, &x).unwrap()
+    }
+
+    fn matrix(rows: usize, cols: usize, seed: u32) -> Vec<u8> {
+        matrix_of(GgmlType::Q4_1, rows, cols, seed)
     }
 
     fn acts(n: usize, cols: usize, seed: usize) -> Vec<QuantizedActivation> {
         (0..n)
             .map(|b| {
-                let x: Vec<f32> =
-                    (0..cols).map(|i| (((i * 31 + b * 977 + seed) % 2001) as f32 / 400.0 - 2.5).sin() * 3.0).collect();
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| (((i * 31 + b * 977 + seed) % 2001) as f32 / 400.0 - 2.5).sin() * 3.0)
+                    .collect();
                 QuantizedActivation::new(crate::quant::ActivationKind::Q8x32, &x).unwrap()
             })
             .collect()
@@ -283,9 +371,12 @@ mod tests {
 
     #[test]
     fn repacked_products_match_row_dots_and_do_not_depend_on_the_batch() {
-        for (rows, cols, n) in [(8, 32, 1), (16, 64, 3), (72, 576, 5), (200, 96, 16), (8, 1536, 2)] {
-            let data = matrix(rows, cols, rows as u32);
-            let m = QMatrix::new(GgmlType::Q4_1, rows, cols, &data).unwrap();
+        let shapes = [(8, 32, 1), (16, 64, 3), (72, 576, 5), (200, 96, 16), (8, 1536, 2), (24, 64, 7)];
+        for (ty, (rows, cols, n)) in
+            [GgmlType::Q4_1, GgmlType::Q8_0].into_iter().flat_map(|t| shapes.map(|s| (t, s)))
+        {
+            let data = matrix_of(ty, rows, cols, rows as u32);
+            let m = QMatrix::new(ty, rows, cols, &data).unwrap();
             let il = Interleaved::from_matrix(&m).unwrap();
             let a = acts(n, cols, cols);
             let mut out = vec![0f32; rows * n];
@@ -296,11 +387,15 @@ mod tests {
                 assert_eq!(&out[b * rows..(b + 1) * rows], &solo[..], "batch of {n} vs alone");
                 let QuantizedActivation::Q8x32(ys) = act else { unreachable!() };
                 for r in 0..rows {
-                    let want = vec_dot(GgmlType::Q4_1, m.row(r).unwrap(), act).unwrap();
+                    let want = vec_dot(ty, m.row(r).unwrap(), act).unwrap();
                     let got = out[b * rows + r];
                     assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {r}: {got} vs {want}");
                     let g = r / GROUP;
-                    assert_eq!(portable_group(il.group(g), ys)[r % GROUP].to_bits(), got.to_bits(), "portable");
+                    assert_eq!(
+                        portable_group(ty, il.group(g), ys)[r % GROUP].to_bits(),
+                        got.to_bits(),
+                        "portable"
+                    );
                 }
             }
         }
@@ -310,8 +405,8 @@ mod tests {
     fn only_q4_1_with_whole_groups_is_repacked() {
         let data = matrix(12, 32, 1);
         assert!(Interleaved::from_matrix(&QMatrix::new(GgmlType::Q4_1, 12, 32, &data).unwrap()).is_none());
-        let q8 = quantize(GgmlType::Q8_0, &[0.5; 256]).unwrap();
-        assert!(Interleaved::from_matrix(&QMatrix::new(GgmlType::Q8_0, 8, 32, &q8).unwrap()).is_none());
+        let q4 = quantize(GgmlType::Q4_0, &[0.5; 256]).unwrap();
+        assert!(Interleaved::from_matrix(&QMatrix::new(GgmlType::Q4_0, 8, 32, &q4).unwrap()).is_none());
         let data = matrix(8, 64, 2);
         let il = Interleaved::from_matrix(&QMatrix::new(GgmlType::Q4_1, 8, 64, &data).unwrap()).unwrap();
         let bad = acts(1, 32, 0);
