@@ -61,7 +61,8 @@ impl Interleaved {
     /// Repacks `m`; `None` unless it is Q4_1 or Q8_0 with a whole number of 8-row groups.
     pub fn from_matrix(m: &QMatrix<'_>) -> Option<Self> {
         let ty = m.ty();
-        if !matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) || m.rows() % GROUP != 0 || m.rows() == 0 {
+        if !matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) || !m.rows().is_multiple_of(GROUP) || m.rows() == 0
+        {
             return None;
         }
         let nb = m.cols() / 32;
