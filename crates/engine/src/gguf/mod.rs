@@ -68,6 +68,11 @@ impl<B: AsRef<[u8]>> Gguf<B> {
         self.bytes.as_ref()
     }
 
+    /// The backing store itself (to advise the kernel about a mapping, say).
+    pub fn backing(&self) -> &B {
+        &self.bytes
+    }
+
     /// The parsed metadata and tensor table (also reachable through `Deref`).
     pub fn index(&self) -> &GgufIndex {
         &self.index

@@ -128,7 +128,8 @@ impl Model {
         let mut done = vec![false; mats.len()];
         for (i, m) in mats.iter().enumerate() {
             if t >= GEMM_MIN_ROWS {
-                with_dequantized(m, |wf| gemm_xwt(x, wf, &mut ys[i], t, m.rows(), m.cols()))?;
+                let il = ws[i].interleaved.as_deref();
+                with_dequantized(m, il, |wf| gemm_xwt(x, wf, &mut ys[i], t, m.rows(), m.cols()))?;
                 done[i] = true;
             }
         }
@@ -284,17 +285,27 @@ thread_local! {
 
 /// Runs `f` on `m` dequantized to f32, in a reused per-thread buffer (no allocation, zeroing or
 /// page faults per prefill chunk) when the matrix is small enough and the buffer is free.
-fn with_dequantized<R>(m: &QMatrix<'_>, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+/// The repacked copy `il`, when there is one, is the source (the file's copy of those weights is
+/// released after load).
+fn with_dequantized<R>(m: &QMatrix<'_>, il: Option<&Interleaved>, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let n = m.rows() * m.cols();
+    let fill = |out: &mut [f32]| match il {
+        Some(il) => il.dequantize_into(out),
+        None => m.dequantize_into(out),
+    };
     DEQUANT.with(|cell| match cell.try_borrow_mut() {
         Ok(mut buf) if n <= SCRATCH_MAX => {
             if buf.len() < n {
                 buf.resize(n, 0.0);
             }
-            m.dequantize_into(&mut buf[..n])?;
+            fill(&mut buf[..n])?;
             Ok(f(&buf[..n]))
         }
-        _ => Ok(f(&m.dequantize()?)),
+        _ => {
+            let mut wf = vec![0f32; n];
+            fill(&mut wf)?;
+            Ok(f(&wf))
+        }
     })
 }
 

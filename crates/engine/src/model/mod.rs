@@ -29,6 +29,27 @@ pub enum ModelBytes {
     Owned(Vec<u8>),
 }
 
+impl ModelBytes {
+    /// Tells the kernel the mapped pages of `range` are not needed any more (their repacked copy
+    /// is used instead), so they leave the resident set; a later read faults them back in from
+    /// the file. A no-op for owned bytes or when the advice is refused.
+    fn release(&self, range: Range<usize>) {
+        if let ModelBytes::Mapped(map) = self {
+            const PAGE: usize = 4096;
+            let start = range.start.div_ceil(PAGE) * PAGE;
+            let end = range.end / PAGE * PAGE;
+            if end > start {
+                // SAFETY: the mapping is a read-only, private mapping of a file we never write,
+                // so dropping its pages loses nothing: the next access re-reads the same bytes
+                // from the file. No page is written through this mapping.
+                let _ = unsafe {
+                    map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+                };
+            }
+        }
+    }
+}
+
 impl AsRef<[u8]> for ModelBytes {
     fn as_ref(&self) -> &[u8] {
         match self {
@@ -137,6 +158,9 @@ impl Model {
             let data = file.bytes().get(m.range.clone()).unwrap_or(&[]);
             let q = QMatrix::new(m.ty, m.rows, m.cols, data)?;
             m.interleaved = Interleaved::from_matrix(&q).map(std::sync::Arc::new);
+            if m.interleaved.is_some() {
+                file.backing().release(m.range.clone());
+            }
         }
         let pool = rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("tokenpath-engine-{i}"))

@@ -104,6 +104,47 @@ impl Interleaved {
         self.data.len()
     }
 
+    /// Dequantizes the whole matrix into `out` (`rows × cols`, row-major), with exactly the
+    /// arithmetic of the row layout's dequantization, so a GEMM over it gives the same result
+    /// whichever copy it came from (and the file's copy of the weights need not stay resident).
+    pub fn dequantize_into(&self, out: &mut [f32]) -> Result<()> {
+        if Some(out.len()) != self.rows.checked_mul(self.cols) {
+            return Err(EngineError::shape(
+                "dequantized matrix length",
+                format!("{} x {}", self.rows, self.cols),
+                out.len(),
+            ));
+        }
+        let (nb, gb, q8) = (self.cols / 32, group_block(self.ty), self.ty == GgmlType::Q8_0);
+        out.par_chunks_mut(GROUP * self.cols).enumerate().for_each(|(g, o)| {
+            let w = self.group(g);
+            for b in 0..nb {
+                let blk = &w[b * gb..(b + 1) * gb];
+                for j in 0..GROUP {
+                    let row = &mut o[j * self.cols + 32 * b..][..32];
+                    let d = f16(blk, j);
+                    if q8 {
+                        for st in 0..8 {
+                            for i in 0..4 {
+                                row[4 * st + i] = blk[16 + 32 * st + 4 * j + i] as i8 as f32 * d;
+                            }
+                        }
+                        continue;
+                    }
+                    let m = f16(&blk[16..], j);
+                    for c in 0..4 {
+                        for i in 0..4 {
+                            let byte = blk[32 + 32 * c + 4 * j + i];
+                            row[8 * c + i] = (byte & 0x0F) as f32 * d + m;
+                            row[8 * c + 4 + i] = (byte >> 4) as f32 * d + m;
+                        }
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+
     fn group(&self, g: usize) -> &[u8] {
         let len = self.cols / 32 * group_block(self.ty);
         &self.data[g * len..(g + 1) * len]
@@ -399,6 +440,19 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn repacked_dequantization_is_bit_identical_to_the_row_layout() {
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+            let data = matrix_of(ty, 24, 96, 7);
+            let m = QMatrix::new(ty, 24, 96, &data).unwrap();
+            let il = Interleaved::from_matrix(&m).unwrap();
+            let mut out = vec![0f32; 24 * 96];
+            il.dequantize_into(&mut out).unwrap();
+            assert_eq!(out, m.dequantize().unwrap(), "{ty}");
+            assert!(il.dequantize_into(&mut out[1..]).is_err());
         }
     }
 
