@@ -4,7 +4,7 @@ with llama-cpp-python on the same GGUF and thread count, printed as JSON on stdo
 
 usage: bench_llama.py MODEL.gguf [--threads 2] [--steps 32]
 
-Figures: prefill_512 / prefill_2048 (prompt tokens per second for one prompt of that length, in
+After one warm-up prefill of 512 tokens (as on our side), figures: prefill_512 / prefill_2048 (prompt tokens per second for one prompt of that length, in
 ubatches of 512), decode_b1 (tokens per second, one sequence after a 32-token prompt), decode_b16
 (aggregate tokens per second, 16 sequences decoded together through the low-level batch API —
 llama.cpp's best parallel decoding). The prompt text is the same public-domain prose.
@@ -59,6 +59,10 @@ def main():
     if not ctx:
         raise RuntimeError("llama_init_from_model failed")
     mem = llama_cpp.llama_get_memory(ctx)
+    # Warm-up (first touch of the weights and buffers), as on our side: one 512-token prefill.
+    warm = tokens(llm, 512)
+    decode(ctx, warm, [0] * 512, list(range(512)), [i == 511 for i in range(512)])
+    llama_cpp.llama_memory_clear(mem, True)
     for n in (512, 2048):
         toks = tokens(llm, n)
         llama_cpp.llama_memory_clear(mem, True)

@@ -151,6 +151,9 @@ pub fn run_engine_bench(
     let flops = engine.model().config().flops_per_token() as f64;
     let bytes = engine.model().file_bytes() as f64;
     let mut figures = Vec::new();
+    // Warm-up (first touch of the weights, scratch buffers and threads), as on the peer's side:
+    // one 512-token prefill.
+    prefill_tok_s(engine, 512, 512)?;
     for (name, n) in [("prefill_512", 512), ("prefill_2048", 2048)] {
         let ours = prefill_tok_s(engine, n, 512)?;
         figures.push((name, Figure { ours, llama_cpp: peer(name), of_limit: ours * flops / (gemm * 1e9) }));

@@ -143,6 +143,33 @@ fn has_avx2() -> bool {
     }
 }
 
+/// The largest element (`-inf` for an empty slice).
+pub(crate) fn max(xs: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports the features the function is compiled for.
+        return unsafe { max_avx2(xs) };
+    }
+    xs.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn max_avx2(xs: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    unsafe {
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        let chunks = xs.chunks_exact(8);
+        let tail = chunks.remainder();
+        for c in chunks {
+            m = _mm256_max_ps(m, _mm256_loadu_ps(c.as_ptr()));
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+    }
+}
+
 /// Replaces each `x` by `e^(x - max)` and returns their sum.
 pub(crate) fn exp_shift_sum(xs: &mut [f32], max: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -198,6 +225,9 @@ mod tests {
     fn softmax_and_silu_paths_agree() {
         let xs: Vec<f32> = (0..67).map(|i| (i as f32 * 0.37).sin() * 20.0).collect();
         let max = xs.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        assert_eq!(super::max(&xs), max);
+        assert_eq!(super::max(&xs[..5]), xs[..5].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)));
+        assert_eq!(super::max(&[]), f32::NEG_INFINITY);
         let (mut a, mut b) = (xs.clone(), xs.clone());
         let sa = exp_shift_sum(&mut a, max);
         let sb = exp_shift_sum_body(&mut b, max);
