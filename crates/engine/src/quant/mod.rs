@@ -7,7 +7,9 @@
 //! - `dot_scalar` / `dot_avx2`: row · activation kernels, portable and AVX2+FMA+F16C;
 //! - `tile_avx2`: register tiles (rows × activations) for the 32-block types, the one kernel
 //!   behind their matvec and batched products, so every pair is computed identically;
-//! - `matrix`: [`QMatrix`], a borrowed 2-D weight with rayon-parallel matvec and dequantize.
+//! - `matrix`: [`QMatrix`], a borrowed 2-D weight with rayon-parallel matvec and dequantize;
+//! - `interleave`: [`Interleaved`], Q4_1/Q8_0 weights repacked eight rows at a time, the kernel
+//!   the forward pass uses for every product of those types.
 //!
 //! The functions here are the checked entry points: they validate lengths and types and return
 //! [`EngineError`] instead of panicking, then call the unchecked kernels. The kernel family is
