@@ -133,33 +133,29 @@ impl Model {
                 done[i] = true;
             }
         }
-        // Repacked (decode) copies first, all in one parallel region.
-        let il: Vec<usize> = (0..mats.len()).filter(|&i| !done[i] && ws[i].interleaved.is_some()).collect();
-        if !il.is_empty() {
-            let acts = mats[il[0]].prepare_rows(x)?;
-            let gm: Vec<&Interleaved> = il.iter().filter_map(|&i| ws[i].interleaved.as_deref()).collect();
-            let mut outs: Vec<&mut [f32]> = ys
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| il.contains(i))
-                .map(|(_, y)| y.as_mut_slice())
-                .collect();
-            matmul_group_interleaved(&gm, &acts, &mut outs)?;
-            il.iter().for_each(|&i| done[i] = true);
-        }
+        // Repacked copies first, all in one parallel region; then the rest, one region per
+        // activation kind.
+        let repacked = |i: usize| ws[i].interleaved.is_some();
         while let Some(first) = done.iter().position(|d| !d) {
-            let kind = mats[first].ty().activation_kind();
-            let group: Vec<usize> =
-                (first..mats.len()).filter(|&i| !done[i] && mats[i].ty().activation_kind() == kind).collect();
+            let key = (repacked(first), mats[first].ty().activation_kind());
+            let group: Vec<usize> = (first..mats.len())
+                .filter(|&i| !done[i] && (repacked(i), mats[i].ty().activation_kind()) == key)
+                .collect();
             let acts = mats[first].prepare_rows(x)?;
-            let gm: Vec<QMatrix<'_>> = group.iter().map(|&i| mats[i]).collect();
             let mut outs: Vec<&mut [f32]> = ys
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| group.contains(i))
                 .map(|(_, y)| y.as_mut_slice())
                 .collect();
-            matmul_group(&gm, &acts, &mut outs)?;
+            if key.0 {
+                let gm: Vec<&Interleaved> =
+                    group.iter().filter_map(|&i| ws[i].interleaved.as_deref()).collect();
+                matmul_group_interleaved(&gm, &acts, &mut outs)?;
+            } else {
+                let gm: Vec<QMatrix<'_>> = group.iter().map(|&i| mats[i]).collect();
+                matmul_group(&gm, &acts, &mut outs)?;
+            }
             group.iter().for_each(|&i| done[i] = true);
         }
         Ok(ys)

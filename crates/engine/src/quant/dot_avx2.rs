@@ -39,9 +39,10 @@ unsafe fn f16x2(p: *const u8) -> (f32, f32) {
     }
 }
 
+/// Sum of the eight lanes (the one horizontal sum every AVX2 kernel ends with).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));

@@ -237,14 +237,7 @@ pub fn matmul_group(
                 tasks.push((m, p, span, chunk));
             }
         }
-        let run = |(m, p, span, chunk): (&QMatrix<'_>, &Packed<'_>, Span, &mut [f32])| {
-            rows_times_acts_unchecked(kernel, m.ty, m.data, m.row_bytes, p, span, chunk)
-        };
-        if serial {
-            tasks.into_iter().for_each(run);
-        } else {
-            tasks.into_par_iter().for_each(run);
-        }
+        run_tasks(kernel, tasks, serial);
         return Ok(());
     }
     // Decode-sized batches: a task owns a run of rows (weights streamed from memory once, split
@@ -266,14 +259,7 @@ pub fn matmul_group(
             tasks.push((m, p, span, chunk));
         }
     }
-    let run = |(m, p, span, chunk): (&QMatrix<'_>, &Packed<'_>, Span, &mut [f32])| {
-        rows_times_acts_unchecked(kernel, m.ty, m.data, m.row_bytes, p, span, chunk)
-    };
-    if serial {
-        tasks.into_iter().for_each(run);
-    } else {
-        tasks.into_par_iter().for_each(run);
-    }
+    run_tasks(kernel, tasks, serial);
     for ((m, tmp), out) in mats.iter().zip(&tmps).zip(outs.iter_mut()) {
         if n == 1 {
             out.copy_from_slice(tmp);
@@ -286,4 +272,19 @@ pub fn matmul_group(
         }
     }
     Ok(())
+}
+
+/// One product task: a matrix, its packed activations, the pairs to compute and where they go.
+type Task<'t, 'a> = (&'t QMatrix<'a>, &'t Packed<'t>, Span, &'t mut [f32]);
+
+/// Runs `tasks` on the calling thread or as one parallel region.
+fn run_tasks(kernel: super::Resolved, tasks: Vec<Task<'_, '_>>, serial: bool) {
+    let run = |(m, p, span, chunk): Task<'_, '_>| {
+        rows_times_acts_unchecked(kernel, m.ty, m.data, m.row_bytes, p, span, chunk)
+    };
+    if serial {
+        tasks.into_iter().for_each(run);
+    } else {
+        tasks.into_par_iter().for_each(run);
+    }
 }

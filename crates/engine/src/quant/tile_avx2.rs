@@ -20,6 +20,7 @@
 use std::arch::x86_64::*;
 
 use super::activation::BlockQ8x32;
+use super::dot_avx2::hsum;
 use super::{GgmlType, Span};
 
 pub(crate) const Q4_0: u8 = 0;
@@ -39,15 +40,6 @@ const fn block_bytes(kind: u8) -> usize {
         Q4_1 => 20,
         _ => 34,
     }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
 }
 
 /// A weight block unpacked for `vpmaddubsw`.
