@@ -4,10 +4,17 @@
 //! One contiguous arena holds every block (`[block][layer][k|v][slot][kv_dim]`), so a block is one
 //! contiguous run of bytes: exporting a sequence's KV to another process is a copy of whole blocks,
 //! and a block's lifetime is a counter, not an allocation. All mutation goes through `&mut self`;
-//! the worker that owns an engine owns its cache, so there is no lock here.
+//! the worker that owns an engine owns its cache, so there is no lock here. The one way bytes get
+//! into the arena from another thread is a [`KvLease`]: a sequence's reserved blocks lent to a
+//! network task that receives a KV transfer straight into them (`arena.rs`).
+
+mod arena;
 
 use crate::error::{EngineError, Result};
+use arena::Arena;
+pub use arena::KvLease;
 use half::f16;
+use std::sync::Arc;
 
 /// Index of a block in the arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -69,8 +76,10 @@ impl BlockTable {
 #[derive(Debug)]
 pub struct KvCache {
     layout: KvLayout,
-    data: Vec<f16>,
+    data: Arc<Arena>,
     refs: Vec<u32>,
+    /// Blocks lent out in a [`KvLease`]: the cache creates no reference into them.
+    leased: Vec<bool>,
     free: Vec<BlockId>,
 }
 
@@ -92,8 +101,9 @@ impl KvCache {
             })?;
         Ok(Self {
             layout,
-            data: vec![f16::ZERO; elems],
+            data: Arc::new(Arena::zeroed(elems)),
             refs: vec![0; num_blocks],
+            leased: vec![false; num_blocks],
             free: (0..num_blocks as u32).rev().map(BlockId).collect(),
         })
     }
@@ -126,6 +136,9 @@ impl KvCache {
     fn check(&self, b: BlockId) -> Result<usize> {
         let i = b.0 as usize;
         match self.refs.get(i) {
+            Some(_) if self.leased[i] => {
+                Err(EngineError::InvalidArgument(format!("block {} is leased", b.0)))
+            }
             Some(&r) if r > 0 => Ok(i),
             Some(_) => Err(EngineError::InvalidArgument(format!("block {} is not allocated", b.0))),
             None => Err(EngineError::InvalidArgument(format!("block {} does not exist", b.0))),
@@ -207,19 +220,44 @@ impl KvCache {
         let bs = self.layout.block_size;
         let d = self.layout.kv_dim;
         let b = table.blocks[pos / bs];
+        self.assert_not_leased(b);
         let slot = (pos % bs) * d;
         for (is_v, src) in [(false, k), (true, v)] {
             let off = self.slab_offset(b, layer, is_v) + slot;
-            for (dst, s) in self.data[off..off + d].iter_mut().zip(src) {
+            // SAFETY: `&mut self` excludes every other reference the cache made, and the block
+            // is not leased, so no lease holds one either.
+            let dst = unsafe { self.data.slice_mut(off, d) };
+            for (dst, s) in dst.iter_mut().zip(src) {
                 *dst = f16::from_f32(*s);
             }
         }
     }
 
+    /// Tables only name leased blocks when a caller kept a copy of a table it lent; touching
+    /// them then is a bug in the caller, and a panic rather than a data race.
+    fn assert_not_leased(&self, b: BlockId) {
+        assert!(!self.is_leased(b), "block {} is leased", b.0);
+    }
+
+    fn is_leased(&self, b: BlockId) -> bool {
+        self.leased.get(b.0 as usize).copied().unwrap_or(false)
+    }
+
     /// The K (or V) slab of one block in one layer: `block_size × kv_dim` f16 values.
     pub(crate) fn slab(&self, b: BlockId, layer: usize, v: bool) -> &[f16] {
+        self.assert_not_leased(b);
         let off = self.slab_offset(b, layer, v);
-        &self.data[off..off + self.layout.slab()]
+        // SAFETY: a shared borrow of the cache excludes its mutable references, and the block is
+        // not leased.
+        unsafe { self.data.slice(off, self.layout.slab()) }
+    }
+
+    /// Whole block `b`, read-only.
+    fn block(&self, b: BlockId) -> &[f16] {
+        self.assert_not_leased(b);
+        let elems = self.layout.block_elems();
+        // SAFETY: as in `slab`.
+        unsafe { self.data.slice(b.0 as usize * elems, elems) }
     }
 
     /// Bytes of one whole block on the wire (f16, little-endian).
@@ -247,9 +285,8 @@ impl KvCache {
         let to = to.min(table.blocks.len());
         let elems = self.layout.block_elems();
         let mut out = Vec::with_capacity(to.saturating_sub(from) * elems * 2);
-        for b in table.blocks.get(from..to).unwrap_or(&[]) {
-            let off = b.0 as usize * elems;
-            out.extend_from_slice(f16_bytes(&self.data[off..off + elems]).as_ref());
+        for &b in table.blocks.get(from..to).unwrap_or(&[]) {
+            out.extend_from_slice(f16_bytes(self.block(b)).as_ref());
         }
         out
     }
@@ -278,10 +315,14 @@ impl KvCache {
                 table.blocks.len()
             )));
         };
+        if let Some(b) = targets.iter().find(|b| self.is_leased(**b)) {
+            return Err(EngineError::InvalidArgument(format!("block {} is leased", b.0)));
+        }
         let elems = self.layout.block_elems();
         for (b, chunk) in targets.iter().zip(bytes.chunks_exact(per_block)) {
             let off = b.0 as usize * elems;
-            let dst = &mut self.data[off..off + elems];
+            // SAFETY: `&mut self`, and the block is not leased (checked above).
+            let dst = unsafe { self.data.slice_mut(off, elems) };
             if cfg!(target_endian = "little") {
                 bytemuck::cast_slice_mut::<f16, u8>(dst).copy_from_slice(chunk);
             } else {
@@ -304,6 +345,45 @@ impl KvCache {
         }
         table.len = n_tokens;
         Ok(())
+    }
+
+    /// Lends the blocks of `table` (taken out of it, leaving it empty) for writing from another
+    /// thread: a transfer received straight into the cache. Every block must be referenced by
+    /// this table alone (a shared prefix block or one already leased is refused, and `table` is
+    /// left as it was). The cache keeps away from the blocks until [`KvCache::end_lease`].
+    pub fn lease(&mut self, table: &mut BlockTable) -> Result<KvLease> {
+        if let Some(b) = table.blocks.iter().find(|b| self.refcount(**b) != 1 || self.is_leased(**b)) {
+            return Err(EngineError::InvalidArgument(format!(
+                "block {} is shared, free or leased and cannot be lent",
+                b.0
+            )));
+        }
+        for b in &table.blocks {
+            self.leased[b.0 as usize] = true;
+        }
+        let table = std::mem::take(table);
+        Ok(KvLease { arena: Arc::clone(&self.data), table, block_elems: self.layout.block_elems() })
+    }
+
+    /// Takes a lease back and returns its table (same blocks, same length as when lent). A lease
+    /// of another cache is refused (and its blocks stay lent there).
+    pub fn end_lease(&mut self, lease: KvLease) -> Result<BlockTable> {
+        if !Arc::ptr_eq(&lease.arena, &self.data) {
+            return Err(EngineError::InvalidArgument("a lease of another KV cache".into()));
+        }
+        let elems = self.layout.block_elems();
+        for b in &lease.table.blocks {
+            self.leased[b.0 as usize] = false;
+            if cfg!(target_endian = "big") {
+                // The lease wrote little-endian wire bytes; make them native f16 values.
+                // SAFETY: `&mut self`; the block is no longer leased and its lease is gone.
+                let dst = unsafe { self.data.slice_mut(b.0 as usize * elems, elems) };
+                for x in dst {
+                    *x = f16::from_bits(u16::from_le(x.to_bits()));
+                }
+            }
+        }
+        Ok(lease.table)
     }
 
     /// Imports bytes produced by [`KvCache::export`] on an engine with the same layout as a new
@@ -407,6 +487,57 @@ mod tests {
         c.free_table(&mut s).unwrap();
         assert_eq!(c.used_blocks(), 0);
         assert!(c.share(&[BlockId(0)]).is_err(), "a free block cannot be shared");
+    }
+
+    #[test]
+    fn leased_blocks_are_written_by_another_thread_and_untouchable_meanwhile() {
+        let mut c = KvCache::new(layout(), 4).unwrap();
+        let mut t = BlockTable::default();
+        c.reserve(&mut t, 6).unwrap();
+        let mut lease = c.lease(&mut t).unwrap();
+        assert!(t.blocks().is_empty(), "the table went into the lease");
+        assert_eq!((lease.blocks(), c.used_blocks()), (2, 2), "lent blocks stay allocated");
+        let lent = lease.table.blocks().to_vec();
+        assert!(c.retain(lent[0]).is_err() && c.release(lent[0]).is_err() && c.share(&lent[..1]).is_err());
+        let per = lease.block_bytes();
+        let bytes: Vec<u8> = (0..2 * per).map(|i| (i % 251) as u8).collect();
+        let want = bytes.clone();
+        let lease = std::thread::spawn(move || {
+            for i in 0..lease.blocks() {
+                lease.block_mut(i).unwrap().copy_from_slice(&bytes[i * per..(i + 1) * per]);
+            }
+            assert!(lease.block_mut(2).is_none());
+            lease
+        })
+        .join()
+        .unwrap();
+        let mut back = c.end_lease(lease).unwrap();
+        c.set_len(&mut back, 6).unwrap();
+        assert_eq!(c.export(&back), want, "the bytes written through the lease are the blocks");
+
+        let mut shared = c.share(&back.blocks()[..1]).unwrap();
+        assert!(c.lease(&mut back).is_err(), "a shared block cannot be lent");
+        assert_eq!(back.blocks().len(), 2, "a refused lease leaves the table as it was");
+        c.free_table(&mut shared).unwrap();
+        c.free_table(&mut back).unwrap();
+        assert_eq!(c.used_blocks(), 0);
+
+        let mut other = KvCache::new(layout(), 4).unwrap();
+        let mut u = BlockTable::default();
+        other.reserve(&mut u, 1).unwrap();
+        assert!(c.end_lease(other.lease(&mut u).unwrap()).is_err(), "a lease of another cache");
+    }
+
+    #[test]
+    #[should_panic(expected = "is leased")]
+    fn a_stale_copy_of_a_lent_table_cannot_reach_its_blocks() {
+        let mut c = KvCache::new(layout(), 4).unwrap();
+        let mut t = BlockTable::default();
+        c.reserve(&mut t, 3).unwrap();
+        let stale = t.clone();
+        let _lease = c.lease(&mut t).unwrap();
+        assert!(c.write_blocks(&stale, 0, &vec![0; c.block_bytes()]).is_err());
+        let _ = c.slab(stale.blocks()[0], 0, false);
     }
 
     #[derive(Debug, Clone)]
