@@ -312,18 +312,46 @@ impl KvChunk {
         out
     }
 
+    /// Whole blocks in a chunk frame of `payload_len` bytes, for a receiver that reads the bytes
+    /// straight into its blocks before the trailer: `block_bytes` is the receiver's own block
+    /// size (never taken from the wire) and the bytes before the trailer must be a whole,
+    /// non-zero number of blocks. The trailer, read last, must then say the same
+    /// ([`KvChunk::parse_trailer`]).
+    pub fn blocks_in(payload_len: usize, block_bytes: usize) -> Result<u32, ProtocolError> {
+        let bytes = payload_len.checked_sub(KV_TRAILER).filter(|&b| b > 0).ok_or_else(|| {
+            ProtocolError::InvalidFrame { message: format!("KV chunk of {payload_len} bytes holds no block") }
+        })?;
+        if block_bytes == 0 || !bytes.is_multiple_of(block_bytes) {
+            return Err(ProtocolError::InvalidFrame {
+                message: format!(
+                    "KV chunk of {bytes} bytes is not a whole number of {block_bytes}-byte blocks"
+                ),
+            });
+        }
+        u32::try_from(bytes / block_bytes)
+            .map_err(|_| ProtocolError::InvalidFrame { message: "KV chunk of too many blocks".into() })
+    }
+
+    /// `(transfer, first_block, n_blocks)` of a chunk's trailer.
+    pub fn parse_trailer(t: &[u8; KV_TRAILER]) -> (TransferId, u32, u32) {
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&t[..8]);
+        (
+            TransferId(u64::from_le_bytes(id)),
+            u32::from_le_bytes([t[8], t[9], t[10], t[11]]),
+            u32::from_le_bytes([t[12], t[13], t[14], t[15]]),
+        )
+    }
+
     /// Decodes a frame payload; `block_bytes` is the receiver's own block size in bytes (never
     /// taken from the wire) and the block count must match the byte count exactly.
     pub fn decode(mut payload: Vec<u8>, block_bytes: usize) -> Result<Self, ProtocolError> {
         let Some(split) = payload.len().checked_sub(KV_TRAILER) else {
             return Err(ProtocolError::InvalidFrame { message: "KV chunk shorter than its trailer".into() });
         };
-        let t = &payload[split..];
-        let mut id = [0u8; 8];
-        id.copy_from_slice(&t[..8]);
-        let transfer = TransferId(u64::from_le_bytes(id));
-        let first_block = u32::from_le_bytes([t[8], t[9], t[10], t[11]]);
-        let n_blocks = u32::from_le_bytes([t[12], t[13], t[14], t[15]]);
+        let mut t = [0u8; KV_TRAILER];
+        t.copy_from_slice(&payload[split..]);
+        let (transfer, first_block, n_blocks) = Self::parse_trailer(&t);
         payload.truncate(split);
         if block_bytes == 0 || (n_blocks as usize).checked_mul(block_bytes) != Some(payload.len()) {
             return Err(ProtocolError::InvalidFrame {
@@ -391,6 +419,14 @@ mod tests {
         assert!(KvChunk::decode(c.encode(), 3).is_err());
         assert!(KvChunk::decode(c.encode(), 0).is_err());
         assert!(KvChunk::decode(vec![0; 5], 4).is_err());
+        assert_eq!(KvChunk::blocks_in(c.encode().len(), 4).unwrap(), 2);
+        let mut t = [0u8; KV_TRAILER];
+        t.copy_from_slice(&c.encode()[8..]);
+        assert_eq!(KvChunk::parse_trailer(&t), (TransferId(1), 2, 2));
+        for (len, bb) in [(KV_TRAILER, 4), (KV_TRAILER + 6, 4), (KV_TRAILER + 8, 0), (3, 4), (usize::MAX, 1)]
+        {
+            assert!(KvChunk::blocks_in(len, bb).is_err(), "{len} / {bb}");
+        }
     }
 
     proptest! {
@@ -398,6 +434,7 @@ mod tests {
         fn decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256), bb in 0usize..64) {
             let _ = decode_control::<ToWorker>(&bytes);
             let _ = decode_control::<FromWorker>(&bytes);
+            let _ = KvChunk::blocks_in(bytes.len(), bb);
             let _ = KvChunk::decode(bytes, bb);
         }
     }

@@ -12,9 +12,13 @@
 //! byte is checksummed twice on the transfer's critical path) so a corrupted KV transfer is
 //! detected instead of silently decoding
 //! garbage tokens. The header decoder is sans-IO and fuzzed; [`read_frame`] / [`write_frame`] are
-//! thin async wrappers.
+//! thin async wrappers. Bulk payloads need not pass through a buffer of their own: a
+//! [`PayloadReader`] reads one frame's payload into whatever memory the caller names (a decode
+//! worker's KV blocks), hashing each piece as it lands while it is still in cache, and
+//! [`write_frame_parts`] sends header and parts in one vectored write.
 
 use crate::ProtocolError;
+use std::io::IoSlice;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
@@ -141,11 +145,8 @@ impl FrameHeader {
     }
 }
 
-/// Reads one frame. `Ok(None)` on a clean end of stream before a header; a stream that ends
-/// inside a frame is an error (a truncated transfer).
-pub async fn read_frame<R: AsyncRead + Unpin>(
-    r: &mut R,
-) -> Result<Option<(FrameKind, Vec<u8>)>, ProtocolError> {
+/// Reads and checks one frame header. `Ok(None)` on a clean end of stream before it.
+pub async fn read_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<FrameHeader>, ProtocolError> {
     let mut h = [0u8; FRAME_HEADER_LEN];
     let mut got = 0;
     while got < FRAME_HEADER_LEN {
@@ -158,17 +159,104 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
         }
         got += n;
     }
-    let header = FrameHeader::decode(&h)?;
+    FrameHeader::decode(&h).map(Some)
+}
+
+/// Reads one frame. `Ok(None)` on a clean end of stream before a header; a stream that ends
+/// inside a frame is an error (a truncated transfer).
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+) -> Result<Option<(FrameKind, Vec<u8>)>, ProtocolError> {
+    let Some(header) = read_header(r).await? else { return Ok(None) };
     let mut payload = vec![0u8; header.len as usize];
-    r.read_exact(&mut payload).await.map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            bad("stream ended inside a frame payload")
-        } else {
-            io(e)
-        }
-    })?;
-    header.verify(&payload)?;
+    let mut reader = PayloadReader::new(header);
+    reader.read_into(r, &mut payload).await?;
+    reader.finish()?;
     Ok(Some((header.kind, payload)))
+}
+
+/// One frame's payload, read piece by piece into memory the caller chooses (no buffer of its
+/// own, nothing zeroed first) and hashed as each piece arrives. Nothing read is trustworthy
+/// until [`PayloadReader::finish`] has checked the length and checksum: a caller writing into
+/// live memory must treat it as garbage on any error.
+#[derive(Clone)]
+pub struct PayloadReader {
+    header: FrameHeader,
+    left: usize,
+    hasher: Xxh3,
+}
+
+impl std::fmt::Debug for PayloadReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PayloadReader").field("header", &self.header).field("left", &self.left).finish()
+    }
+}
+
+impl PayloadReader {
+    /// The payload announced by `header` (whose length was bounded when it was decoded).
+    pub fn new(header: FrameHeader) -> Self {
+        Self { header, left: header.len as usize, hasher: Xxh3::new() }
+    }
+
+    /// Payload bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        self.left
+    }
+
+    /// Fills all of `dst` with the next payload bytes. Asking for more than remains is an error
+    /// (nothing is read), and so is a stream that ends first (a truncated frame).
+    pub async fn read_into<R: AsyncRead + Unpin>(
+        &mut self,
+        r: &mut R,
+        dst: &mut [u8],
+    ) -> Result<(), ProtocolError> {
+        if dst.len() > self.left {
+            return Err(bad(format!("{} payload bytes asked for, {} remain", dst.len(), self.left)));
+        }
+        let mut got = 0;
+        while got < dst.len() {
+            let n = r.read(&mut dst[got..]).await.map_err(io)?;
+            if n == 0 {
+                self.left -= got;
+                return Err(bad("stream ended inside a frame payload"));
+            }
+            // Hashed right after the copy into `dst`, while the bytes are still in cache.
+            self.hasher.update(&dst[got..got + n]);
+            got += n;
+        }
+        self.left -= got;
+        Ok(())
+    }
+
+    /// Checks that the whole payload was read and matches the header's checksum.
+    pub fn finish(self) -> Result<(), ProtocolError> {
+        if self.left != 0 {
+            return Err(bad(format!(
+                "{} of the frame's {} payload bytes were not read",
+                self.left, self.header.len
+            )));
+        }
+        let actual = self.hasher.digest();
+        if actual != self.header.checksum {
+            return Err(ProtocolError::Checksum { expected: self.header.checksum, actual });
+        }
+        Ok(())
+    }
+}
+
+/// Writes every byte of `parts` with as few (vectored) writes as the stream allows.
+async fn write_all_parts<W: AsyncWrite + Unpin>(w: &mut W, parts: &[&[u8]]) -> Result<(), ProtocolError> {
+    let mut slices: Vec<IoSlice<'_>> =
+        parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)).collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = w.write_vectored(rest).await.map_err(io)?;
+        if n == 0 {
+            return Err(io(std::io::ErrorKind::WriteZero.into()));
+        }
+        IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
 }
 
 /// Writes one frame whose payload is the concatenation of `parts`, without joining them (the
@@ -188,11 +276,11 @@ pub async fn write_frame_parts<W: AsyncWrite + Unpin>(
     for p in parts {
         hasher.update(p);
     }
-    let header = FrameHeader { kind, len: len32, checksum: hasher.digest() };
-    w.write_all(&header.encode()).await.map_err(io)?;
-    for p in parts {
-        w.write_all(p).await.map_err(io)?;
-    }
+    let header = FrameHeader { kind, len: len32, checksum: hasher.digest() }.encode();
+    let mut all = Vec::with_capacity(parts.len() + 1);
+    all.push(&header[..]);
+    all.extend_from_slice(parts);
+    write_all_parts(w, &all).await?;
     w.flush().await.map_err(io)
 }
 
@@ -202,9 +290,8 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     kind: FrameKind,
     payload: &[u8],
 ) -> Result<(), ProtocolError> {
-    let header = FrameHeader::for_payload(kind, payload)?;
-    w.write_all(&header.encode()).await.map_err(io)?;
-    w.write_all(payload).await.map_err(io)?;
+    let header = FrameHeader::for_payload(kind, payload)?.encode();
+    write_all_parts(w, &[&header, payload]).await?;
     w.flush().await.map_err(io)
 }
 
@@ -258,6 +345,82 @@ mod tests {
         assert!(
             FrameHeader::for_payload(FrameKind::Control, &vec![0; MAX_CONTROL_BYTES as usize + 1]).is_err()
         );
+    }
+
+    /// Reads every frame of `wire` into the same reused buffer, the way a receiver reuses its
+    /// memory: (payload or error) per frame.
+    fn read_all_into_one_buffer(wire: &[u8], buf: &mut [u8]) -> Vec<Result<Vec<u8>, ProtocolError>> {
+        block_on(async {
+            let mut r = wire;
+            let mut out = Vec::new();
+            while let Some(header) = match read_header(&mut r).await {
+                Ok(h) => h,
+                Err(e) => {
+                    out.push(Err(e));
+                    return out;
+                }
+            } {
+                let len = header.len as usize;
+                let mut p = PayloadReader::new(header);
+                // In two pieces, as a receiver filling two blocks would.
+                let (a, b) = buf[..len].split_at_mut(len / 2);
+                let res = async {
+                    p.read_into(&mut r, a).await?;
+                    p.read_into(&mut r, b).await?;
+                    p.finish()
+                }
+                .await;
+                let failed = res.is_err();
+                out.push(res.map(|()| buf[..len].to_vec()));
+                if failed {
+                    return out;
+                }
+            }
+            out
+        })
+    }
+
+    #[test]
+    fn a_reused_buffer_never_passes_stale_bytes_off_as_a_frame() {
+        let mut wire = Vec::new();
+        block_on(write_frame(&mut wire, FrameKind::KvChunk, &[7u8; 64])).unwrap();
+        block_on(write_frame(&mut wire, FrameKind::KvChunk, &[9u8; 16])).unwrap();
+        let mut buf = vec![0u8; 128];
+        let got: Vec<Vec<u8>> =
+            read_all_into_one_buffer(&wire, &mut buf).into_iter().map(Result::unwrap).collect();
+        assert_eq!(got, vec![vec![7u8; 64], vec![9u8; 16]], "each frame is exactly its own bytes");
+
+        // A second frame cut short: the buffer still holds the first frame's bytes where the
+        // missing ones belong, and the frame is reported truncated, never as complete.
+        let mut cut = Vec::new();
+        block_on(write_frame(&mut cut, FrameKind::KvChunk, &[7u8; 64])).unwrap();
+        block_on(write_frame(&mut cut, FrameKind::KvChunk, &[7u8; 64])).unwrap();
+        cut.truncate(cut.len() - 10);
+        let got = read_all_into_one_buffer(&cut, &mut buf);
+        assert!(got[0].is_ok());
+        let err = got[1].as_ref().unwrap_err();
+        assert!(err.to_string().contains("inside a frame payload"), "{err}");
+
+        // Same length, one byte flipped: the stale bytes around it do not hide it.
+        let mut flipped = wire.clone();
+        flipped[FRAME_HEADER_LEN + 64 + FRAME_HEADER_LEN + 3] ^= 1;
+        let got = read_all_into_one_buffer(&flipped, &mut buf);
+        assert!(matches!(got[1], Err(ProtocolError::Checksum { .. })), "{:?}", got[1]);
+    }
+
+    #[test]
+    fn payload_reader_refuses_to_overrun_or_stop_short() {
+        let mut wire = Vec::new();
+        block_on(write_frame(&mut wire, FrameKind::KvChunk, &[1u8; 8])).unwrap();
+        block_on(async {
+            let mut r = &wire[..];
+            let h = read_header(&mut r).await.unwrap().unwrap();
+            let mut p = PayloadReader::new(h);
+            assert!(p.read_into(&mut r, &mut [0u8; 9]).await.is_err(), "more than the frame holds");
+            p.read_into(&mut r, &mut [0u8; 5]).await.unwrap();
+            assert_eq!(p.remaining(), 3);
+            assert!(p.finish().unwrap_err().to_string().contains("not read"));
+        });
     }
 
     proptest! {
