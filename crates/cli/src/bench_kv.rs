@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tokenpath_engine::sampling::SamplingParams;
 use tokenpath_engine::Engine;
 use tokenpath_timeline::{RequestId, Stage};
+use tokenpath_worker::net::bench::quantile;
 use tokenpath_worker::{Role, WorkEvent, WorkMode, WorkRequest, Worker, WorkerConfig, WorkerHandle};
 
 /// Flags of `tokenpath bench-kv`.
@@ -17,8 +18,8 @@ pub struct BenchKvArgs {
     /// Prompt tokens whose KV moves.
     #[arg(long, default_value_t = 4096)]
     tokens: usize,
-    /// Transfers (the median is reported).
-    #[arg(long, default_value_t = 5)]
+    /// Transfers, each followed by a plain TCP copy of the same bytes (p50 and p90 are reported).
+    #[arg(long, default_value_t = 9)]
     repeats: usize,
     /// Also run one real prefill/decode handoff of a --tokens prompt through a prefill worker and
     /// a decode worker on loopback, and report the transfer time left after the prefill ended
@@ -38,31 +39,49 @@ pub fn run(args: BenchKvArgs) -> anyhow::Result<()> {
     let kv_tokens = (args.tokens + 64).max(engine.model().config().n_ctx);
     let worker =
         Worker::spawn(engine, WorkerConfig { kv_tokens: Some(kv_tokens), ..WorkerConfig::default() })?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let b = rt.block_on(tokenpath_worker::net::bench::kv_transfer(
+    // One runtime thread per end, as two worker processes on a core each would have them.
+    let one_thread = || tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build();
+    let (sending, receiving) = (one_thread()?, one_thread()?);
+    let b = sending.block_on(tokenpath_worker::net::bench::kv_transfer(
         &worker.handle(),
+        receiving.handle(),
         args.tokens,
         args.repeats.max(1),
     ))?;
+    drop((sending, receiving));
     let (ours, tcp) = (b.transfer_median_ms(), b.tcp_median_ms());
-    println!("KV transfer of a {}-token prompt: {:.1} MB", b.tokens, b.bytes as f64 / 1e6);
-    println!("  {:<38} {:>9} {:>9}", "", "ms (p50)", "GB/s");
-    println!("  {:<38} {ours:>9.1} {:>9.2}", "tokenpath (frames + XXH3 + import + ack)", b.gbps(ours));
-    println!("  {:<38} {tcp:>9.1} {:>9.2}", "plain loopback TCP copy", b.gbps(tcp));
-    println!("  ratio tokenpath / plain TCP throughput: {:.2}", tcp / ours);
+    let (ours90, tcp90) = (quantile(&b.transfer_ms, 0.9), quantile(&b.tcp_ms, 0.9));
     println!(
-        "  target: a 4,096-token prompt's KV within 50 ms -> {}",
-        if b.tokens == 4096 {
-            if ours <= 50.0 {
-                "met"
-            } else {
-                "NOT met"
-            }
-        } else {
-            "(run with --tokens 4096)"
-        }
+        "KV transfer of a {}-token prompt: {:.1} MB, {} repeats alternating with the plain copy",
+        b.tokens,
+        b.bytes as f64 / 1e6,
+        b.transfer_ms.len()
     );
-    let live = if args.live { Some(rt.block_on(live_handoff(&worker.handle(), args.tokens))?) } else { None };
+    println!("  {:<48} {:>8} {:>8} {:>9}", "", "p50 ms", "p90 ms", "p50 GB/s");
+    let ours_label = "tokenpath (frames, XXH3 both ends, into KV, ack)";
+    println!("  {ours_label:<48} {ours:>8.1} {ours90:>8.1} {:>9.2}", b.gbps(ours));
+    println!(
+        "  {:<48} {tcp:>8.1} {tcp90:>8.1} {:>9.2}",
+        "plain loopback TCP copy of the same bytes",
+        b.gbps(tcp)
+    );
+    println!("  ratio tokenpath / plain TCP throughput (p50): {:.2}", tcp / ours);
+    let verdict = |ms: f64| if ms <= 50.0 { "met" } else { "NOT met" };
+    if b.tokens == 4096 {
+        println!(
+            "  target: a 4,096-token prompt's KV within 50 ms -> {} at p50 ({ours:.1} ms), {} at p90 ({ours90:.1} ms)",
+            verdict(ours),
+            verdict(ours90)
+        );
+    } else {
+        println!("  target: a 4,096-token prompt's KV within 50 ms -> (run with --tokens 4096)");
+    }
+    let live = if args.live {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        Some(rt.block_on(live_handoff(&worker.handle(), args.tokens))?)
+    } else {
+        None
+    };
     if let Some((prefill_ms, exposed_ms, bytes)) = live {
         println!(
             "  live handoff: prefill {prefill_ms:.0} ms, then the last blocks and the acknowledgement took \
@@ -80,6 +99,7 @@ pub fn run(args: BenchKvArgs) -> anyhow::Result<()> {
             "tokens": b.tokens, "bytes": b.bytes,
             "transfer_ms": b.transfer_ms, "tcp_ms": b.tcp_ms,
             "transfer_p50_ms": ours, "tcp_p50_ms": tcp,
+            "transfer_p90_ms": ours90, "tcp_p90_ms": tcp90,
             "transfer_gbps": b.gbps(ours), "tcp_gbps": b.gbps(tcp),
         });
         std::fs::write(p, serde_json::to_string_pretty(&v)?)

@@ -16,12 +16,13 @@
 //! failed, cancelled (its event receiver was dropped) or preempted.
 
 use crate::handle::{WorkEvent, WorkMode, WorkRequest, WorkerConfig, WorkerStats};
+use crate::pd::KvBlocks;
 use crate::seq::{Ending, Seq};
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokenpath_engine::kv_cache::{BlockId, KvCache};
+use tokenpath_engine::kv_cache::{BlockId, KvCache, KvLease};
 use tokenpath_engine::model::BatchItem;
 use tokenpath_engine::sampling::{Sampler, SamplerState};
 
@@ -37,8 +38,25 @@ pub(crate) enum Command {
     Submit(Box<Submission>),
     /// Decode mode: KV blocks of a transfer.
     KvChunk { transfer: u64, first_block: u32, bytes: Vec<u8> },
-    /// Decode mode: a transfer ended (`ok`: every chunk arrived and verified).
-    KvEnd { transfer: u64, n_tokens: usize, ok: bool, reply: oneshot::Sender<Result<Instant, String>> },
+    /// Decode mode: lend a transfer's reserved blocks to the task receiving it. The blocks travel
+    /// back in a [`KvBlocks`] built on `tx`, so they come home however the reply is lost.
+    KvLease {
+        transfer: u64,
+        n_tokens: usize,
+        tx: mpsc::Sender<Command>,
+        reply: oneshot::Sender<Result<KvBlocks, String>>,
+    },
+    /// Decode mode: lent blocks come back without a verdict (their receiver went away).
+    ReturnLease { transfer: u64, lease: KvLease },
+    /// Decode mode: a transfer ended (`ok`: every chunk arrived and verified), with the blocks it
+    /// was received into when they were lent.
+    KvEnd {
+        transfer: u64,
+        n_tokens: usize,
+        ok: bool,
+        lease: Option<KvLease>,
+        reply: oneshot::Sender<Result<Instant, String>>,
+    },
     /// Decode mode: the first token of a transfer's request.
     Handoff { transfer: u64, first_token: u32, sampler: SamplerState },
 }
@@ -153,7 +171,16 @@ impl Batcher {
                 }
             }
             Command::KvChunk { transfer, first_block, bytes } => self.kv_chunk(transfer, first_block, &bytes),
-            Command::KvEnd { transfer, n_tokens, ok, reply } => {
+            Command::KvLease { transfer, n_tokens, tx, reply } => {
+                let blocks = self.kv_lease(transfer, n_tokens).map(|l| KvBlocks::new(transfer, l, tx));
+                // Unanswered, the blocks come back as a `ReturnLease` when they are dropped here.
+                let _ = reply.send(blocks);
+            }
+            Command::ReturnLease { transfer, lease } => self.return_lease(transfer, lease),
+            Command::KvEnd { transfer, n_tokens, ok, lease, reply } => {
+                if let Some(lease) = lease {
+                    self.return_lease(transfer, lease);
+                }
                 let _ = reply.send(self.kv_end(transfer, n_tokens, ok));
             }
             Command::Handoff { transfer, first_token, sampler } => {

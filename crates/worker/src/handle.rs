@@ -8,6 +8,7 @@
 //! thing and the caller can answer at once.
 
 use crate::batcher::{Batcher, Command, Submission};
+use crate::pd::KvBlocks;
 use crate::WorkerError;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -369,8 +370,19 @@ impl WorkerHandle {
         ok: bool,
     ) -> Result<tokio::sync::oneshot::Receiver<Result<Instant, String>>, WorkerError> {
         let (reply, rx) = tokio::sync::oneshot::channel();
-        self.tx.send(Command::KvEnd { transfer, n_tokens, ok, reply }).map_err(|_| WorkerError::Stopped)?;
+        let cmd = Command::KvEnd { transfer, n_tokens, ok, lease: None, reply };
+        self.tx.send(cmd).map_err(|_| WorkerError::Stopped)?;
         Ok(rx)
+    }
+
+    /// Decode mode: borrows the reserved blocks of `transfer` (of `n_tokens` tokens) to receive
+    /// its KV straight into them. Refused when the transfer is unknown, already received or over,
+    /// or of another length than the prompt.
+    pub async fn kv_lease(&self, transfer: u64, n_tokens: usize) -> Result<KvBlocks, String> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let cmd = Command::KvLease { transfer, n_tokens, tx: self.tx.clone(), reply };
+        self.tx.send(cmd).map_err(|_| "the worker stopped")?;
+        rx.await.map_err(|_| "the worker stopped")?
     }
 
     /// Decode mode: the first token and sampler position of `transfer`'s request.

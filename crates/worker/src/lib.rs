@@ -24,6 +24,7 @@ pub use handle::{
     WorkerHandle, WorkerStats, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE,
     DEFAULT_PREFILL_CHUNK,
 };
+pub use pd::KvBlocks;
 
 use std::{fmt, str::FromStr};
 

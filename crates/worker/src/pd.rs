@@ -10,13 +10,78 @@
 //! declared failed and the prompt is recomputed here (the prompt ids came with the request),
 //! which the timeline records as `kv_recomputed`. The client sees a slower token, never a wrong
 //! one.
+//!
+//! Over the network the KV does not pass through the batcher at all: the task receiving the
+//! transfer borrows the request's reserved blocks ([`KvBlocks`], a lease of the cache) and
+//! reads the socket straight into them, so the batcher neither copies the bytes nor waits for
+//! them between steps. It gets the blocks back with the verdict (or, if the receiver goes away,
+//! when the [`KvBlocks`] is dropped), and only then does anything read them.
 
-use crate::batcher::Batcher;
+use crate::batcher::{Batcher, Command};
 use crate::handle::WorkMode;
 use crate::seq::{Ending, KvState, Seq};
+use crate::WorkerError;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use tokenpath_engine::kv_cache::KvLease;
 use tokenpath_engine::sampling::SamplerState;
 use tokenpath_timeline::Mark;
+use tokio::sync::oneshot;
+
+/// A decode-mode request's reserved KV blocks, lent to the task receiving its transfer
+/// ([`crate::WorkerHandle::kv_lease`]). Write the transfer's bytes into them, then hand them
+/// back with the verdict ([`KvBlocks::end`]); dropping them instead returns them unverified and
+/// the transfer counts as failed.
+#[derive(Debug)]
+pub struct KvBlocks {
+    transfer: u64,
+    lease: Option<KvLease>,
+    tx: mpsc::Sender<Command>,
+}
+
+impl KvBlocks {
+    pub(crate) fn new(transfer: u64, lease: KvLease, tx: mpsc::Sender<Command>) -> Self {
+        Self { transfer, lease: Some(lease), tx }
+    }
+
+    /// Blocks lent (the prompt's).
+    pub fn blocks(&self) -> usize {
+        self.lease.as_ref().map_or(0, KvLease::blocks)
+    }
+
+    /// Bytes of one block.
+    pub fn block_bytes(&self) -> usize {
+        self.lease.as_ref().map_or(0, KvLease::block_bytes)
+    }
+
+    /// The bytes of block `i` (little-endian f16, the wire format), `None` past the last one.
+    pub fn block_mut(&mut self, i: usize) -> Option<&mut [u8]> {
+        self.lease.as_mut()?.block_mut(i)
+    }
+
+    /// The transfer of `n_tokens` tokens ended, intact (`ok`) or not: the blocks go back and the
+    /// receiver says whether (and when) they were imported, as [`crate::WorkerHandle::kv_end`].
+    pub fn end(
+        mut self,
+        n_tokens: usize,
+        ok: bool,
+    ) -> Result<oneshot::Receiver<Result<Instant, String>>, WorkerError> {
+        let (reply, rx) = oneshot::channel();
+        let lease = self.lease.take();
+        let cmd = Command::KvEnd { transfer: self.transfer, n_tokens, ok, lease, reply };
+        self.tx.send(cmd).map_err(|_| WorkerError::Stopped)?;
+        Ok(rx)
+    }
+}
+
+impl Drop for KvBlocks {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            // A stopped worker has dropped its cache; the lease's memory goes with this value.
+            let _ = self.tx.send(Command::ReturnLease { transfer: self.transfer, lease });
+        }
+    }
+}
 
 /// How long a decode-mode request waits for its KV after the handoff before recomputing it.
 pub(crate) const KV_WAIT_AFTER_HANDOFF: Duration = Duration::from_secs(10);
@@ -60,6 +125,45 @@ impl Batcher {
         }
     }
 
+    /// Lends the reserved blocks of `transfer` (a transfer of `n_tokens` tokens) to its receiver.
+    pub(crate) fn kv_lease(&mut self, transfer: u64, n_tokens: usize) -> Result<KvLease, String> {
+        let Some(seq) = self.awaiting.iter_mut().find(|s| s.mode == WorkMode::Decode(transfer)) else {
+            return Err(format!("transfer {transfer} is not expected here"));
+        };
+        if seq.kv != KvState::Pending || seq.kv_lent {
+            return Err(format!("transfer {transfer} is already being received or over"));
+        }
+        if n_tokens != seq.prompt_len {
+            return Err(format!("the transfer holds {n_tokens} tokens, the prompt has {}", seq.prompt_len));
+        }
+        let lease = self.cache.lease(&mut seq.table).map_err(|e| e.to_string())?;
+        seq.kv_lent = true;
+        Ok(lease)
+    }
+
+    /// Lent blocks come back: to their request if it still waits for them, else to the cache.
+    pub(crate) fn return_lease(&mut self, transfer: u64, lease: KvLease) {
+        let mut table = match self.cache.end_lease(lease) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::error!(transfer, "taking back lent KV blocks: {e}");
+                return;
+            }
+        };
+        match self.awaiting.iter_mut().find(|s| s.mode == WorkMode::Decode(transfer) && s.kv_lent) {
+            Some(seq) => {
+                seq.table = table;
+                seq.kv_lent = false;
+            }
+            // Cancelled, or given up on and recomputing with blocks of its own.
+            None => {
+                if let Err(e) = self.cache.free_table(&mut table) {
+                    tracing::error!(transfer, "freeing returned KV blocks: {e}");
+                }
+            }
+        }
+    }
+
     pub(crate) fn kv_end(&mut self, transfer: u64, n_tokens: usize, ok: bool) -> Result<Instant, String> {
         let now = Instant::now();
         let Some(idx) = self.awaiting.iter().position(|s| s.mode == WorkMode::Decode(transfer)) else {
@@ -68,6 +172,8 @@ impl Batcher {
         let seq = &mut self.awaiting[idx];
         let result = if seq.kv != KvState::Pending {
             Err("a chunk of the transfer was rejected".to_owned())
+        } else if seq.kv_lent {
+            Err("the transfer's blocks are still lent to its receiver".to_owned())
         } else if !ok {
             Err("the transfer was incomplete or corrupted".to_owned())
         } else if n_tokens != seq.prompt_len {

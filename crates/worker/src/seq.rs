@@ -71,6 +71,9 @@ pub(crate) struct Seq {
     pub(crate) exported_blocks: usize,
     /// Decode mode: the KV transfer's progress and the handed-off first token.
     pub(crate) kv: KvState,
+    /// Decode mode: the reserved blocks are lent to the task receiving the transfer (the table
+    /// is empty until they come back).
+    pub(crate) kv_lent: bool,
     pub(crate) handoff: Option<(u32, SamplerState, Instant)>,
     /// Decode mode: the transfer failed and the prompt was recomputed here.
     pub(crate) recomputed: bool,
@@ -106,6 +109,7 @@ impl Seq {
             hashes: Vec::new(),
             exported_blocks: 0,
             kv: KvState::Pending,
+            kv_lent: false,
             handoff: None,
             recomputed: false,
         };

@@ -1,16 +1,19 @@
 //! The KV transfer benchmark: the real transfer path (framing, checksums on both sides, loopback
-//! TCP, the decode worker's batcher writing every block into its cache, the acknowledgement)
-//! against a plain loopback TCP copy of the same bytes, measured in the same run so the ratio
-//! means something on a shared machine.
+//! TCP, the decode worker's receiver reading every block straight into its cache, the batcher
+//! taking the blocks back and acknowledging) against a plain loopback TCP copy of the same bytes,
+//! the two alternating repeat by repeat so the ratio means something on a shared machine.
 
-use super::server::{serve, KvSender, ServerConfig};
+use super::kv::KvSender;
+use super::server::{serve, ServerConfig};
 use crate::{Role, WorkMode, WorkRequest, WorkerError, WorkerHandle};
+use std::sync::Arc;
 use std::time::Instant;
 use tokenpath_engine::sampling::SamplingParams;
 use tokenpath_protocol::cluster::TransferId;
 use tokenpath_timeline::RequestId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Handle;
 
 /// One benchmark's figures.
 #[derive(Clone, Debug)]
@@ -25,21 +28,26 @@ pub struct KvTransferBench {
     pub tcp_ms: Vec<f64>,
 }
 
-fn median(v: &[f64]) -> f64 {
+/// The `q` quantile (0..=1) of `v`, nearest rank; NaN when empty.
+pub fn quantile(v: &[f64], q: f64) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q.clamp(0.0, 1.0) * s.len() as f64).ceil() as usize).clamp(1, s.len());
+    s[rank - 1]
 }
 
 impl KvTransferBench {
     /// Median real transfer time, ms.
     pub fn transfer_median_ms(&self) -> f64 {
-        median(&self.transfer_ms)
+        quantile(&self.transfer_ms, 0.5)
     }
 
     /// Median plain TCP copy time, ms.
     pub fn tcp_median_ms(&self) -> f64 {
-        median(&self.tcp_ms)
+        quantile(&self.tcp_ms, 0.5)
     }
 
     /// GB/s of a transfer taking `ms`.
@@ -52,16 +60,29 @@ fn io(e: std::io::Error) -> WorkerError {
     WorkerError::Remote(format!("benchmark connection: {e}"))
 }
 
-/// Moves the KV of `tokens` prompt tokens into `decode` (a decode-capable worker, served here on
-/// loopback) `repeats` times, and copies the same bytes over a plain loopback socket as often.
+/// A loopback listener registered with the runtime of `side` (a listener belongs to the
+/// runtime that polls it).
+async fn listen_on(side: &Handle) -> Result<(TcpListener, String), WorkerError> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    l.set_nonblocking(true).map_err(io)?;
+    let addr = l.local_addr().map_err(io)?.to_string();
+    let l =
+        side.spawn(async move { TcpListener::from_std(l) }).await.map_err(|e| io(e.into()))?.map_err(io)?;
+    Ok((l, addr))
+}
+
+/// Moves the KV of `tokens` prompt tokens into `decode` (a decode-capable worker, served on
+/// loopback by a task of `decode_side`) `repeats` times, and copies the same bytes over a plain
+/// loopback socket as often, alternating. The sending ends run on the caller's runtime and the
+/// receiving ends on `decode_side`'s, as they would in two worker processes.
 pub async fn kv_transfer(
     decode: &WorkerHandle,
+    decode_side: &Handle,
     tokens: usize,
     repeats: usize,
 ) -> Result<KvTransferBench, WorkerError> {
-    let listener = TcpListener::bind("127.0.0.1:0").await.map_err(io)?;
-    let addr = listener.local_addr().map_err(io)?.to_string();
-    let server = tokio::spawn(serve(
+    let (listener, addr) = listen_on(decode_side).await?;
+    let server = decode_side.spawn(serve(
         listener,
         decode.clone(),
         ServerConfig { role: Role::Decode, fault_corrupt_kv: false },
@@ -70,8 +91,9 @@ pub async fn kv_transfer(
     let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
     let n_blocks = tokens.div_ceil(l.block_size);
     // Finite f16 values (0x3c00 = 1.0 with varying low bits); the content does not change the cost.
-    let payload: Vec<u8> =
-        (0..n_blocks * block_bytes).map(|i| if i % 2 == 1 { 0x3c } else { (i / 2) as u8 }).collect();
+    let payload: Arc<Vec<u8>> = Arc::new(
+        (0..n_blocks * block_bytes).map(|i| if i % 2 == 1 { 0x3c } else { (i / 2) as u8 }).collect(),
+    );
     let mut out =
         KvTransferBench { tokens, bytes: payload.len() as u64, transfer_ms: Vec::new(), tcp_ms: Vec::new() };
     for r in 0..repeats {
@@ -105,18 +127,24 @@ pub async fn kv_transfer(
             return Err(WorkerError::Remote("the benchmark transfer was refused".into()));
         }
         out.transfer_ms.push(ms);
-        out.tcp_ms.push(plain_copy(&payload).await?);
+        // The next repeat starts on a drained worker (the cancelled request's blocks are back).
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while decode.stats().kv_blocks_used != 0 && Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        let payload = Arc::clone(&payload);
+        out.tcp_ms.push(plain_copy(payload, decode_side).await?);
     }
     server.abort();
     Ok(out)
 }
 
-/// A plain loopback TCP copy of `bytes`: the receiver reads them all and answers one byte.
-async fn plain_copy(bytes: &[u8]) -> Result<f64, WorkerError> {
-    let listener = TcpListener::bind("127.0.0.1:0").await.map_err(io)?;
-    let addr = listener.local_addr().map_err(io)?;
+/// A plain loopback TCP copy of `bytes`: a task on `receiving_side` reads them all and answers
+/// one byte; a task on the caller's runtime sends them (the same split as a KV transfer's ends).
+async fn plain_copy(bytes: Arc<Vec<u8>>, receiving_side: &Handle) -> Result<f64, WorkerError> {
+    let (listener, addr) = listen_on(receiving_side).await?;
     let n = bytes.len();
-    let sink = tokio::spawn(async move {
+    let sink = receiving_side.spawn(async move {
         let (mut s, _) = listener.accept().await?;
         let mut buf = vec![0u8; 1 << 20];
         let mut got = 0;
@@ -131,11 +159,15 @@ async fn plain_copy(bytes: &[u8]) -> Result<f64, WorkerError> {
         std::io::Result::Ok(())
     });
     let t0 = Instant::now();
-    let mut c = TcpStream::connect(addr).await.map_err(io)?;
-    c.set_nodelay(true).map_err(io)?;
-    c.write_all(bytes).await.map_err(io)?;
-    let mut ack = [0u8; 1];
-    c.read_exact(&mut ack).await.map_err(io)?;
+    let send = tokio::spawn(async move {
+        let mut c = TcpStream::connect(addr).await?;
+        c.set_nodelay(true)?;
+        c.write_all(&bytes).await?;
+        let mut ack = [0u8; 1];
+        c.read_exact(&mut ack).await?;
+        std::io::Result::Ok(())
+    });
+    send.await.map_err(|e| WorkerError::Remote(e.to_string()))?.map_err(io)?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     sink.await.map_err(|e| WorkerError::Remote(e.to_string()))?.map_err(io)?;
     Ok(ms)

@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod client;
+mod kv;
 pub mod server;
 
 use tokenpath_protocol::cluster::{decode_control, encode_control, SamplingMsg, StatsMsg, UsageMsg};

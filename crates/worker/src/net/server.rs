@@ -8,22 +8,18 @@
 //! prefill is still running (blocks leave as they fill); its duration after the prefill ended is
 //! what the timeline reports as `kv_transfer`.
 
+use super::kv::{receive_kv, KvSender};
 use super::{read_control, sampler_pos, sampler_state, sampling_params, stats_msg, usage_msg, write_control};
 use crate::{Role, WorkEvent, WorkMode, WorkRequest, WorkerError, WorkerHandle};
 use std::time::{Duration, Instant};
-use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, KvChunk, Mode, RejectKind, ToWorker, TransferId};
-use tokenpath_protocol::frame::{read_frame, write_frame_parts, FrameKind, MAX_KV_CHUNK_BYTES};
+use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, Mode, RejectKind, ToWorker};
 use tokenpath_protocol::ProtocolError;
 use tokenpath_timeline::RequestId;
-use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 
 /// How long a new connection may take to say what it is.
 const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Target size of one KV frame.
-const KV_FRAME_TARGET_BYTES: usize = 2 << 20;
 
 /// What a worker process serves.
 #[derive(Clone, Debug)]
@@ -212,186 +208,4 @@ async fn generate(
             }
         }
     }
-}
-
-/// The outgoing half of a KV transfer: a task that owns the connection to the decode worker.
-pub(crate) struct KvSender {
-    chunks: mpsc::UnboundedSender<(u32, Vec<u8>)>,
-    done: tokio::sync::oneshot::Sender<()>,
-    result: tokio::sync::oneshot::Receiver<(bool, u64, f64)>,
-}
-
-impl KvSender {
-    pub(crate) fn start(
-        transfer: TransferId,
-        addr: String,
-        n_tokens: usize,
-        handle: &WorkerHandle,
-        corrupt: bool,
-    ) -> Self {
-        let (chunks, rx) = mpsc::unbounded_channel();
-        let (done, done_rx) = tokio::sync::oneshot::channel();
-        let (res_tx, result) = tokio::sync::oneshot::channel();
-        let l = handle.kv_layout();
-        let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
-        let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
-        tokio::spawn(async move {
-            let r = send_kv(transfer, &addr, n_tokens, layout, block_bytes, rx, done_rx, corrupt).await;
-            let verdict = match r {
-                Ok((b, held)) => (true, b, held),
-                Err(e) => {
-                    tracing::warn!(transfer = transfer.0, "KV transfer to {addr} failed: {e}");
-                    (false, 0, 0.0)
-                }
-            };
-            let _ = res_tx.send(verdict);
-        });
-        Self { chunks, done, result }
-    }
-
-    pub(crate) fn chunk(&self, first_block: u32, bytes: Vec<u8>) {
-        let _ = self.chunks.send((first_block, bytes));
-    }
-
-    /// Every block was handed over; the receiver resolves with (acknowledged, bytes).
-    pub(crate) fn finish(self) -> tokio::sync::oneshot::Receiver<(bool, u64, f64)> {
-        let _ = self.done.send(());
-        self.result
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn send_kv(
-    transfer: TransferId,
-    addr: &str,
-    n_tokens: usize,
-    layout: [u32; 3],
-    block_bytes: usize,
-    mut chunks: mpsc::UnboundedReceiver<(u32, Vec<u8>)>,
-    mut done: tokio::sync::oneshot::Receiver<()>,
-    corrupt: bool,
-) -> Result<(u64, f64), ProtocolError> {
-    let conn =
-        TcpStream::connect(addr).await.map_err(|e| ProtocolError::Connection { message: e.to_string() })?;
-    let _ = conn.set_nodelay(true);
-    let (mut rd, mut wr) = conn.into_split();
-    let n = u32::try_from(n_tokens).unwrap_or(u32::MAX);
-    write_control(&mut wr, &ToWorker::KvBegin { transfer, n_tokens: n, layout }).await?;
-    // Frames of about 2 MB: small enough that the checksums, the socket copies and the import overlap
-    // across the two ends, large enough that per-frame costs vanish.
-    let frame =
-        KV_FRAME_TARGET_BYTES.min(MAX_KV_CHUNK_BYTES as usize) - tokenpath_protocol::cluster::KV_TRAILER;
-    let per_frame = (frame / block_bytes.max(1)).max(1);
-    let (mut frames, mut bytes_sent) = (0u32, 0u64);
-    let mut finished = false;
-    loop {
-        let next = if finished {
-            chunks.try_recv().ok()
-        } else {
-            tokio::select! {
-                c = chunks.recv() => c,
-                r = &mut done => {
-                    if r.is_err() {
-                        return Err(ProtocolError::Connection { message: "the request ended before its handoff".into() });
-                    }
-                    finished = true;
-                    continue;
-                }
-            }
-        };
-        let Some((first_block, bytes)) = next else {
-            if finished {
-                break;
-            }
-            continue;
-        };
-        for (i, part) in bytes.chunks(per_frame * block_bytes).enumerate() {
-            let n_blocks = (part.len() / block_bytes.max(1)) as u32;
-            let trailer = KvChunk::trailer(transfer, first_block + (i * per_frame) as u32, n_blocks);
-            if corrupt && frames == 0 {
-                // Header (and checksum) of the true payload, then one flipped byte on the wire.
-                let mut bad = part.to_vec();
-                bad.extend_from_slice(&trailer);
-                let header = tokenpath_protocol::frame::FrameHeader::for_payload(FrameKind::KvChunk, &bad)?;
-                bad[0] ^= 0x5a;
-                let io = |e: std::io::Error| ProtocolError::Connection { message: e.to_string() };
-                wr.write_all(&header.encode()).await.map_err(io)?;
-                wr.write_all(&bad).await.map_err(io)?;
-            } else {
-                write_frame_parts(&mut wr, FrameKind::KvChunk, &[part, &trailer]).await?;
-            }
-            frames += 1;
-            bytes_sent += part.len() as u64;
-        }
-    }
-    write_control(&mut wr, &ToWorker::KvEnd { transfer, chunks: frames }).await?;
-    match read_control::<_, FromWorker>(&mut rd).await? {
-        Some(FromWorker::KvAck { ok: true, held_ms, .. }) => Ok((bytes_sent, held_ms)),
-        Some(FromWorker::KvAck { ok: false, message, .. }) => Err(ProtocolError::Connection {
-            message: format!("the decode worker refused the transfer: {}", message.unwrap_or_default()),
-        }),
-        other => {
-            Err(ProtocolError::Connection { message: format!("expected an acknowledgement, got {other:?}") })
-        }
-    }
-}
-
-/// The incoming half: verifies every frame, hands blocks to the batcher, acknowledges.
-async fn receive_kv(
-    transfer: TransferId,
-    n_tokens: u32,
-    layout: [u32; 3],
-    mut rd: OwnedReadHalf,
-    mut wr: OwnedWriteHalf,
-    handle: &WorkerHandle,
-) -> Result<(), ProtocolError> {
-    let l = handle.kv_layout();
-    let ours = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
-    let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
-    let expected_blocks = (n_tokens as usize).div_ceil(l.block_size);
-    let mut problem =
-        (layout != ours).then(|| format!("KV layout {layout:?} does not match this worker's {ours:?}"));
-    let (mut frames, mut blocks) = (0u32, 0usize);
-    while problem.is_none() {
-        match read_frame(&mut rd).await {
-            Ok(Some((FrameKind::KvChunk, payload))) => match KvChunk::decode(payload, block_bytes) {
-                Ok(c) if c.transfer == transfer => {
-                    frames += 1;
-                    blocks += c.n_blocks as usize;
-                    if handle.kv_chunk(transfer.0, c.first_block, c.bytes).is_err() {
-                        problem = Some("the worker stopped".into());
-                    }
-                }
-                Ok(_) => problem = Some("a chunk of another transfer".into()),
-                Err(e) => problem = Some(e.to_string()),
-            },
-            Ok(Some((FrameKind::Control, payload))) => {
-                match tokenpath_protocol::cluster::decode_control::<ToWorker>(&payload) {
-                    Ok(ToWorker::KvEnd { transfer: t, chunks }) if t == transfer => {
-                        if chunks != frames || blocks != expected_blocks {
-                            problem = Some(format!(
-                                "{frames} chunks / {blocks} blocks arrived, {chunks} chunks / {expected_blocks} blocks expected"
-                            ));
-                        }
-                        break;
-                    }
-                    Ok(other) => problem = Some(format!("unexpected {other:?} in a transfer")),
-                    Err(e) => problem = Some(e.to_string()),
-                }
-            }
-            Ok(None) => problem = Some("the connection closed before the transfer ended".into()),
-            Err(e) => problem = Some(e.to_string()),
-        }
-    }
-    let verdict = match handle.kv_end(transfer.0, n_tokens as usize, problem.is_none()) {
-        Ok(rx) => rx.await.unwrap_or_else(|_| Err("the worker stopped".into())),
-        Err(e) => Err(e.to_string()),
-    };
-    let verdict = match (problem, verdict) {
-        (Some(p), _) => Err(p),
-        (None, v) => v,
-    };
-    let held_ms = verdict.as_ref().map_or(0.0, |at| at.elapsed().as_secs_f64() * 1e3);
-    let ack = FromWorker::KvAck { ok: verdict.is_ok(), message: verdict.err(), held_ms };
-    write_control(&mut wr, &ack).await
 }

@@ -1,0 +1,339 @@
+//! The KV transfer over real loopback sockets, into a decode worker's lent blocks: a handoff
+//! through two served workers generates what one colocated worker generates; crafted transfers
+//! that are truncated, corrupted, out of order, oversized, short of blocks or of another layout are
+//! refused (so the prompt is recomputed) even though the blocks they were read into still hold an
+//! earlier transfer's bytes; and every path gives the lent blocks back.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokenpath_engine::model::Model;
+use tokenpath_engine::sampling::SamplingParams;
+use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
+use tokenpath_engine::Engine;
+use tokenpath_protocol::cluster::{
+    decode_control, encode_control, FromWorker, GenerateMsg, KvChunk, Mode, SamplingMsg, ToWorker, TransferId,
+};
+use tokenpath_protocol::frame::{read_frame, write_frame, FrameHeader, FrameKind, FRAME_HEADER_LEN};
+use tokenpath_timeline::{RequestId, WorkerId};
+use tokenpath_worker::net::client::RemoteRequest;
+use tokenpath_worker::net::server::{serve, ServerConfig};
+use tokenpath_worker::{Role, WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+
+fn engine() -> Arc<Engine> {
+    let bytes = tiny_model_bytes(&TinySpec { n_ctx: 512, ..TinySpec::default() }).unwrap();
+    Arc::new(Engine::from_model(Model::from_bytes(bytes).unwrap()).unwrap())
+}
+
+fn spawn(e: &Arc<Engine>, id: &str) -> (Worker, WorkerHandle) {
+    let cfg = WorkerConfig {
+        id: WorkerId(id.into()),
+        prefill_chunk: 16,
+        kv_tokens: Some(1024),
+        prefix_cache: false,
+        ..WorkerConfig::default()
+    };
+    let w = Worker::spawn(Arc::clone(e), cfg).unwrap();
+    let h = w.handle();
+    (w, h)
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| 3 + (i * 31 + seed * 17) % 250).collect()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+async fn listen(h: &WorkerHandle, role: Role) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(serve(l, h.clone(), ServerConfig { role, fault_corrupt_kv: false }));
+    addr
+}
+
+fn decode_request(id: u64, prompt: Vec<u32>, transfer: u64) -> WorkRequest {
+    let now = Instant::now();
+    WorkRequest {
+        id: RequestId(id),
+        prompt,
+        sampling: SamplingParams::greedy(),
+        max_tokens: Some(8),
+        stop: Vec::new(),
+        ignore_eos: true,
+        arrived: now,
+        admitted: now,
+        mode: WorkMode::Decode(transfer),
+    }
+}
+
+async fn wait_free(h: &WorkerHandle) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while h.stats().kv_blocks_used != 0 || h.stats().waiting != 0 || h.stats().running != 0 {
+        assert!(Instant::now() < deadline, "blocks leaked: {:?}", h.stats());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn msg(id: u64, prompt: Vec<u32>, mode: Mode) -> GenerateMsg {
+    GenerateMsg {
+        id,
+        prompt,
+        sampling: SamplingMsg {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: Some(1),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+        },
+        max_tokens: Some(8),
+        stop: Vec::new(),
+        ignore_eos: true,
+        mode,
+    }
+}
+
+/// Reads a request's events to the end: (text, whether the KV was recomputed).
+async fn drain(r: &mut RemoteRequest, mut text: String) -> (String, bool) {
+    loop {
+        match r.next().await.unwrap() {
+            Some(FromWorker::Text { delta, .. }) => text.push_str(&delta),
+            Some(FromWorker::Finished { timing, .. }) => return (text, timing.kv_recomputed),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_handoff_through_served_workers_generates_what_one_worker_generates() {
+    let e = engine();
+    let (wc, c) = spawn(&e, "c0");
+    let (wp, p) = spawn(&e, "p0");
+    let (wd, d) = spawn(&e, "d0");
+    rt().block_on(async {
+        let (ca, pa, da) =
+            (listen(&c, Role::Both).await, listen(&p, Role::Prefill).await, listen(&d, Role::Decode).await);
+        // 70 tokens: five blocks, the last one partly filled, sent over several prefill steps.
+        for (i, len) in [(1u64, 70usize), (2, 16), (3, 5)] {
+            let tokens = prompt(i as u32, len);
+            let t = Duration::from_secs(30);
+            let mut colo = RemoteRequest::open(&ca, msg(i, tokens.clone(), Mode::Full), t).await.unwrap();
+            let (want, _) = drain(&mut colo, String::new()).await;
+
+            let transfer = TransferId(100 + i);
+            let mut dec =
+                RemoteRequest::open(&da, msg(i, tokens.clone(), Mode::Decode { transfer }), t).await.unwrap();
+            let mode = Mode::Prefill { transfer, decode_addr: da.clone() };
+            let mut pre = RemoteRequest::open(&pa, msg(i, tokens.clone(), mode), t).await.unwrap();
+            let mut text = String::new();
+            loop {
+                match pre.next().await.unwrap() {
+                    Some(FromWorker::Text { delta, .. }) => text.push_str(&delta),
+                    Some(FromWorker::Handoff { first_token, sampler, .. }) => {
+                        dec.send(&ToWorker::Handoff { first_token, sampler }).await.unwrap();
+                    }
+                    Some(FromWorker::KvSent { ok, bytes, .. }) => {
+                        assert!(ok, "the decode worker acknowledged the transfer");
+                        let bb =
+                            d.kv_layout().n_layer * 2 * d.kv_layout().kv_dim * d.kv_layout().block_size * 2;
+                        assert_eq!(bytes as usize, len.div_ceil(16) * bb);
+                        break;
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            let (got, recomputed) = drain(&mut dec, text).await;
+            assert!(!recomputed, "the transferred KV was used");
+            assert_eq!(got, want, "prompt of {len} tokens");
+        }
+        assert_eq!((d.stats().kv_imports, d.stats().kv_fallbacks), (3, 0));
+        for h in [&c, &p, &d] {
+            wait_free(h).await;
+        }
+    });
+    drop((c, p, d));
+    for w in [wc, wp, wd] {
+        w.join().unwrap();
+    }
+}
+
+/// One crafted transfer of `tokens` tokens for `transfer` to the decode worker at `addr`: `frames`
+/// are whole frame byte strings (header included); returns the acknowledgement.
+async fn push(addr: &str, transfer: u64, tokens: u32, layout: [u32; 3], frames: Vec<Vec<u8>>) -> FromWorker {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let begin = ToWorker::KvBegin { transfer: TransferId(transfer), n_tokens: tokens, layout };
+    write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
+    for f in frames {
+        if s.write_all(&f).await.is_err() {
+            break; // the receiver gave up early and closed
+        }
+    }
+    let _ = s.shutdown().await;
+    match read_frame(&mut s).await.unwrap() {
+        Some((FrameKind::Control, p)) => decode_control(&p).unwrap(),
+        other => panic!("expected an acknowledgement, got {other:?}"),
+    }
+}
+
+fn frame(kind: FrameKind, payload: &[u8]) -> Vec<u8> {
+    let mut out = FrameHeader::for_payload(kind, payload).unwrap().encode().to_vec();
+    out.extend_from_slice(payload);
+    out
+}
+
+fn chunk(transfer: u64, first: u32, blocks: &[u8], block_bytes: usize) -> Vec<u8> {
+    let c = KvChunk {
+        transfer: TransferId(transfer),
+        first_block: first,
+        n_blocks: (blocks.len() / block_bytes) as u32,
+        bytes: blocks.to_vec(),
+    };
+    frame(FrameKind::KvChunk, &c.encode())
+}
+
+fn end(transfer: u64, chunks: u32) -> Vec<u8> {
+    frame(
+        FrameKind::Control,
+        &encode_control(&ToWorker::KvEnd { transfer: TransferId(transfer), chunks }).unwrap(),
+    )
+}
+
+fn refused(ack: &FromWorker) -> String {
+    match ack {
+        FromWorker::KvAck { ok: false, message, .. } => message.clone().unwrap_or_default(),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn crafted_transfers_are_refused_and_the_lent_blocks_come_back() {
+    let e = engine();
+    let (wd, d) = spawn(&e, "d0");
+    let l = d.kv_layout();
+    let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
+    let bb = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    // 40 tokens: three blocks.
+    let (tokens, n_blocks) = (40u32, 3usize);
+    let good: Vec<u8> = (0..n_blocks * bb).map(|i| if i % 2 == 1 { 0x3c } else { i as u8 }).collect();
+    rt().block_on(async {
+        let addr = listen(&d, Role::Decode).await;
+        let mut next_id = 0u64;
+        let mut run = |frames: Vec<Vec<u8>>, tokens_said: u32, layout_said: [u32; 3]| {
+            next_id += 1;
+            let (id, h, addr) = (next_id, d.clone(), addr.clone());
+            async move {
+                let stream: WorkStream =
+                    h.submit(decode_request(id, prompt(1, tokens as usize), id)).unwrap();
+                let ack = push(&addr, id, tokens_said, layout_said, frames).await;
+                drop(stream);
+                wait_free(&h).await;
+                (id, ack)
+            }
+        };
+
+        // The good transfer, in two chunks; its bytes stay behind in the freed blocks, which the
+        // next requests get again (the free list is last in, first out).
+        let (_, ack) = run(
+            vec![chunk(1, 0, &good[..2 * bb], bb), chunk(1, 2, &good[2 * bb..], bb), end(1, 2)],
+            tokens,
+            layout,
+        )
+        .await;
+        assert!(matches!(ack, FromWorker::KvAck { ok: true, .. }), "{ack:?}");
+
+        // Truncated inside the second chunk's payload: the blocks hold the first transfer's
+        // bytes where the missing ones belong, and it is still refused.
+        let mut cut = chunk(2, 2, &good[2 * bb..], bb);
+        cut.truncate(cut.len() - 100);
+        let (_, ack) = run(vec![chunk(2, 0, &good[..2 * bb], bb), cut], tokens, layout).await;
+        assert!(refused(&ack).contains("inside a frame payload"), "{ack:?}");
+
+        // A block short: the last block is never sent, the chunk count agrees.
+        let (_, ack) = run(vec![chunk(3, 0, &good[..2 * bb], bb), end(3, 1)], tokens, layout).await;
+        assert!(refused(&ack).contains("2 blocks arrived"), "{ack:?}");
+
+        // One flipped byte.
+        let mut flipped = chunk(4, 0, &good, bb);
+        flipped[FRAME_HEADER_LEN + 7] ^= 1;
+        let (_, ack) = run(vec![flipped, end(4, 1)], tokens, layout).await;
+        assert!(refused(&ack).contains("checksum"), "{ack:?}");
+
+        // Out of order: the second chunk first.
+        let (_, ack) = run(
+            vec![chunk(5, 2, &good[2 * bb..], bb), chunk(5, 0, &good[..2 * bb], bb), end(5, 2)],
+            tokens,
+            layout,
+        )
+        .await;
+        assert!(refused(&ack).contains("in order"), "{ack:?}");
+
+        // More blocks than were lent: refused before a byte of the payload is read.
+        let mut big = good.clone();
+        big.extend_from_slice(&good[..bb]);
+        let (_, ack) = run(vec![chunk(6, 0, &big, bb), end(6, 1)], tokens, layout).await;
+        assert!(refused(&ack).contains("past the transfer's 3 blocks"), "{ack:?}");
+
+        // Not a whole number of blocks.
+        let (_, ack) = run(vec![chunk(7, 0, &good[..bb + 2], bb), end(7, 1)], tokens, layout).await;
+        assert!(refused(&ack).contains("whole number"), "{ack:?}");
+
+        // Another transfer's chunk, another token count, another layout.
+        let (_, ack) = run(vec![chunk(99, 0, &good, bb), end(8, 1)], tokens, layout).await;
+        assert!(refused(&ack).contains("another transfer"), "{ack:?}");
+        let (_, ack) = run(vec![chunk(9, 0, &good, bb), end(9, 1)], tokens - 1, layout).await;
+        assert!(refused(&ack).contains("the prompt has 40"), "{ack:?}");
+        let (_, ack) = run(vec![], tokens, [layout[0] + 1, layout[1], layout[2]]).await;
+        assert!(refused(&ack).contains("does not match"), "{ack:?}");
+
+        // The connection closing mid-transfer (a dead prefill worker).
+        let (_, ack) = run(vec![chunk(11, 0, &good[..bb], bb)], tokens, layout).await;
+        assert!(refused(&ack).contains("closed before the transfer ended"), "{ack:?}");
+    });
+    assert_eq!(d.stats().kv_imports, 1, "only the good transfer was imported");
+    drop(d);
+    wd.join().unwrap();
+}
+
+#[test]
+fn lent_blocks_come_back_however_the_receiver_ends() {
+    let e = engine();
+    let (wd, d) = spawn(&e, "d0");
+    rt().block_on(async {
+        let stream = d.submit(decode_request(1, prompt(2, 40), 7)).unwrap();
+        assert!(d.kv_lease(8, 40).await.is_err(), "an unknown transfer");
+        assert!(d.kv_lease(7, 41).await.unwrap_err().contains("the prompt has 40"));
+        let mut lent = d.kv_lease(7, 40).await.unwrap();
+        assert_eq!(lent.blocks(), 3);
+        assert!(lent.block_mut(3).is_none());
+        assert!(d.kv_lease(7, 40).await.is_err(), "lent once at a time");
+        drop(lent); // the receiver went away without a verdict
+        let mut again = d.kv_lease(7, 40).await.unwrap();
+        assert_eq!(again.blocks(), 3, "the blocks went back to the request");
+        again.block_mut(0).unwrap().fill(0);
+        // The request is cancelled while its blocks are out: they stay allocated (nobody else
+        // may get them while they are being written) and are freed when they come back.
+        let until = |pred: fn(&tokenpath_worker::WorkerStats) -> bool| {
+            let d = d.clone();
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !pred(&d.stats()) {
+                    assert!(Instant::now() < deadline, "{:?}", d.stats());
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
+        };
+        until(|s| s.waiting == 1 && s.kv_blocks_used == 3).await;
+        drop(stream);
+        until(|s| s.waiting == 0).await;
+        assert_eq!(d.stats().kv_blocks_used, 3, "lent blocks are not reused while out");
+        let verdict = again.end(40, true).unwrap().await.unwrap();
+        assert!(verdict.is_err(), "{verdict:?}");
+        wait_free(&d).await;
+    });
+    drop(d);
+    wd.join().unwrap();
+}
