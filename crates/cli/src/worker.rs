@@ -15,6 +15,7 @@ use std::sync::Arc;
 use tokenpath_engine::Engine;
 use tokenpath_timeline::WorkerId;
 use tokenpath_worker::net::server::{serve, ServerConfig};
+use tokenpath_worker::net::KvTransport;
 use tokenpath_worker::{Role, Worker, WorkerConfig};
 
 /// Flags of `tokenpath worker`.
@@ -41,6 +42,10 @@ pub struct WorkerArgs {
     /// Bearer key for registering with a gateway that requires one.
     #[arg(long, env = "TOKENPATH_REGISTER_KEY", hide_env_values = true)]
     register_key: Option<String>,
+    /// How KV moves to and from workers on the same host: `auto` (a shared-memory ring, set up
+    /// per transfer; TCP when the peer is elsewhere or the ring cannot be set up) or `tcp`.
+    #[arg(long, default_value = "auto", env = "TOKENPATH_KV_TRANSPORT")]
+    kv_transport: KvTransport,
     /// Testing only: corrupt every outgoing KV transfer (exercises the decode side's fallback).
     #[arg(long, hide = true, env = "TOKENPATH_FAULT_CORRUPT_KV")]
     fault_corrupt_kv: bool,
@@ -82,7 +87,11 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
             register(gateway, &advertise, args.role, args.register_key.as_deref()).await?;
             tracing::info!(%gateway, %advertise, "registered with the gateway");
         }
-        let server = ServerConfig { role: args.role, fault_corrupt_kv: args.fault_corrupt_kv };
+        let server = ServerConfig {
+            role: args.role,
+            fault_corrupt_kv: args.fault_corrupt_kv,
+            kv_transport: args.kv_transport,
+        };
         tokio::select! {
             r = serve(listener, worker.handle(), server) => r.context("serving")?,
             () = tokenpath_gateway::shutdown_signal() => tracing::info!("worker stopping"),

@@ -147,9 +147,17 @@ fn prefix_cache_reports_cached_tokens_colocated_and_disaggregated() {
 
 #[test]
 fn a_corrupted_transfer_is_recomputed_with_the_same_output() {
-    let m = model("corrupt");
-    let p = worker(&m, "prefill", &["--fault-corrupt-kv", "--no-prefix-cache"]);
-    let d = worker(&m, "decode", &["--no-prefix-cache"]);
+    // Same-host workers move KV through a shared-memory ring by default; both paths are checked.
+    for transport in ["auto", "tcp"] {
+        corrupted_transfer(transport);
+    }
+}
+
+fn corrupted_transfer(transport: &str) {
+    let m = model(&format!("corrupt-{transport}"));
+    let t = ["--kv-transport", transport];
+    let p = worker(&m, "prefill", &["--fault-corrupt-kv", "--no-prefix-cache", t[0], t[1]]);
+    let d = worker(&m, "decode", &["--no-prefix-cache", t[0], t[1]]);
     let good = serve(&m, &["--no-prefix-cache"]);
     let want = text(&ask(good.port(), "Corrupt me please", ""));
     good.stop();

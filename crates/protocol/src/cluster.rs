@@ -13,7 +13,9 @@
 //! 2. gateway → prefill worker: `Generate { mode: Prefill { transfer, decode_addr } }`.
 //! 3. prefill worker → decode worker (a new connection to `decode_addr`): `KvBegin`, `KvChunk`s
 //!    (sent as blocks fill, overlapping the rest of the prefill), `KvEnd`; the decode worker
-//!    answers `KvAck`.
+//!    answers `KvAck`. Same host: `KvBegin` names the sender's host, the decode worker answers
+//!    `KvRing` with a shared-memory ring, and each `KvChunk` becomes a `KvRingChunk` (where in the
+//!    ring, and the checksum) answered by `KvRingFree` once copied out; the bytes skip the socket.
 //! 4. prefill worker → gateway: the first token's `Text`, then `Handoff` (first token id and the
 //!    sampler position), later `KvSent` (the transfer's duration on the prefill worker's clock).
 //! 5. gateway → decode worker: `Handoff`; the decode worker continues and streams `Text`…
@@ -132,6 +134,24 @@ pub enum ToWorker {
         n_tokens: u32,
         /// Engine KV layout fingerprint: `n_layer`, `kv_dim`, `block_size`; must match exactly.
         layout: [u32; 3],
+        /// The sender's host (kernel boot id) when it can move the blocks through shared memory:
+        /// a decode worker on the same host answers [`FromWorker::KvRing`] before any block.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        host: Option<String>,
+    },
+    /// Same-host transfer: blocks `first_block..first_block + n_blocks` were written into the
+    /// decode worker's ring at `offset` (the bytes never cross the socket).
+    KvRingChunk {
+        /// Which transfer.
+        transfer: TransferId,
+        /// Index of the first block in the sequence.
+        first_block: u32,
+        /// Whole blocks written.
+        n_blocks: u32,
+        /// Where in the ring they start.
+        offset: u64,
+        /// XXH3-64 of the block bytes, as a frame's.
+        checksum: u64,
     },
     /// Every chunk was sent.
     KvEnd {
@@ -244,6 +264,9 @@ pub enum FromWorker {
         ms: f64,
         /// Bytes sent.
         bytes: u64,
+        /// The blocks went through a same-host shared-memory ring rather than the socket.
+        #[serde(default)]
+        ring: bool,
     },
     /// The request finished.
     Finished {
@@ -261,6 +284,18 @@ pub enum FromWorker {
     },
     /// Answer to [`ToWorker::Stats`].
     Stats(StatsMsg),
+    /// Decode worker → prefill worker, answering a `KvBegin` that named a host: the shared
+    /// ring to write blocks into, or none (the blocks come as `KvChunk` frames).
+    KvRing {
+        /// The ring, when offered.
+        offer: Option<RingOffer>,
+    },
+    /// Decode worker → prefill worker: this many ring chunks (counted from the first) have been
+    /// copied out, so their space may be written again.
+    KvRingFree {
+        /// Chunks consumed so far.
+        chunks: u32,
+    },
     /// Decode worker → prefill worker: the transfer arrived intact (or not).
     KvAck {
         /// Whether every chunk arrived and verified.
@@ -273,6 +308,19 @@ pub enum FromWorker {
         #[serde(default)]
         held_ms: f64,
     },
+}
+
+/// A decode worker's shared-memory ring for one same-host transfer: a sealed (it can neither
+/// shrink nor grow) memfd of `len` bytes, reachable as `/proc/<pid>/fd/<fd>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RingOffer {
+    /// The decode worker's process id.
+    pub pid: u32,
+    /// The memfd's descriptor in that process.
+    pub fd: i32,
+    /// The ring's size in bytes.
+    pub len: u64,
 }
 
 /// One chunk of KV blocks: `bytes | transfer u64 | first_block u32 | n_blocks u32`. The ids
@@ -410,6 +458,40 @@ mod tests {
             decode_control::<ToWorker>(br#"{"type":"kv_end","transfer":1,"chunks":2,"extra":1}"#).is_err()
         );
         assert!(decode_control::<ToWorker>(br#"{"type":"nope"}"#).is_err());
+        // Same-host messages; a `KvBegin` without a host is the TCP-only one, byte for byte.
+        let begin = ToWorker::KvBegin { transfer: TransferId(1), n_tokens: 2, layout: [1, 2, 3], host: None };
+        assert!(!String::from_utf8(encode_control(&begin).unwrap()).unwrap().contains("host"));
+        let old: ToWorker =
+            decode_control(br#"{"type":"kv_begin","transfer":1,"n_tokens":2,"layout":[1,2,3]}"#).unwrap();
+        assert_eq!(old, begin);
+        for m in [
+            ToWorker::KvBegin {
+                transfer: TransferId(1),
+                n_tokens: 2,
+                layout: [1, 2, 3],
+                host: Some("b".into()),
+            },
+            ToWorker::KvRingChunk {
+                transfer: TransferId(u64::MAX),
+                first_block: 3,
+                n_blocks: 2,
+                offset: u64::MAX,
+                checksum: u64::MAX,
+            },
+        ] {
+            assert_eq!(decode_control::<ToWorker>(&encode_control(&m).unwrap()).unwrap(), m);
+        }
+        for m in [
+            FromWorker::KvRing { offer: Some(RingOffer { pid: 7, fd: 3, len: 8 << 20 }) },
+            FromWorker::KvRing { offer: None },
+            FromWorker::KvRingFree { chunks: 9 },
+            FromWorker::KvSent { ok: true, ms: 1.5, bytes: 10, ring: true },
+        ] {
+            assert_eq!(decode_control::<FromWorker>(&encode_control(&m).unwrap()).unwrap(), m);
+        }
+        let old_sent: FromWorker =
+            decode_control(br#"{"type":"kv_sent","ok":true,"ms":1.0,"bytes":1}"#).unwrap();
+        assert_eq!(old_sent, FromWorker::KvSent { ok: true, ms: 1.0, bytes: 1, ring: false });
     }
 
     #[test]

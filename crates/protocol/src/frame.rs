@@ -244,6 +244,29 @@ impl PayloadReader {
     }
 }
 
+/// The frames' checksum (XXH3-64) computed piece by piece, for payloads that travel outside a
+/// frame (a same-host KV ring) but are checked the same way.
+#[derive(Clone, Default)]
+pub struct Checksum(Xxh3);
+
+impl std::fmt::Debug for Checksum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Checksum")
+    }
+}
+
+impl Checksum {
+    /// Adds the next bytes.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// The checksum of everything added.
+    pub fn digest(&self) -> u64 {
+        self.0.digest()
+    }
+}
+
 /// Writes every byte of `parts` with as few (vectored) writes as the stream allows.
 async fn write_all_parts<W: AsyncWrite + Unpin>(w: &mut W, parts: &[&[u8]]) -> Result<(), ProtocolError> {
     let mut slices: Vec<IoSlice<'_>> =

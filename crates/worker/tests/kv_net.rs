@@ -18,6 +18,7 @@ use tokenpath_protocol::frame::{read_frame, write_frame, FrameHeader, FrameKind,
 use tokenpath_timeline::{RequestId, WorkerId};
 use tokenpath_worker::net::client::RemoteRequest;
 use tokenpath_worker::net::server::{serve, ServerConfig};
+use tokenpath_worker::net::KvTransport;
 use tokenpath_worker::{Role, WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -48,11 +49,20 @@ fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
-async fn listen(h: &WorkerHandle, role: Role) -> String {
+async fn listen_with(h: &WorkerHandle, role: Role, kv_transport: KvTransport) -> String {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
-    tokio::spawn(serve(l, h.clone(), ServerConfig { role, fault_corrupt_kv: false }));
+    tokio::spawn(serve(l, h.clone(), ServerConfig { role, fault_corrupt_kv: false, kv_transport }));
     addr
+}
+
+async fn listen(h: &WorkerHandle, role: Role) -> String {
+    listen_with(h, role, KvTransport::Tcp).await
+}
+
+/// Whether this machine can run the same-host ring (Linux: a boot id and memfds).
+fn ring_here() -> bool {
+    cfg!(target_os = "linux") && std::fs::read_to_string("/proc/sys/kernel/random/boot_id").is_ok()
 }
 
 fn decode_request(id: u64, prompt: Vec<u32>, transfer: u64) -> WorkRequest {
@@ -115,42 +125,59 @@ fn a_handoff_through_served_workers_generates_what_one_worker_generates() {
     let (wp, p) = spawn(&e, "p0");
     let (wd, d) = spawn(&e, "d0");
     rt().block_on(async {
-        let (ca, pa, da) =
-            (listen(&c, Role::Both).await, listen(&p, Role::Prefill).await, listen(&d, Role::Decode).await);
-        // 70 tokens: five blocks, the last one partly filled, sent over several prefill steps.
-        for (i, len) in [(1u64, 70usize), (2, 16), (3, 5)] {
-            let tokens = prompt(i as u32, len);
-            let t = Duration::from_secs(30);
-            let mut colo = RemoteRequest::open(&ca, msg(i, tokens.clone(), Mode::Full), t).await.unwrap();
-            let (want, _) = drain(&mut colo, String::new()).await;
+        let ca = listen(&c, Role::Both).await;
+        // Over TCP; through the ring (same host, both ends willing); and back to TCP when the
+        // decode worker will not offer a ring.
+        let cases = [
+            (KvTransport::Tcp, KvTransport::Tcp, false),
+            (KvTransport::Auto, KvTransport::Auto, ring_here()),
+            (KvTransport::Auto, KvTransport::Tcp, false),
+        ];
+        let mut i = 0u64;
+        for (pt, dt, want_ring) in cases {
+            let (pa, da) =
+                (listen_with(&p, Role::Prefill, pt).await, listen_with(&d, Role::Decode, dt).await);
+            // 70 tokens: five blocks, the last one partly filled, sent over several prefill steps.
+            for len in [70usize, 16, 5] {
+                i += 1;
+                let tokens = prompt(i as u32, len);
+                let t = Duration::from_secs(30);
+                let mut colo = RemoteRequest::open(&ca, msg(i, tokens.clone(), Mode::Full), t).await.unwrap();
+                let (want, _) = drain(&mut colo, String::new()).await;
 
-            let transfer = TransferId(100 + i);
-            let mut dec =
-                RemoteRequest::open(&da, msg(i, tokens.clone(), Mode::Decode { transfer }), t).await.unwrap();
-            let mode = Mode::Prefill { transfer, decode_addr: da.clone() };
-            let mut pre = RemoteRequest::open(&pa, msg(i, tokens.clone(), mode), t).await.unwrap();
-            let mut text = String::new();
-            loop {
-                match pre.next().await.unwrap() {
-                    Some(FromWorker::Text { delta, .. }) => text.push_str(&delta),
-                    Some(FromWorker::Handoff { first_token, sampler, .. }) => {
-                        dec.send(&ToWorker::Handoff { first_token, sampler }).await.unwrap();
+                let transfer = TransferId(100 + i);
+                let mut dec = RemoteRequest::open(&da, msg(i, tokens.clone(), Mode::Decode { transfer }), t)
+                    .await
+                    .unwrap();
+                let mode = Mode::Prefill { transfer, decode_addr: da.clone() };
+                let mut pre = RemoteRequest::open(&pa, msg(i, tokens.clone(), mode), t).await.unwrap();
+                let mut text = String::new();
+                loop {
+                    match pre.next().await.unwrap() {
+                        Some(FromWorker::Text { delta, .. }) => text.push_str(&delta),
+                        Some(FromWorker::Handoff { first_token, sampler, .. }) => {
+                            dec.send(&ToWorker::Handoff { first_token, sampler }).await.unwrap();
+                        }
+                        Some(FromWorker::KvSent { ok, bytes, ring, .. }) => {
+                            assert!(ok, "the decode worker acknowledged the transfer");
+                            assert_eq!(ring, want_ring, "{pt} -> {dt}");
+                            let bb = d.kv_layout().n_layer
+                                * 2
+                                * d.kv_layout().kv_dim
+                                * d.kv_layout().block_size
+                                * 2;
+                            assert_eq!(bytes as usize, len.div_ceil(16) * bb);
+                            break;
+                        }
+                        other => panic!("unexpected {other:?}"),
                     }
-                    Some(FromWorker::KvSent { ok, bytes, .. }) => {
-                        assert!(ok, "the decode worker acknowledged the transfer");
-                        let bb =
-                            d.kv_layout().n_layer * 2 * d.kv_layout().kv_dim * d.kv_layout().block_size * 2;
-                        assert_eq!(bytes as usize, len.div_ceil(16) * bb);
-                        break;
-                    }
-                    other => panic!("unexpected {other:?}"),
                 }
+                let (got, recomputed) = drain(&mut dec, text).await;
+                assert!(!recomputed, "the transferred KV was used");
+                assert_eq!(got, want, "prompt of {len} tokens, {pt} -> {dt}");
             }
-            let (got, recomputed) = drain(&mut dec, text).await;
-            assert!(!recomputed, "the transferred KV was used");
-            assert_eq!(got, want, "prompt of {len} tokens");
         }
-        assert_eq!((d.stats().kv_imports, d.stats().kv_fallbacks), (3, 0));
+        assert_eq!((d.stats().kv_imports, d.stats().kv_fallbacks), (9, 0));
         for h in [&c, &p, &d] {
             wait_free(h).await;
         }
@@ -165,7 +192,7 @@ fn a_handoff_through_served_workers_generates_what_one_worker_generates() {
 /// are whole frame byte strings (header included); returns the acknowledgement.
 async fn push(addr: &str, transfer: u64, tokens: u32, layout: [u32; 3], frames: Vec<Vec<u8>>) -> FromWorker {
     let mut s = TcpStream::connect(addr).await.unwrap();
-    let begin = ToWorker::KvBegin { transfer: TransferId(transfer), n_tokens: tokens, layout };
+    let begin = ToWorker::KvBegin { transfer: TransferId(transfer), n_tokens: tokens, layout, host: None };
     write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
     for f in frames {
         if s.write_all(&f).await.is_err() {
@@ -336,4 +363,146 @@ fn lent_blocks_come_back_however_the_receiver_ends() {
     });
     drop(d);
     wd.join().unwrap();
+}
+
+/// Builds a crafted transfer's frames from (transfer id, ring length).
+type Frames = Box<dyn FnOnce(u64, u64) -> Vec<Vec<u8>>>;
+
+/// A ring chunk's control frame.
+fn ring_chunk(transfer: u64, first_block: u32, n_blocks: u32, offset: u64, checksum: u64) -> Vec<u8> {
+    let m = ToWorker::KvRingChunk { transfer: TransferId(transfer), first_block, n_blocks, offset, checksum };
+    frame(FrameKind::Control, &encode_control(&m).unwrap())
+}
+
+fn checksum(bytes: &[u8]) -> u64 {
+    let mut c = tokenpath_protocol::frame::Checksum::default();
+    c.update(bytes);
+    c.digest()
+}
+
+/// One crafted same-host transfer: asks for a ring, writes `good` into it at offset 0 through its
+/// own mapping, then sends `frames(ring_len)`; returns the acknowledgement (or the refusal of the
+/// ring, `None`, when this machine cannot run one).
+async fn push_ring(
+    addr: &str,
+    transfer: u64,
+    tokens: u32,
+    layout: [u32; 3],
+    good: &[u8],
+    frames: impl FnOnce(u64) -> Vec<Vec<u8>>,
+) -> Option<FromWorker> {
+    let host = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?.trim().to_owned();
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let begin =
+        ToWorker::KvBegin { transfer: TransferId(transfer), n_tokens: tokens, layout, host: Some(host) };
+    write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
+    let offer = match read_frame(&mut s).await.unwrap() {
+        Some((FrameKind::Control, p)) => match decode_control::<FromWorker>(&p).unwrap() {
+            FromWorker::KvRing { offer } => offer?,
+            other => panic!("expected a ring offer, got {other:?}"),
+        },
+        other => panic!("expected a ring offer, got {other:?}"),
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/{}/fd/{}", offer.pid, offer.fd))
+        .unwrap();
+    let map = memmap2::MmapOptions::new().len(offer.len as usize).map_raw(&file).unwrap();
+    assert!(good.len() <= map.len());
+    // SAFETY: inside the mapping (checked just above); the ring is sealed against shrinking.
+    unsafe { std::ptr::copy_nonoverlapping(good.as_ptr(), map.as_mut_ptr(), good.len()) };
+    for f in frames(offer.len) {
+        if s.write_all(&f).await.is_err() {
+            break;
+        }
+    }
+    let _ = s.shutdown().await;
+    loop {
+        match read_frame(&mut s).await.unwrap() {
+            Some((FrameKind::Control, p)) => match decode_control::<FromWorker>(&p).unwrap() {
+                FromWorker::KvRingFree { .. } => {}
+                ack => return Some(ack),
+            },
+            other => panic!("expected an acknowledgement, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn ring_chunks_are_bounded_checked_and_refused_without_a_ring() {
+    let e = engine();
+    let (wd, d) = spawn(&e, "d0");
+    let l = d.kv_layout();
+    let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
+    let bb = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let (tokens, n) = (40u32, 3u32);
+    let good: Vec<u8> = (0..n as usize * bb).map(|i| (i * 7) as u8).collect();
+    let sum = checksum(&good);
+    rt().block_on(async {
+        let addr = listen_with(&d, Role::Decode, KvTransport::Auto).await;
+        let tcp_only = listen_with(&d, Role::Decode, KvTransport::Tcp).await;
+        let mut id = 0u64;
+        let mut run = |addr: String, frames: Frames| {
+            id += 1;
+            let (t, h, good) = (id, d.clone(), good.clone());
+            async move {
+                let stream = h.submit(decode_request(t, prompt(4, tokens as usize), t)).unwrap();
+                let ack = push_ring(&addr, t, tokens, layout, &good, |len| frames(t, len)).await;
+                drop(stream);
+                wait_free(&h).await;
+                ack
+            }
+        };
+        let Some(ack) =
+            run(addr.clone(), Box::new(move |t, _| vec![ring_chunk(t, 0, n, 0, sum), end(t, 1)])).await
+        else {
+            assert!(!ring_here(), "a Linux machine with a boot id offers a ring");
+            return; // no ring on this machine: the TCP tests cover the transfer
+        };
+        assert!(matches!(ack, FromWorker::KvAck { ok: true, .. }), "the good ring transfer: {ack:?}");
+
+        let cases: Vec<(&str, Frames)> = vec![
+            ("checksum mismatch", Box::new(move |t, _| vec![ring_chunk(t, 0, n, 0, sum ^ 1), end(t, 1)])),
+            (
+                "outside the",
+                Box::new(move |t, len| vec![ring_chunk(t, 0, n, len - bb as u64, sum), end(t, 1)]),
+            ),
+            ("outside the", Box::new(move |t, _| vec![ring_chunk(t, 0, n, u64::MAX, sum), end(t, 1)])),
+            ("outside the", Box::new(move |t, _| vec![ring_chunk(t, 0, n, u64::MAX - 8, sum), end(t, 1)])),
+            (
+                "past the transfer's 3 blocks",
+                Box::new(move |t, _| vec![ring_chunk(t, 0, 4, 0, sum), end(t, 1)]),
+            ),
+            (
+                "past the transfer's 3 blocks",
+                Box::new(move |t, _| vec![ring_chunk(t, 0, 0, 0, sum), end(t, 1)]),
+            ),
+            ("in order", Box::new(move |t, _| vec![ring_chunk(t, 1, 2, 0, sum), end(t, 1)])),
+            ("another transfer", Box::new(move |t, _| vec![ring_chunk(t + 100, 0, n, 0, sum), end(t, 1)])),
+            (
+                "2 blocks arrived",
+                Box::new(move |t, _| {
+                    let two = checksum(&good_prefix(2 * bb));
+                    vec![ring_chunk(t, 0, 2, 0, two), end(t, 1)]
+                }),
+            ),
+        ];
+        for (want, frames) in cases {
+            let ack = run(addr.clone(), frames).await.unwrap();
+            assert!(refused(&ack).contains(want), "{want}: {ack:?}");
+        }
+        // A decode worker that offers no ring refuses ring chunks (the sender must use frames).
+        let ack =
+            run(tcp_only.clone(), Box::new(move |t, _| vec![ring_chunk(t, 0, n, 0, sum), end(t, 1)])).await;
+        assert!(ack.is_none(), "no ring is offered by a TCP-only worker");
+    });
+    assert_eq!(d.stats().kv_imports, 1, "only the good transfer was imported");
+    drop(d);
+    wd.join().unwrap();
+}
+
+/// The first `len` bytes of the crafted ring transfers' payload.
+fn good_prefix(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7) as u8).collect()
 }

@@ -276,7 +276,7 @@ async fn pump_disaggregated(
     // The prefill worker's transfer report arrives on its own time.
     let report = tokio::spawn(async move {
         match pconn.next().await {
-            Ok(Some(FromWorker::KvSent { ok, ms, bytes })) => Some((ok, ms, bytes)),
+            Ok(Some(FromWorker::KvSent { ok, ms, bytes, .. })) => Some((ok, ms, bytes)),
             _ => None,
         }
     });

@@ -1,13 +1,14 @@
-//! The KV transfer benchmark: the real transfer path (framing, checksums on both sides, loopback
-//! TCP, the decode worker's receiver reading every block straight into its cache, the batcher
-//! taking the blocks back and acknowledging) against a plain loopback TCP copy of the same bytes,
-//! the two alternating repeat by repeat so the ratio means something on a shared machine.
+//! The KV transfer benchmark: the real transfer path (framing or the same-host ring, checksums
+//! on both sides, the decode worker's receiver putting every block straight into its cache, the
+//! batcher taking the blocks back and acknowledging), over TCP and over the ring, against a plain
+//! loopback TCP copy of the same bytes; the three alternate repeat by repeat so their ratios mean
+//! something on a shared machine.
 
-use super::kv::KvSender;
+use super::kv::{KvSender, KvTransport, SendOptions};
 use super::server::{serve, ServerConfig};
 use crate::{Role, WorkMode, WorkRequest, WorkerError, WorkerHandle};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokenpath_engine::sampling::SamplingParams;
 use tokenpath_protocol::cluster::TransferId;
 use tokenpath_timeline::RequestId;
@@ -22,8 +23,13 @@ pub struct KvTransferBench {
     pub tokens: usize,
     /// Bytes moved per transfer.
     pub bytes: u64,
-    /// Each repeat of the real transfer (first byte out → acknowledgement), ms.
+    /// Each repeat of the real transfer over TCP (first byte out → acknowledgement), ms.
     pub transfer_ms: Vec<f64>,
+    /// Each repeat of the real transfer through the same-host ring, ms; empty when no ring could
+    /// be set up here (then every transfer went over TCP).
+    pub ring_ms: Vec<f64>,
+    /// Why the ring was not measured, when it was not.
+    pub ring_unavailable: Option<String>,
     /// Each repeat of a plain TCP copy of the same bytes (first byte out → 1-byte ack), ms.
     pub tcp_ms: Vec<f64>,
 }
@@ -40,7 +46,7 @@ pub fn quantile(v: &[f64], q: f64) -> f64 {
 }
 
 impl KvTransferBench {
-    /// Median real transfer time, ms.
+    /// Median real transfer time over TCP, ms.
     pub fn transfer_median_ms(&self) -> f64 {
         quantile(&self.transfer_ms, 0.5)
     }
@@ -71,10 +77,61 @@ async fn listen_on(side: &Handle) -> Result<(TcpListener, String), WorkerError> 
     Ok((l, addr))
 }
 
+/// What every transfer of a run shares.
+struct Setup<'a> {
+    decode: &'a WorkerHandle,
+    addr: String,
+    tokens: usize,
+    chunks: Vec<(u32, Arc<[u8]>)>,
+}
+
+/// One real transfer of the whole payload: (ms, whether it went through the ring).
+async fn one_transfer(
+    s: &Setup<'_>,
+    transfer: u64,
+    transport: KvTransport,
+) -> Result<(f64, bool), WorkerError> {
+    let now = Instant::now();
+    let stream = s.decode.submit(WorkRequest {
+        id: RequestId(transfer),
+        prompt: vec![1; s.tokens],
+        sampling: SamplingParams::greedy(),
+        max_tokens: Some(1),
+        stop: Vec::new(),
+        ignore_eos: true,
+        arrived: now,
+        admitted: now,
+        mode: WorkMode::Decode(transfer),
+    })?;
+    // The reservation is queued before any chunk: the batcher's channel keeps order. The chunks
+    // are copied before the clock starts: on a prefill worker they come out of the batcher's
+    // export, not the transfer.
+    let chunks: Vec<(u32, Vec<u8>)> = s.chunks.iter().map(|(b, c)| (*b, c.to_vec())).collect();
+    let t0 = Instant::now();
+    let opts = SendOptions { transport, corrupt: false };
+    let sender = KvSender::start(TransferId(transfer), s.addr.clone(), s.tokens, s.decode, opts);
+    for (first_block, c) in chunks {
+        sender.chunk(first_block, c);
+    }
+    let sent = sender.finish().await.unwrap_or_default();
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    drop(stream);
+    if !sent.ok {
+        return Err(WorkerError::Remote("the benchmark transfer was refused".into()));
+    }
+    // The next transfer starts on a drained worker (the cancelled request's blocks are back).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.decode.stats().kv_blocks_used != 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok((ms, sent.ring))
+}
+
 /// Moves the KV of `tokens` prompt tokens into `decode` (a decode-capable worker, served on
-/// loopback by a task of `decode_side`) `repeats` times, and copies the same bytes over a plain
-/// loopback socket as often, alternating. The sending ends run on the caller's runtime and the
-/// receiving ends on `decode_side`'s, as they would in two worker processes.
+/// loopback by a task of `decode_side`) `repeats` times over TCP and as often through the
+/// same-host ring, and copies the same bytes over a plain loopback socket as often, the three
+/// alternating. The sending ends run on the caller's runtime and the receiving ends on
+/// `decode_side`'s, as they would in two worker processes.
 pub async fn kv_transfer(
     decode: &WorkerHandle,
     decode_side: &Handle,
@@ -85,7 +142,7 @@ pub async fn kv_transfer(
     let server = decode_side.spawn(serve(
         listener,
         decode.clone(),
-        ServerConfig { role: Role::Decode, fault_corrupt_kv: false },
+        ServerConfig { role: Role::Decode, fault_corrupt_kv: false, kv_transport: KvTransport::Auto },
     ));
     let l = decode.kv_layout();
     let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
@@ -94,46 +151,35 @@ pub async fn kv_transfer(
     let payload: Arc<Vec<u8>> = Arc::new(
         (0..n_blocks * block_bytes).map(|i| if i % 2 == 1 { 0x3c } else { (i / 2) as u8 }).collect(),
     );
-    let mut out =
-        KvTransferBench { tokens, bytes: payload.len() as u64, transfer_ms: Vec::new(), tcp_ms: Vec::new() };
-    for r in 0..repeats {
-        let transfer = 0xbe9c_0000 + r as u64;
-        let now = Instant::now();
-        let stream = decode.submit(WorkRequest {
-            id: RequestId(transfer),
-            prompt: vec![1; tokens],
-            sampling: SamplingParams::greedy(),
-            max_tokens: Some(1),
-            stop: Vec::new(),
-            ignore_eos: true,
-            arrived: now,
-            admitted: now,
-            mode: WorkMode::Decode(transfer),
-        })?;
-        // The reservation is queued before any chunk: the batcher's channel keeps order.
-        // Sixteen chunks, as a chunked prefill would hand them over (copied before the clock
-        // starts: on a prefill worker they come out of the batcher's export, not the transfer).
-        let per = n_blocks.div_ceil(16).max(1);
-        let chunks: Vec<Vec<u8>> = payload.chunks(per * block_bytes).map(<[u8]>::to_vec).collect();
-        let t0 = Instant::now();
-        let sender = KvSender::start(TransferId(transfer), addr.clone(), tokens, decode, false);
-        for (i, c) in chunks.into_iter().enumerate() {
-            sender.chunk((i * per) as u32, c);
-        }
-        let (ok, _, _) = sender.finish().await.unwrap_or((false, 0, 0.0));
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
-        drop(stream);
-        if !ok {
-            return Err(WorkerError::Remote("the benchmark transfer was refused".into()));
-        }
+    // Sixteen chunks, as a chunked prefill would hand them over.
+    let per = n_blocks.div_ceil(16).max(1);
+    let chunks = payload
+        .chunks(per * block_bytes)
+        .enumerate()
+        .map(|(i, c)| ((i * per) as u32, Arc::from(c)))
+        .collect();
+    let setup = Setup { decode, addr, tokens, chunks };
+    let mut out = KvTransferBench {
+        tokens,
+        bytes: payload.len() as u64,
+        transfer_ms: Vec::new(),
+        ring_ms: Vec::new(),
+        ring_unavailable: None,
+        tcp_ms: Vec::new(),
+    };
+    for r in 0..repeats as u64 {
+        let (ms, _) = one_transfer(&setup, 0xbe9c_0000 + 2 * r, KvTransport::Tcp).await?;
         out.transfer_ms.push(ms);
-        // The next repeat starts on a drained worker (the cancelled request's blocks are back).
-        let deadline = Instant::now() + std::time::Duration::from_secs(10);
-        while decode.stats().kv_blocks_used != 0 && Instant::now() < deadline {
-            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        if out.ring_unavailable.is_none() {
+            match one_transfer(&setup, 0xbe9c_0001 + 2 * r, KvTransport::Auto).await? {
+                (ms, true) => out.ring_ms.push(ms),
+                (_, false) => {
+                    out.ring_unavailable = Some("no shared-memory ring here (not Linux, or no memfd)".into());
+                    out.ring_ms.clear();
+                }
+            }
         }
-        let payload = Arc::clone(&payload);
-        out.tcp_ms.push(plain_copy(payload, decode_side).await?);
+        out.tcp_ms.push(plain_copy(Arc::clone(&payload), decode_side).await?);
     }
     server.abort();
     Ok(out)

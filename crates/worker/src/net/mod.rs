@@ -7,6 +7,10 @@
 pub mod bench;
 pub mod client;
 mod kv;
+mod kv_recv;
+mod shm;
+
+pub use kv::KvTransport;
 pub mod server;
 
 use tokenpath_protocol::cluster::{decode_control, encode_control, SamplingMsg, StatsMsg, UsageMsg};

@@ -8,7 +8,9 @@
 //! prefill is still running (blocks leave as they fill); its duration after the prefill ended is
 //! what the timeline reports as `kv_transfer`.
 
-use super::kv::{receive_kv, KvSender};
+use super::kv::{KvSender, KvTransport, SendOptions};
+use super::kv_recv::{receive_kv, ring_len, Begin};
+use super::shm::{host_id, RingPool};
 use super::{read_control, sampler_pos, sampler_state, sampling_params, stats_msg, usage_msg, write_control};
 use crate::{Role, WorkEvent, WorkMode, WorkRequest, WorkerError, WorkerHandle};
 use std::time::{Duration, Instant};
@@ -29,6 +31,9 @@ pub struct ServerConfig {
     /// Testing only: corrupt one byte of every outgoing KV transfer after its checksum was
     /// computed, so the decode worker's fallback can be exercised through real processes.
     pub fault_corrupt_kv: bool,
+    /// How KV moves to and from workers on the same host: a shared-memory ring when possible
+    /// (`Auto`, offered and asked for), or always TCP.
+    pub kv_transport: KvTransport,
 }
 
 /// Serves `handle` on `listener` until the listener fails.
@@ -37,6 +42,12 @@ pub async fn serve(
     handle: WorkerHandle,
     config: ServerConfig,
 ) -> Result<(), WorkerError> {
+    // A decode-capable worker that may take same-host transfers keeps a ring ready.
+    let l = handle.kv_layout();
+    let decodes = matches!(config.role, Role::Decode | Role::Both);
+    let warm = (decodes && config.kv_transport == KvTransport::Auto && host_id().is_some())
+        .then(|| ring_len(l.n_layer * 2 * l.kv_dim * l.block_size * 2));
+    let rings = RingPool::start(warm);
     loop {
         let (stream, peer) = listener.accept().await.map_err(WorkerError::Spawn)?;
         // A request's clock on this worker starts when its connection arrives, not when a busy
@@ -45,8 +56,9 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let handle = handle.clone();
         let config = config.clone();
+        let rings = rings.clone();
         tokio::spawn(async move {
-            if let Err(e) = connection(stream, accepted, &handle, &config).await {
+            if let Err(e) = connection(stream, accepted, &handle, &config, &rings).await {
                 tracing::debug!(%peer, "connection ended: {e}");
             }
         });
@@ -65,6 +77,7 @@ async fn connection(
     accepted: Instant,
     handle: &WorkerHandle,
     config: &ServerConfig,
+    rings: &RingPool,
 ) -> Result<(), ProtocolError> {
     let (mut rd, mut wr) = stream.into_split();
     let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, read_control::<_, ToWorker>(&mut rd))
@@ -86,8 +99,9 @@ async fn connection(
             write_control(&mut wr, &FromWorker::Stats(msg)).await
         }
         Some(ToWorker::Generate(msg)) => generate(msg, accepted, rd, wr, handle, config).await,
-        Some(ToWorker::KvBegin { transfer, n_tokens, layout }) => {
-            receive_kv(transfer, n_tokens, layout, rd, wr, handle).await
+        Some(ToWorker::KvBegin { transfer, n_tokens, layout, host }) => {
+            let begin = Begin { transfer, n_tokens, layout, host };
+            receive_kv(begin, rd, wr, handle, config.kv_transport, rings).await
         }
         Some(other) => {
             Err(ProtocolError::InvalidFrame { message: format!("unexpected first message {other:?}") })
@@ -145,7 +159,8 @@ async fn generate(
     write_control(&mut wr, &FromWorker::Accepted).await?;
     let mut kv = match &msg.mode {
         Mode::Prefill { transfer, decode_addr } => {
-            Some(KvSender::start(*transfer, decode_addr.clone(), prompt_len, handle, config.fault_corrupt_kv))
+            let opts = SendOptions { transport: config.kv_transport, corrupt: config.fault_corrupt_kv };
+            Some(KvSender::start(*transfer, decode_addr.clone(), prompt_len, handle, opts))
         }
         _ => None,
     };
@@ -171,12 +186,13 @@ async fn generate(
                             timing,
                             usage: usage_msg(usage),
                         }).await?;
-                        let (ok, bytes, held_ms) = match result {
-                            Some(rx) => rx.await.unwrap_or((false, 0, 0.0)),
-                            None => (false, 0, 0.0),
+                        let sent = match result {
+                            Some(rx) => rx.await.unwrap_or_default(),
+                            None => Default::default(),
                         };
+                        let (ok, bytes, held_ms, ring) = (sent.ok, sent.bytes, sent.held_ms, sent.ring);
                         let ms = (ended.elapsed().as_secs_f64() * 1e3 - held_ms).max(0.0);
-                        return write_control(&mut wr, &FromWorker::KvSent { ok, ms, bytes }).await;
+                        return write_control(&mut wr, &FromWorker::KvSent { ok, ms, bytes, ring }).await;
                     }
                     WorkEvent::Finished { reason, usage, timing } => {
                         return write_control(&mut wr, &FromWorker::Finished { reason, usage: usage_msg(usage), timing }).await;
