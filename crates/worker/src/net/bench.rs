@@ -32,6 +32,9 @@ pub struct KvTransferBench {
     pub ring_unavailable: Option<String>,
     /// Each repeat of a plain TCP copy of the same bytes (first byte out → 1-byte ack), ms.
     pub tcp_ms: Vec<f64>,
+    /// Each repeat of one `memcpy` of the same bytes into memory already mapped, ms: the
+    /// machine's memory speed at that moment (on a shared VM it varies severalfold).
+    pub memcpy_ms: Vec<f64>,
 }
 
 /// The `q` quantile (0..=1) of `v`, nearest rank; NaN when empty.
@@ -166,7 +169,9 @@ pub async fn kv_transfer(
         ring_ms: Vec::new(),
         ring_unavailable: None,
         tcp_ms: Vec::new(),
+        memcpy_ms: Vec::new(),
     };
+    let mut scratch = vec![1u8; payload.len()];
     for r in 0..repeats as u64 {
         let (ms, _) = one_transfer(&setup, 0xbe9c_0000 + 2 * r, KvTransport::Tcp).await?;
         out.transfer_ms.push(ms);
@@ -180,6 +185,10 @@ pub async fn kv_transfer(
             }
         }
         out.tcp_ms.push(plain_copy(Arc::clone(&payload), decode_side).await?);
+        let t0 = Instant::now();
+        scratch.copy_from_slice(&payload);
+        out.memcpy_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        std::hint::black_box(&scratch);
     }
     server.abort();
     Ok(out)
