@@ -106,15 +106,9 @@ impl Interleaved {
 
     /// Dequantizes the whole matrix into `out` (`rows × cols`, row-major), with exactly the
     /// arithmetic of the row layout's dequantization, so a GEMM over it gives the same result
-    /// whichever copy it came from (and the file's copy of the weights need not stay resident).
+    /// whichever copy it came from.
     pub fn dequantize_into(&self, out: &mut [f32]) -> Result<()> {
-        if Some(out.len()) != self.rows.checked_mul(self.cols) {
-            return Err(EngineError::shape(
-                "dequantized matrix length",
-                format!("{} x {}", self.rows, self.cols),
-                out.len(),
-            ));
-        }
+        super::check_matrix_len(self.rows, self.cols, out.len())?;
         let (nb, gb, q8) = (self.cols / 32, group_block(self.ty), self.ty == GgmlType::Q8_0);
         out.par_chunks_mut(GROUP * self.cols).enumerate().for_each(|(g, o)| {
             let w = self.group(g);

@@ -168,13 +168,7 @@ impl<'a> QMatrix<'a> {
 
     /// Dequantizes the whole matrix into `out` (`rows * cols`, row-major), parallel over rows.
     pub fn dequantize_into(&self, out: &mut [f32]) -> Result<()> {
-        if Some(out.len()) != self.rows.checked_mul(self.cols) {
-            return Err(EngineError::shape(
-                "dequantized matrix length",
-                format!("{} x {}", self.rows, self.cols),
-                out.len(),
-            ));
-        }
+        super::check_matrix_len(self.rows, self.cols, out.len())?;
         if self.cols == 0 {
             return Ok(());
         }

@@ -90,6 +90,14 @@ pub fn row_bytes(ty: GgmlType, n: usize) -> Result<usize> {
     })
 }
 
+/// An error unless `len` is the element count of a `rows × cols` matrix.
+pub(crate) fn check_matrix_len(rows: usize, cols: usize, len: usize) -> Result<()> {
+    if Some(len) != rows.checked_mul(cols) {
+        return Err(EngineError::shape("dequantized matrix length", format!("{rows} x {cols}"), len));
+    }
+    Ok(())
+}
+
 /// Dequantizes `bytes` (whole blocks of `ty`) into `out`; `out.len()` fixes the element count.
 pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     if !ty.is_supported() {
