@@ -7,7 +7,6 @@ use anyhow::Context as _;
 use clap::Args;
 use std::path::PathBuf;
 use tokenpath_engine::bench::run_engine_bench;
-use tokenpath_engine::Engine;
 
 #[derive(Debug, Args)]
 pub struct BenchEngineArgs {
@@ -31,7 +30,7 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         )?,
         None => serde_json::Value::Null,
     };
-    let engine = Engine::open(args.model.path())?;
+    let engine = args.model.open_engine()?;
     let b = run_engine_bench(&engine, args.steps, &|name| peer.get(name).and_then(|v| v.as_f64()))?;
     println!(
         "machine (measured now): f32 GEMM {:.1} GFLOP/s, read bandwidth {:.1} GB/s",

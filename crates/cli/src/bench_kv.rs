@@ -7,7 +7,6 @@ use clap::Args;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokenpath_engine::sampling::SamplingParams;
-use tokenpath_engine::Engine;
 use tokenpath_timeline::{RequestId, Stage};
 use tokenpath_worker::net::bench::quantile;
 use tokenpath_worker::{Role, WorkEvent, WorkMode, WorkRequest, Worker, WorkerConfig, WorkerHandle};
@@ -34,8 +33,7 @@ pub struct BenchKvArgs {
 }
 
 pub fn run(args: BenchKvArgs) -> anyhow::Result<()> {
-    let path = args.model.path();
-    let engine = Arc::new(Engine::open(&path).with_context(|| format!("loading {}", path.display()))?);
+    let engine = Arc::new(args.model.open_engine()?);
     let kv_tokens = (args.tokens + 64).max(engine.model().config().n_ctx);
     let worker =
         Worker::spawn(engine, WorkerConfig { kv_tokens: Some(kv_tokens), ..WorkerConfig::default() })?;

@@ -4,6 +4,7 @@
 use clap::Args;
 use std::io::Write as _;
 use std::path::PathBuf;
+use tokenpath_engine::model::{Model, Numerics};
 use tokenpath_engine::sampling::SamplingParams;
 use tokenpath_engine::tokenizer::ChatMessage;
 use tokenpath_engine::{Engine, GenerateRequest};
@@ -14,11 +15,46 @@ pub struct ModelArgs {
     /// GGUF model file (default: the model `scripts/setup` fetched).
     #[arg(long, env = "TOKENPATH_MODEL")]
     pub model: Option<PathBuf>,
+    /// Arithmetic of the forward pass: `fast` (the engine's kernels) or `ggml` (llama.cpp's CPU
+    /// arithmetic reproduced rounding for rounding: its greedy output token for token, about a
+    /// tenth of the speed; Q4_1/Q8_0 models).
+    #[arg(long, env = "TOKENPATH_NUMERICS", value_enum, default_value_t = NumericsArg::Fast)]
+    pub numerics: NumericsArg,
+}
+
+/// `--numerics` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NumericsArg {
+    Fast,
+    Ggml,
 }
 
 impl ModelArgs {
     pub fn path(&self) -> PathBuf {
         self.model.clone().unwrap_or_else(tokenpath_engine::default_model_path)
+    }
+
+    /// Loads the engine with the chosen arithmetic.
+    pub fn open_engine(&self) -> anyhow::Result<Engine> {
+        let path = self.path();
+        let load = || -> tokenpath_engine::error::Result<Engine> {
+            let mut model = Model::open(&path)?;
+            model.set_numerics(match self.numerics {
+                NumericsArg::Fast => Numerics::Fast,
+                NumericsArg::Ggml => Numerics::Ggml,
+            })?;
+            Engine::from_model(model)
+        };
+        load().map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))
+    }
+
+    /// The same selection as arguments for a child `tokenpath worker`.
+    pub fn to_args(&self) -> Vec<String> {
+        let numerics = match self.numerics {
+            NumericsArg::Fast => "fast",
+            NumericsArg::Ggml => "ggml",
+        };
+        vec![format!("--model={}", self.path().display()), format!("--numerics={numerics}")]
     }
 }
 
@@ -82,9 +118,8 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    let path = args.model.path();
     let t0 = std::time::Instant::now();
-    let engine = Engine::open(&path).map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
+    let engine = args.model.open_engine()?;
     let load = t0.elapsed();
     let text = if args.raw {
         args.prompt.clone()

@@ -13,7 +13,6 @@ use clap::Args;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokenpath_engine::Engine;
 use tokenpath_gateway::cluster::{Cluster, Registry};
 use tokenpath_gateway::{ApiKeys, Backend, Gateway, GatewayConfig};
 use tokenpath_timeline::WorkerId;
@@ -184,7 +183,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!(keys = api_keys.len(), rate_limited_tenants = ?limited, "API keys required");
     }
     tracing::info!(model = %path.display(), "loading model");
-    let engine = Arc::new(Engine::open(&path).with_context(|| format!("loading {}", path.display()))?);
+    let engine = Arc::new(args.model.open_engine()?);
     let gateway_config = GatewayConfig {
         served_model_name: served_model_name.clone(),
         max_body_bytes: args.http.max_body_bytes,
@@ -202,7 +201,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut local = None;
     runtime.block_on(async {
         let backend = if args.topology.is_cluster() {
-            let workers = start_workers(&args, &path, &mut children)?;
+            let workers = start_workers(&args, &mut children)?;
             let registry = Registry::start(workers);
             if args.topology.prefill + args.topology.decode > 0 || args.topology.cluster.is_some() {
                 tracing::info!("waiting for the workers to come up");
@@ -234,11 +233,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// Starts the `--prefill`/`--decode` worker processes and reads the cluster file.
-fn start_workers(
-    args: &ServeArgs,
-    model: &std::path::Path,
-    children: &mut Children,
-) -> anyhow::Result<Vec<(String, Role)>> {
+fn start_workers(args: &ServeArgs, children: &mut Children) -> anyhow::Result<Vec<(String, Role)>> {
     let t = &args.topology;
     if (t.prefill == 0) != (t.decode == 0) {
         anyhow::bail!(
@@ -252,7 +247,7 @@ fn start_workers(
         None => Vec::new(),
     };
     let mut extra = args.batching.to_args();
-    extra.push(format!("--model={}", model.display()));
+    extra.extend(args.model.to_args());
     for (role, n, cpus) in
         [(Role::Prefill, t.prefill, &t.prefill_cpus), (Role::Decode, t.decode, &t.decode_cpus)]
     {

@@ -12,7 +12,6 @@ use anyhow::Context as _;
 use clap::Args;
 use std::io::Write as _;
 use std::sync::Arc;
-use tokenpath_engine::Engine;
 use tokenpath_timeline::WorkerId;
 use tokenpath_worker::net::server::{serve, ServerConfig};
 use tokenpath_worker::net::KvTransport;
@@ -60,8 +59,7 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
         // Before any thread exists: every thread started later inherits the mask.
         pin_to_cpus(cpus)?;
     }
-    let path = args.model.path();
-    let engine = Arc::new(Engine::open(&path).with_context(|| format!("loading {}", path.display()))?);
+    let engine = Arc::new(args.model.open_engine()?);
     let threads = args.cpus.as_ref().map_or(2, CpuList::len).max(1);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)

@@ -3,7 +3,7 @@
 //! `[T × d]` activation so every weight matrix is streamed from memory once per call, whatever the
 //! mix; attention is the only per-sequence part and runs in parallel over (token, head).
 
-use super::{math, Mat, Model};
+use super::{ggml, math, Mat, Model, Numerics};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockId, BlockTable, KvCache};
 use crate::quant::{matmul_group, matmul_group_interleaved, Interleaved, QMatrix};
@@ -125,6 +125,9 @@ impl Model {
     /// GEMM from [`GEMM_MIN_ROWS`] rows on.
     fn linears(&self, ws: &[&Mat], x: &[f32], t: usize) -> Result<Vec<Vec<f32>>> {
         let mats = ws.iter().map(|w| self.q(w)).collect::<Result<Vec<QMatrix<'_>>>>()?;
+        if self.numerics == Numerics::Ggml {
+            return mats.iter().map(|m| ggml::linear(m, x, t)).collect();
+        }
         let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; t * m.rows()]).collect();
         let mut done = vec![false; mats.len()];
         for (i, m) in mats.iter().enumerate() {
@@ -213,7 +216,15 @@ impl Model {
         let mut xn = vec![0f32; t * d];
         let group = c.n_head / c.n_head_kv;
         let half = c.rope_dims / 2;
-        let rope_at = rope_table(rows.iter().map(|r| r.1), c.rope_dims, c.rope_base);
+        let exact = self.numerics == Numerics::Ggml;
+        let rms_norm = if exact { ggml::rms_norm } else { rms_norm };
+        let rope = if exact { ggml::rope } else { rope };
+        let positions = rows.iter().map(|r| r.1);
+        let rope_at = if exact {
+            ggml::rope_table(positions, c.rope_dims, c.rope_base)
+        } else {
+            rope_table(positions, c.rope_dims, c.rope_base)
+        };
         for (l, layer) in self.layers.iter().enumerate() {
             for (o, r) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 rms_norm(r, &layer.attn_norm, c.rms_eps, o);
@@ -227,7 +238,11 @@ impl Model {
                 let item = &batch[rows[r].0];
                 cache.write(item.table, l, pos, &k[r * kv..(r + 1) * kv], &v[r * kv..(r + 1) * kv]);
             }
-            let attn = attention(&*cache, batch, &rows, &q, l, c.n_head, group, hd);
+            let attn = if exact {
+                ggml::attention(&*cache, batch, &rows, &q, l, c.n_head, group, hd)
+            } else {
+                attention(&*cache, batch, &rows, &q, l, c.n_head, group, hd)
+            };
             let o = self.linear(&layer.wo, &attn, t)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
@@ -236,7 +251,7 @@ impl Model {
             }
             let mut gu = self.linears(&[&layer.w_gate, &layer.w_up], &xn, t)?.into_iter();
             let (gate, up) = (next(&mut gu), next(&mut gu));
-            let h = math::silu_mul(&gate, &up);
+            let h = if exact { ggml::silu_mul(&gate, &up) } else { math::silu_mul(&gate, &up) };
             let down = self.linear(&layer.w_down, &h, t)?;
             x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
         }

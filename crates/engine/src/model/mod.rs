@@ -8,6 +8,7 @@
 
 mod config;
 mod forward;
+mod ggml;
 mod math;
 
 pub use config::{ModelConfig, SUPPORTED_ARCHITECTURES};
@@ -96,6 +97,21 @@ pub struct Model {
     /// parallel kernel on pool threads; calling rayon from outside its pool instead hands every
     /// one of the ~300 kernels of a decode step across threads and back.
     pool: rayon::ThreadPool,
+    /// The arithmetic of the forward pass.
+    numerics: Numerics,
+}
+
+/// Which arithmetic the forward pass uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Numerics {
+    /// The engine's own kernels (repacked integer tiles, online softmax, vectorized exp): the
+    /// serving default. Logits match llama.cpp's to quantization noise (≈ 0.7 on the default
+    /// model), so a greedy continuation may part from llama.cpp's at a near-tie.
+    #[default]
+    Fast,
+    /// llama.cpp's CPU arithmetic reproduced rounding for rounding (see `model/ggml.rs`): greedy
+    /// output token-for-token llama.cpp's, at a fraction of the speed. Q4_1/Q8_0 matrices only.
+    Ggml,
 }
 
 impl Model {
@@ -168,10 +184,32 @@ impl Model {
             .map_err(|e| {
             EngineError::InvalidArgument(format!("cannot start the engine's threads: {e}"))
         })?;
-        Ok(Model { config, token_embd, output_norm, output, layers, file, pool })
+        Ok(Model { config, token_embd, output_norm, output, layers, file, pool, numerics: Numerics::Fast })
     }
 
     /// Hyper-parameters.
+    /// Switches the arithmetic of later forward calls. [`Numerics::Ggml`] refuses models with
+    /// matrix types it does not reproduce.
+    pub fn set_numerics(&mut self, numerics: Numerics) -> Result<()> {
+        if numerics == Numerics::Ggml {
+            let mats = self.layers.iter().flat_map(|l| {
+                [("attn_q", &l.wq), ("attn_k", &l.wk), ("attn_v", &l.wv), ("attn_output", &l.wo)]
+                    .into_iter()
+                    .chain([("ffn_gate", &l.w_gate), ("ffn_up", &l.w_up), ("ffn_down", &l.w_down)])
+            });
+            for (name, m) in mats.chain([("output", &self.output), ("token_embd", &self.token_embd)]) {
+                ggml::check_type(name, m.ty)?;
+            }
+        }
+        self.numerics = numerics;
+        Ok(())
+    }
+
+    /// The arithmetic in use.
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }

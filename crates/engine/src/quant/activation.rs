@@ -10,7 +10,7 @@
 //!
 //! The 32-element blocks reproduce ggml's Q8_0/Q8_1 activation numerics exactly — scale rounded
 //! to f16, `127 / amax` as the multiplier, round-half-to-even (what ggml's AVX2 path does), and
-//! `s` rounded to f16 — because 8-bit activation noise is the largest numeric effect in a
+//! `s = d · Σq` from the unrounded `d`, rounded to f16 — because 8-bit activation noise is the largest numeric effect in a
 //! quantized forward pass (about ±0.8 on the logits of the default model against an f32
 //! reference), so this removes the one systematic difference from llama.cpp, the correctness
 //! oracle. (Bit-identical logits would also need ggml's summation orders: with 8-bit
@@ -74,12 +74,12 @@ fn q8(v: f32, id: f32) -> i8 {
     (((v * id) + MAGIC) - MAGIC).clamp(-127.0, 127.0) as i8
 }
 
-/// ggml's 32-block activation scale: (f16-rounded `amax / 127`, `127 / amax`).
+/// ggml's 32-block activation scale: (`amax / 127` unrounded, `127 / amax`). The block stores
+/// the scale rounded to f16, but `s` is computed from the unrounded one, as ggml does.
 fn block_scale_32(x: &[f32]) -> (f32, f32) {
     let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let d = half::f16::from_f32(amax / 127.0).to_f32();
     let id = if amax > 0.0 && amax.is_finite() { 127.0 / amax } else { 0.0 };
-    (d, id)
+    (amax / 127.0, id)
 }
 
 impl QuantizedActivation {
@@ -105,7 +105,11 @@ impl QuantizedActivation {
                             *q = q8(v, id);
                         }
                         let sum: i32 = qs.iter().map(|&q| q as i32).sum();
-                        BlockQ8x32 { qs, d, s: half::f16::from_f32(d * sum as f32).to_f32() }
+                        BlockQ8x32 {
+                            qs,
+                            d: half::f16::from_f32(d).to_f32(),
+                            s: half::f16::from_f32(d * sum as f32).to_f32(),
+                        }
                     })
                     .collect(),
             ),
@@ -203,5 +207,25 @@ mod tests {
         assert_eq!(a.len(), 32);
         let zeros = QuantizedActivation::new(ActivationKind::Q8x32, &[0.0; 32]).unwrap();
         assert!(zeros.to_f32().iter().all(|v| *v == 0.0));
+    }
+
+    /// Regression: `s` used the f16-rounded scale; ggml's `quantize_row_q8_1` multiplies the sum
+    /// by the unrounded `amax / 127` (the two differ in about a third of random blocks).
+    #[test]
+    fn q8x32_sum_term_uses_the_unrounded_scale() {
+        use rand_chacha::rand_core::{RngCore, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let x: Vec<f32> =
+            (0..32 * 256).map(|_| (rng.next_u32() >> 8) as f32 / (1 << 23) as f32 - 1.0).collect();
+        let QuantizedActivation::Q8x32(blocks) = QuantizedActivation::new(ActivationKind::Q8x32, &x).unwrap()
+        else {
+            panic!("wrong kind")
+        };
+        for (b, c) in blocks.iter().zip(x.chunks_exact(32)) {
+            let amax = c.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let sum: i32 = b.qs.iter().map(|&q| q as i32).sum();
+            assert_eq!(b.d, half::f16::from_f32(amax / 127.0).to_f32());
+            assert_eq!(b.s, half::f16::from_f32(amax / 127.0 * sum as f32).to_f32());
+        }
     }
 }
