@@ -10,9 +10,10 @@ use tokenpath_engine::Engine;
 
 fn fixture_case(name: &str) -> (String, Vec<u32>) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let prompts: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(root.join("scripts/peer/parity_prompts.json")).unwrap())
-            .unwrap();
+    let prompts: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("scripts/peer/parity_prompts.json")).unwrap(),
+    )
+    .unwrap();
     let text = prompts.as_array().unwrap().iter().find(|p| p["name"] == name).unwrap()["text"]
         .as_str()
         .unwrap()

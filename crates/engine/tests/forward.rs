@@ -7,7 +7,7 @@
 mod support;
 
 use tokenpath_engine::kv_cache::{BlockTable, KvCache};
-use tokenpath_engine::model::{BatchItem, Model};
+use tokenpath_engine::model::{BatchItem, Model, Numerics};
 use tokenpath_engine::quant::GgmlType;
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 use tokenpath_engine::EngineError;
@@ -150,4 +150,48 @@ fn errors_leave_no_block_behind() {
     let mut batch = [BatchItem { table: &mut t3, tokens: &long, all_logits: false }];
     assert!(matches!(m.forward(&mut big, &mut batch), Err(EngineError::ContextOverflow { .. })));
     assert_eq!(big.used_blocks(), 0);
+}
+
+/// `Numerics::Ggml` on models the test writes (the bit-exact check against llama.cpp itself is
+/// `llama_cpp_parity.rs`, on the real model): it tracks the fast pass to quantization noise for
+/// a prompt and its decode steps, depends on the batch only as llama.cpp does (a prompt split
+/// into chunks of ≥ 2 tokens gives the whole prompt's logits exactly), leaves no block behind,
+/// and refuses a type it does not reproduce.
+#[test]
+fn ggml_numerics_track_the_fast_pass_and_refuse_other_types() {
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let fast = tiny(ty);
+        let mut exact = tiny(ty);
+        exact.set_numerics(Numerics::Ggml).unwrap();
+        assert_eq!(exact.numerics(), Numerics::Ggml);
+        let tokens: Vec<u32> = (0..21).map(|i| (i * 31 + 3) % fast.config().n_vocab as u32).collect();
+        let (mut kf, mut ke) = (cache(&fast, 16), cache(&exact, 16));
+        let (mut tf, mut te) = (BlockTable::default(), BlockTable::default());
+        let a = run(&fast, &mut kf, &mut tf, &tokens, false);
+        let b = run(&exact, &mut ke, &mut te, &tokens, false);
+        let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(max_diff(&a, &b) < 0.05 * scale, "{ty:?}: prefill {} vs scale {scale}", max_diff(&a, &b));
+        for step in [7u32, 11, 13] {
+            let a = run(&fast, &mut kf, &mut tf, &[step], false);
+            let b = run(&exact, &mut ke, &mut te, &[step], false);
+            assert!(max_diff(&a, &b) < 0.05 * scale, "{ty:?}: decode {}", max_diff(&a, &b));
+        }
+        // Chunks of at least two tokens take the same (batched) products as the whole prompt.
+        let mut kc = cache(&exact, 16);
+        let mut tc = BlockTable::default();
+        run(&exact, &mut kc, &mut tc, &tokens[..9], false);
+        let chunked = run(&exact, &mut kc, &mut tc, &tokens[9..], false);
+        let mut kw = cache(&exact, 16);
+        let mut tw = BlockTable::default();
+        let whole = run(&exact, &mut kw, &mut tw, &tokens, false);
+        assert_eq!(chunked, whole, "{ty:?}");
+        for (kv, t) in [(&mut kf, &mut tf), (&mut ke, &mut te), (&mut kc, &mut tc), (&mut kw, &mut tw)] {
+            kv.free_table(t).unwrap();
+            assert_eq!(kv.used_blocks(), 0);
+        }
+    }
+    let mut f32_model = tiny(GgmlType::F32);
+    let err = f32_model.set_numerics(Numerics::Ggml).unwrap_err().to_string();
+    assert!(err.contains("Q4_1 and Q8_0"), "{err}");
+    assert_eq!(f32_model.numerics(), Numerics::Fast);
 }

@@ -219,9 +219,13 @@ fn hsum8(a: [f32; 8]) -> f32 {
     (r[0] + r[2]) + (r[1] + r[3])
 }
 
-/// tinyBLAS's f16 dot (`len` a multiple of 8).
+/// tinyBLAS's f16 dot; llamafile refuses lengths that are not a multiple of 8 and ggml then
+/// takes `ggml_vec_dot_f16`.
 #[inline(always)]
 fn dot_f16_tiny(a: &[f16], b: &[f16]) -> f32 {
+    if !a.len().is_multiple_of(8) {
+        return dot_f16_vec(a, b);
+    }
     let mut acc = [0f32; 8];
     for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
         for l in 0..8 {
@@ -231,11 +235,14 @@ fn dot_f16_tiny(a: &[f16], b: &[f16]) -> f32 {
     hsum8(acc)
 }
 
-/// `ggml_vec_dot_f16` (`len` a multiple of 32).
+/// `ggml_vec_dot_f16`: whole 32-element steps in four eight-lane accumulators, the rest added
+/// one product at a time in f64.
 #[inline(always)]
 fn dot_f16_vec(a: &[f16], b: &[f16]) -> f32 {
     let mut sum = [[0f32; 8]; 4];
-    for (ca, cb) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
+    let (ca, cb) = (a.chunks_exact(32), b.chunks_exact(32));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (ca, cb) in ca.zip(cb) {
         for (j, s) in sum.iter_mut().enumerate() {
             for l in 0..8 {
                 s[l] = ca[8 * j + l].to_f32().mul_add(cb[8 * j + l].to_f32(), s[l]);
@@ -247,7 +254,11 @@ fn dot_f16_vec(a: &[f16], b: &[f16]) -> f32 {
         s0[l] = (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]);
     }
     let t0 = [s0[0] + s0[4], s0[1] + s0[5], s0[2] + s0[6], s0[3] + s0[7]];
-    (t0[0] + t0[1]) + (t0[2] + t0[3])
+    let mut total = ((t0[0] + t0[1]) + (t0[2] + t0[3])) as f64;
+    for (x, y) in ra.iter().zip(rb) {
+        total += (x.to_f32() * y.to_f32()) as f64;
+    }
+    total as f32
 }
 
 /// ggml's AVX2 `expf` (`ggml_v_expf`), one lane.
@@ -430,6 +441,13 @@ mod tests {
         let exact: f64 = a.iter().zip(&b).map(|(x, y)| x.to_f64() * y.to_f64()).sum();
         for v in [dot_f16_tiny(&a, &b), dot_f16_vec(&a, &b)] {
             assert!((v as f64 - exact).abs() < 1e-3, "{v} vs {exact}");
+        }
+        // Regression: lengths off the 32-element step (heads of 16, say) kept only whole steps.
+        for n in [16, 40, 44] {
+            let exact: f64 = a[..n].iter().zip(&b[..n]).map(|(x, y)| x.to_f64() * y.to_f64()).sum();
+            for v in [dot_f16_tiny(&a[..n], &b[..n]), dot_f16_vec(&a[..n], &b[..n])] {
+                assert!((v as f64 - exact).abs() < 1e-3, "{n}: {v} vs {exact}");
+            }
         }
     }
 
