@@ -93,13 +93,12 @@ fn terminate(child: &mut Child) {
 /// PIDs of running servers, for the signal handler.
 type Pids = Arc<Mutex<Vec<u32>>>;
 
-fn start_server(model: &Path, extra: &[String], log: &Path, pids: &Pids) -> anyhow::Result<Server> {
+fn start_server(model: &[String], extra: &[String], log: &Path, pids: &Pids) -> anyhow::Result<Server> {
     let exe = std::env::current_exe().context("finding the tokenpath executable")?;
     let mut child = Command::new(exe)
         .args(["serve", "--port", "0", "--kv-tokens", "16384"])
         .args(extra)
-        .arg("--model")
-        .arg(model)
+        .args(model)
         .env("NO_COLOR", "1")
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
@@ -228,7 +227,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     for (i, t) in topologies.iter().enumerate() {
         eprintln!("\ndemo {}/{n}: {} — {}", i + 1, t.label, t.what);
         let log = args.out_dir.join(format!("{}-serve.log", t.label));
-        let mut server = start_server(&model, &t.serve_args, &log, &pids)?;
+        let mut server = start_server(&args.model.to_args(), &t.serve_args, &log, &pids)?;
         let out = args.out_dir.join(format!("{}.json", t.label));
         let argv: Vec<String> = vec![
             "bench".into(),
