@@ -7,6 +7,7 @@
 pub mod bench;
 pub mod client;
 mod kv;
+mod kv_frames;
 mod kv_recv;
 mod shm;
 
