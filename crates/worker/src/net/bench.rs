@@ -6,6 +6,7 @@
 
 use super::kv::{KvSender, KvTransport, SendOptions};
 use super::server::{serve, ServerConfig};
+use super::shm::PeerRings;
 use crate::{Role, WorkMode, WorkRequest, WorkerError, WorkerHandle};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -86,6 +87,8 @@ struct Setup<'a> {
     addr: String,
     tokens: usize,
     chunks: Vec<(u32, Arc<[u8]>)>,
+    /// The sending side's kept ring mappings, as a prefill worker's server has them.
+    peers: PeerRings,
 }
 
 /// One real transfer of the whole payload: (ms, whether it went through the ring).
@@ -112,7 +115,7 @@ async fn one_transfer(
     let chunks: Vec<(u32, Vec<u8>)> = s.chunks.iter().map(|(b, c)| (*b, c.to_vec())).collect();
     let t0 = Instant::now();
     let opts = SendOptions { transport, corrupt: false };
-    let sender = KvSender::start(TransferId(transfer), s.addr.clone(), s.tokens, s.decode, opts);
+    let sender = KvSender::start(TransferId(transfer), s.addr.clone(), s.tokens, s.decode, opts, &s.peers);
     for (first_block, c) in chunks {
         sender.chunk(first_block, c);
     }
@@ -165,7 +168,7 @@ pub async fn kv_transfer(
         .enumerate()
         .map(|(i, c)| ((i * per) as u32, Arc::from(c)))
         .collect();
-    let setup = Setup { decode, addr, tokens, chunks };
+    let setup = Setup { decode, addr, tokens, chunks, peers: PeerRings::start() };
     let mut out = KvTransferBench {
         tokens,
         bytes: payload.len() as u64,

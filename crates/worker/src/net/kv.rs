@@ -11,7 +11,7 @@
 //! `KvRingFree` answers say which ring space may be written again.
 
 use super::kv_frames::FrameQueue;
-use super::shm::{host_id, PeerRing, RingSpace, RING_CHUNK_TARGET_BYTES};
+use super::shm::{host_id, PeerRing, PeerRings, RingSpace, RING_CHUNK_TARGET_BYTES};
 use super::{read_control, write_control};
 use crate::WorkerHandle;
 use std::sync::Arc;
@@ -95,6 +95,7 @@ impl KvSender {
         n_tokens: usize,
         handle: &WorkerHandle,
         opts: SendOptions,
+        peers: &PeerRings,
     ) -> Self {
         let (chunks, rx) = mpsc::unbounded_channel();
         let (done, done_rx) = oneshot::channel();
@@ -102,11 +103,12 @@ impl KvSender {
         let l = handle.kv_layout();
         let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
         let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+        let peers = peers.clone();
         tokio::spawn(async move {
             // Sent export buffers are freed only when the sender would wait anyway, or once the
             // verdict is out (`Exports::next`).
             let mut spent = Vec::new();
-            let job = Job { transfer, n_tokens, layout, block_bytes, opts };
+            let job = Job { transfer, n_tokens, layout, block_bytes, opts, peers };
             let exports = Exports { rx, done: done_rx, finished: false };
             let r = send_kv(&job, &addr, exports, &mut spent).await;
             let verdict = r.unwrap_or_else(|e| {
@@ -136,6 +138,8 @@ struct Job {
     layout: [u32; 3],
     block_bytes: usize,
     opts: SendOptions,
+    /// This worker's kept mappings of decode workers' rings.
+    peers: PeerRings,
 }
 
 fn conn_err(e: impl std::fmt::Display) -> ProtocolError {
@@ -156,13 +160,16 @@ async fn negotiate_ring(
         return Ok(None);
     }
     match read_control::<_, FromWorker>(rd).await? {
-        Some(FromWorker::KvRing { offer: Some(offer) }) => match PeerRing::open(&offer) {
+        Some(FromWorker::KvRing { offer: Some(offer) }) => match job.peers.open(&offer).await {
             // A ring must hold at least one chunk of whole blocks.
             Ok(ring) if ring.len() >= job.block_bytes => {
                 let space = RingSpace::new(ring.len());
                 Ok(Some((ring, space)))
             }
-            Ok(_) => Ok(None),
+            Ok(ring) => {
+                job.peers.give(ring);
+                Ok(None)
+            }
             Err(e) => {
                 tracing::debug!(
                     transfer = job.transfer.0,
@@ -254,7 +261,11 @@ async fn send_kv(
             other => return Err(conn_err(format!("expected an acknowledgement, got {other:?}"))),
         }
     };
+    // The decode worker has its ring back in its pool; the mapping stays for its next loan.
     let through_ring = ring.is_some();
+    if let Some((r, _)) = ring {
+        job.peers.give(r);
+    }
     match ack {
         (true, held_ms, _) => Ok(Sent { ok: true, bytes: bytes_sent, held_ms, ring: through_ring }),
         (false, _, message) => Err(refused(message)),
