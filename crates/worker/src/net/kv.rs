@@ -10,13 +10,13 @@
 //! copied) and announced with a small `KvRingChunk` control message; the decode worker's
 //! `KvRingFree` answers say which ring space may be written again.
 
-use super::kv_frames::FrameQueue;
+use super::kv_frames::{frame_target_bytes, FrameQueue};
 use super::shm::{host_id, PeerRing, PeerRings, RingSpace, RING_CHUNK_TARGET_BYTES};
 use super::{read_control, write_control};
 use crate::WorkerHandle;
 use std::sync::Arc;
-use tokenpath_protocol::cluster::{FromWorker, ToWorker, TransferId, KV_TRAILER};
-use tokenpath_protocol::frame::{Checksum, MAX_KV_CHUNK_BYTES};
+use tokenpath_protocol::cluster::{FromWorker, ToWorker, TransferId};
+use tokenpath_protocol::frame::Checksum;
 use tokenpath_protocol::ProtocolError;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -61,7 +61,7 @@ impl std::fmt::Display for KvTransport {
 
 /// The outgoing half of a KV transfer: a task that owns the connection to the decode worker.
 pub(crate) struct KvSender {
-    chunks: mpsc::UnboundedSender<(u32, Vec<u8>)>,
+    chunks: mpsc::UnboundedSender<(u32, Vec<u8>, Vec<Checksum>)>,
     done: oneshot::Sender<()>,
     result: oneshot::Receiver<Sent>,
 }
@@ -121,8 +121,10 @@ impl KvSender {
         Self { chunks, done, result }
     }
 
-    pub(crate) fn chunk(&self, first_block: u32, bytes: Vec<u8>) {
-        let _ = self.chunks.send((first_block, bytes));
+    /// Blocks `first_block..` to send; `sums` as [`super::kv_frames::frame_sums`] of them, or
+    /// empty (the sender hashes them then).
+    pub(crate) fn chunk(&self, first_block: u32, bytes: Vec<u8>, sums: Vec<Checksum>) {
+        let _ = self.chunks.send((first_block, bytes, sums));
     }
 
     /// Every block was handed over; the receiver resolves with how the transfer went.
@@ -184,9 +186,12 @@ async fn negotiate_ring(
     }
 }
 
+/// One export: its first block, its bytes, its frames' checksum states (or none).
+type Export = (u32, Vec<u8>, Vec<Checksum>);
+
 /// The batcher's exports as they arrive, until every block was handed over.
 struct Exports {
-    rx: mpsc::UnboundedReceiver<(u32, Vec<u8>)>,
+    rx: mpsc::UnboundedReceiver<(u32, Vec<u8>, Vec<Checksum>)>,
     done: oneshot::Receiver<()>,
     finished: bool,
 }
@@ -196,7 +201,7 @@ impl Exports {
     /// taken. Sent exports in `spent` are freed only when it really waits: returning tens of MB to
     /// the allocator costs milliseconds of munmap, which must not sit between the last frame and
     /// the end of the transfer.
-    async fn next(&mut self, spent: &mut Vec<Arc<Vec<u8>>>) -> Result<Option<(u32, Vec<u8>)>, ProtocolError> {
+    async fn next(&mut self, spent: &mut Vec<Arc<Vec<u8>>>) -> Result<Option<Export>, ProtocolError> {
         loop {
             if let Some(c) = self.ready() {
                 return Ok(Some(c));
@@ -228,7 +233,7 @@ impl Exports {
     }
 
     /// The next export if one is already there.
-    fn ready(&mut self) -> Option<(u32, Vec<u8>)> {
+    fn ready(&mut self) -> Option<Export> {
         self.rx.try_recv().ok()
     }
 }
@@ -280,15 +285,14 @@ async fn send_frames(
     exports: &mut Exports,
     spent: &mut Vec<Arc<Vec<u8>>>,
 ) -> Result<(u32, u64), ProtocolError> {
-    let target = KV_FRAME_TARGET_BYTES.min(MAX_KV_CHUNK_BYTES as usize) - KV_TRAILER;
-    let mut q = FrameQueue::new(job.transfer, job.block_bytes, target);
+    let mut q = FrameQueue::new(job.transfer, job.block_bytes, frame_target_bytes());
     loop {
-        while let Some((first_block, bytes)) = exports.ready() {
-            q.push(first_block, bytes);
+        while let Some((first_block, bytes, sums)) = exports.ready() {
+            q.push(first_block, bytes, sums);
         }
         if q.is_empty() {
             match exports.next(spent).await? {
-                Some((first_block, bytes)) => q.push(first_block, bytes),
+                Some((first_block, bytes, sums)) => q.push(first_block, bytes, sums),
                 None => break,
             }
         }
@@ -312,7 +316,7 @@ async fn send_ring(
     let per_chunk = (RING_CHUNK_TARGET_BYTES.min(ring.len()) / bb).max(1);
     let (mut sent, mut bytes_sent) = (0u32, 0u64);
     loop {
-        let Some((first_block, bytes)) = exports.next(spent).await? else { break };
+        let Some((first_block, bytes, _)) = exports.next(spent).await? else { break };
         for (i, part) in bytes.chunks(per_chunk * bb).enumerate() {
             let first = first_block + (i * per_chunk) as u32;
             let at = (first, (part.len() / bb) as u32);

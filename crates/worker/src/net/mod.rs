@@ -8,6 +8,7 @@ pub mod bench;
 pub mod client;
 mod kv;
 mod kv_frames;
+pub(crate) use kv_frames::{frame_blocks, frame_sums};
 mod kv_recv;
 mod shm;
 

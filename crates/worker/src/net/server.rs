@@ -181,9 +181,9 @@ async fn generate(
                 };
                 match event {
                     WorkEvent::Text { delta, tokens } => write_control(&mut wr, &FromWorker::Text { delta, tokens }).await?,
-                    WorkEvent::Kv { first_block, bytes } => {
+                    WorkEvent::Kv { first_block, bytes, sums } => {
                         if let Some(kv) = &kv {
-                            kv.chunk(first_block, bytes);
+                            kv.chunk(first_block, bytes, sums.0);
                         }
                     }
                     WorkEvent::Handoff { first_token, sampler, usage, timing, at } => {
