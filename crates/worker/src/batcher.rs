@@ -514,10 +514,18 @@ impl Batcher {
         if upto <= s.exported_blocks {
             return;
         }
-        let bytes = self.cache.export_blocks(&s.table, s.exported_blocks, upto);
-        let first_block = u32::try_from(s.exported_blocks).unwrap_or(u32::MAX);
-        s.exported_blocks = upto;
-        let _ = s.events.send(WorkEvent::Kv { first_block, bytes });
+        // One KV frame's blocks at a time, each hashed right after its copy while it is still in
+        // cache (a whole export of tens of MB would be out of it again by then).
+        let bb = self.cache.block_bytes();
+        let per = crate::net::frame_blocks(bb);
+        while s.exported_blocks < upto {
+            let to = (s.exported_blocks + per).min(upto);
+            let bytes = self.cache.export_blocks(&s.table, s.exported_blocks, to);
+            let first_block = u32::try_from(s.exported_blocks).unwrap_or(u32::MAX);
+            s.exported_blocks = to;
+            let sums = crate::FrameSums(crate::net::frame_sums(&bytes, bb));
+            let _ = s.events.send(WorkEvent::Kv { first_block, bytes, sums });
+        }
     }
 
     fn publish(&mut self) {

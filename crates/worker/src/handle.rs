@@ -120,6 +120,17 @@ pub struct TokenUsage {
     pub cached_tokens: u64,
 }
 
+/// The checksum state of each KV frame's block bytes in one export (see [`WorkEvent::Kv`]);
+/// equal when every frame's digest so far is.
+#[derive(Clone, Debug, Default)]
+pub struct FrameSums(pub(crate) Vec<tokenpath_protocol::frame::Checksum>);
+
+impl PartialEq for FrameSums {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.len() == other.0.len() && self.0.iter().zip(&other.0).all(|(a, b)| a.digest() == b.digest())
+    }
+}
+
 /// What a request's stream carries, in order: zero or more `Text`, then exactly one `Finished`
 /// or `Failed`. A stream that ends without either means the worker died.
 #[derive(Clone, Debug, PartialEq)]
@@ -148,6 +159,9 @@ pub enum WorkEvent {
         first_block: u32,
         /// Block bytes.
         bytes: Vec<u8>,
+        /// The checksum state of each KV frame's block bytes, computed right after the export
+        /// while they were in cache, so the transfer need not read them again to hash them.
+        sums: FrameSums,
     },
     /// Prefill mode: the first token is sampled and every KV block was sent; a decode worker
     /// takes it from here. Ends the stream.

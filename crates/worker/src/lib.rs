@@ -20,8 +20,8 @@ mod pd;
 mod seq;
 
 pub use handle::{
-    validate_request, TokenUsage, WorkEvent, WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig,
-    WorkerHandle, WorkerStats, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE,
+    validate_request, FrameSums, TokenUsage, WorkEvent, WorkMode, WorkRequest, WorkStream, Worker,
+    WorkerConfig, WorkerHandle, WorkerStats, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE,
     DEFAULT_PREFILL_CHUNK,
 };
 pub use pd::KvBlocks;

@@ -118,7 +118,7 @@ fn pd_run(
     let mut blocks = 0usize;
     loop {
         match pstream.blocking_next() {
-            Some(WorkEvent::Kv { first_block, mut bytes }) => {
+            Some(WorkEvent::Kv { first_block, mut bytes, .. }) => {
                 assert_eq!(first_block as usize, blocks, "blocks leave in order");
                 let per = p.kv_layout().n_layer * 2 * p.kv_layout().kv_dim * p.kv_layout().block_size * 2;
                 blocks += bytes.len() / per;

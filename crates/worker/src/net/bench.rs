@@ -6,11 +6,14 @@
 
 use super::kv::{KvSender, KvTransport, SendOptions};
 use super::server::{serve, ServerConfig};
+use super::shm::PeerRings;
+use super::{frame_blocks, frame_sums};
 use crate::{Role, WorkMode, WorkRequest, WorkerError, WorkerHandle};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokenpath_engine::sampling::SamplingParams;
 use tokenpath_protocol::cluster::TransferId;
+use tokenpath_protocol::frame::Checksum;
 use tokenpath_timeline::RequestId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -86,6 +89,8 @@ struct Setup<'a> {
     addr: String,
     tokens: usize,
     chunks: Vec<(u32, Arc<[u8]>)>,
+    /// The sending side's kept ring mappings, as a prefill worker's server has them.
+    peers: PeerRings,
 }
 
 /// One real transfer of the whole payload: (ms, whether it went through the ring).
@@ -107,17 +112,31 @@ async fn one_transfer(
         mode: WorkMode::Decode(transfer),
     })?;
     // The reservation is queued before any chunk: the batcher's channel keeps order. The chunks
-    // are copied before the clock starts: on a prefill worker they come out of the batcher's
-    // export, not the transfer.
-    let chunks: Vec<(u32, Vec<u8>)> = s.chunks.iter().map(|(b, c)| (*b, c.to_vec())).collect();
+    // are copied, and their frames hashed, before the clock starts: on a prefill worker both
+    // happen in the batcher's export (the hash right after the copy, in cache), not the transfer.
+    let l = s.decode.kv_layout();
+    let bb = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let chunks: Vec<(u32, Vec<u8>, Vec<Checksum>)> = s
+        .chunks
+        .iter()
+        .map(|(b, c)| {
+            let bytes = c.to_vec();
+            let sums = frame_sums(&bytes, bb);
+            (*b, bytes, sums)
+        })
+        .collect();
     let t0 = Instant::now();
     let opts = SendOptions { transport, corrupt: false };
-    let sender = KvSender::start(TransferId(transfer), s.addr.clone(), s.tokens, s.decode, opts);
-    for (first_block, c) in chunks {
-        sender.chunk(first_block, c);
+    let sender = KvSender::start(TransferId(transfer), s.addr.clone(), s.tokens, s.decode, opts, &s.peers);
+    for (first_block, c, sums) in chunks {
+        sender.chunk(first_block, c, sums);
     }
     let sent = sender.finish().await.unwrap_or_default();
     let ms = t0.elapsed().as_secs_f64() * 1e3;
+    // The sending task frees its export buffers right after the verdict (tens of MB of munmap);
+    // the next measurement starts once it has: this runtime's one thread runs this empty task
+    // only after that.
+    let _ = tokio::spawn(async {}).await;
     drop(stream);
     if !sent.ok {
         return Err(WorkerError::Remote("the benchmark transfer was refused".into()));
@@ -154,14 +173,14 @@ pub async fn kv_transfer(
     let payload: Arc<Vec<u8>> = Arc::new(
         (0..n_blocks * block_bytes).map(|i| if i % 2 == 1 { 0x3c } else { (i / 2) as u8 }).collect(),
     );
-    // Sixteen chunks, as a chunked prefill would hand them over.
-    let per = n_blocks.div_ceil(16).max(1);
+    // One KV frame's blocks per chunk, as the batcher hands them over.
+    let per = frame_blocks(block_bytes);
     let chunks = payload
         .chunks(per * block_bytes)
         .enumerate()
         .map(|(i, c)| ((i * per) as u32, Arc::from(c)))
         .collect();
-    let setup = Setup { decode, addr, tokens, chunks };
+    let setup = Setup { decode, addr, tokens, chunks, peers: PeerRings::start() };
     let mut out = KvTransferBench {
         tokens,
         bytes: payload.len() as u64,

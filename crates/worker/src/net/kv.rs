@@ -4,19 +4,20 @@
 //! Sender ([`KvSender`]): a task owning the connection to the decode worker; the batcher's
 //! exports arrive on a channel while the prefill runs. Over TCP they leave as `KvChunk` frames of
 //! about [`KV_FRAME_TARGET_BYTES`], each one vectored write (header, block bytes straight from the
-//! export buffer, trailer), its checksum computed just before, so the socket copy reads bytes the
-//! hash has just brought into cache. When the decode worker is on the same host and offers a
+//! export buffer, trailer), each frame's checksum computed while the previous frame waits for the
+//! socket (`kv_frames.rs`). When the decode worker is on the same host and offers a
 //! ring ([`KvTransport::Auto`]), each chunk is instead copied into the ring (hashed as it is
 //! copied) and announced with a small `KvRingChunk` control message; the decode worker's
 //! `KvRingFree` answers say which ring space may be written again.
 
-use super::shm::{host_id, PeerRing, RingSpace, RING_CHUNK_TARGET_BYTES};
+use super::kv_frames::{frame_target_bytes, FrameQueue};
+use super::shm::{host_id, PeerRing, PeerRings, RingSpace, RING_CHUNK_TARGET_BYTES};
 use super::{read_control, write_control};
 use crate::WorkerHandle;
-use tokenpath_protocol::cluster::{FromWorker, KvChunk, ToWorker, TransferId, KV_TRAILER};
-use tokenpath_protocol::frame::{write_frame_parts, Checksum, FrameHeader, FrameKind, MAX_KV_CHUNK_BYTES};
+use std::sync::Arc;
+use tokenpath_protocol::cluster::{FromWorker, ToWorker, TransferId};
+use tokenpath_protocol::frame::Checksum;
 use tokenpath_protocol::ProtocolError;
-use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -60,7 +61,7 @@ impl std::fmt::Display for KvTransport {
 
 /// The outgoing half of a KV transfer: a task that owns the connection to the decode worker.
 pub(crate) struct KvSender {
-    chunks: mpsc::UnboundedSender<(u32, Vec<u8>)>,
+    chunks: mpsc::UnboundedSender<(u32, Vec<u8>, Vec<Checksum>)>,
     done: oneshot::Sender<()>,
     result: oneshot::Receiver<Sent>,
 }
@@ -94,6 +95,7 @@ impl KvSender {
         n_tokens: usize,
         handle: &WorkerHandle,
         opts: SendOptions,
+        peers: &PeerRings,
     ) -> Self {
         let (chunks, rx) = mpsc::unbounded_channel();
         let (done, done_rx) = oneshot::channel();
@@ -101,13 +103,14 @@ impl KvSender {
         let l = handle.kv_layout();
         let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
         let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+        let peers = peers.clone();
         tokio::spawn(async move {
             // Sent export buffers are freed only when the sender would wait anyway, or once the
-            // verdict is out: returning tens of MB to the allocator costs milliseconds of munmap,
-            // which must not sit between a transfer's chunks.
+            // verdict is out (`Exports::next`).
             let mut spent = Vec::new();
-            let job = Job { transfer, n_tokens, layout, block_bytes, opts };
-            let r = send_kv(&job, &addr, rx, done_rx, &mut spent).await;
+            let job = Job { transfer, n_tokens, layout, block_bytes, opts, peers };
+            let exports = Exports { rx, done: done_rx, finished: false };
+            let r = send_kv(&job, &addr, exports, &mut spent).await;
             let verdict = r.unwrap_or_else(|e| {
                 tracing::warn!(transfer = transfer.0, "KV transfer to {addr} failed: {e}");
                 Sent::default()
@@ -118,8 +121,10 @@ impl KvSender {
         Self { chunks, done, result }
     }
 
-    pub(crate) fn chunk(&self, first_block: u32, bytes: Vec<u8>) {
-        let _ = self.chunks.send((first_block, bytes));
+    /// Blocks `first_block..` to send; `sums` as [`super::kv_frames::frame_sums`] of them, or
+    /// empty (the sender hashes them then).
+    pub(crate) fn chunk(&self, first_block: u32, bytes: Vec<u8>, sums: Vec<Checksum>) {
+        let _ = self.chunks.send((first_block, bytes, sums));
     }
 
     /// Every block was handed over; the receiver resolves with how the transfer went.
@@ -135,6 +140,8 @@ struct Job {
     layout: [u32; 3],
     block_bytes: usize,
     opts: SendOptions,
+    /// This worker's kept mappings of decode workers' rings.
+    peers: PeerRings,
 }
 
 fn conn_err(e: impl std::fmt::Display) -> ProtocolError {
@@ -155,13 +162,16 @@ async fn negotiate_ring(
         return Ok(None);
     }
     match read_control::<_, FromWorker>(rd).await? {
-        Some(FromWorker::KvRing { offer: Some(offer) }) => match PeerRing::open(&offer) {
+        Some(FromWorker::KvRing { offer: Some(offer) }) => match job.peers.open(&offer).await {
             // A ring must hold at least one chunk of whole blocks.
             Ok(ring) if ring.len() >= job.block_bytes => {
                 let space = RingSpace::new(ring.len());
                 Ok(Some((ring, space)))
             }
-            Ok(_) => Ok(None),
+            Ok(ring) => {
+                job.peers.give(ring);
+                Ok(None)
+            }
             Err(e) => {
                 tracing::debug!(
                     transfer = job.transfer.0,
@@ -176,12 +186,63 @@ async fn negotiate_ring(
     }
 }
 
+/// One export: its first block, its bytes, its frames' checksum states (or none).
+type Export = (u32, Vec<u8>, Vec<Checksum>);
+
+/// The batcher's exports as they arrive, until every block was handed over.
+struct Exports {
+    rx: mpsc::UnboundedReceiver<(u32, Vec<u8>, Vec<Checksum>)>,
+    done: oneshot::Receiver<()>,
+    finished: bool,
+}
+
+impl Exports {
+    /// The next export, waiting for it if need be; `None` once every block was handed over and
+    /// taken. Sent exports in `spent` are freed only when it really waits: returning tens of MB to
+    /// the allocator costs milliseconds of munmap, which must not sit between the last frame and
+    /// the end of the transfer.
+    async fn next(&mut self, spent: &mut Vec<Arc<Vec<u8>>>) -> Result<Option<Export>, ProtocolError> {
+        loop {
+            if let Some(c) = self.ready() {
+                return Ok(Some(c));
+            }
+            if self.finished {
+                return Ok(None);
+            }
+            match self.done.try_recv() {
+                Ok(()) => {
+                    self.finished = true;
+                    continue;
+                }
+                Err(oneshot::error::TryRecvError::Closed) => {
+                    return Err(conn_err("the request ended before its handoff"));
+                }
+                Err(oneshot::error::TryRecvError::Empty) => {}
+            }
+            spent.clear();
+            tokio::select! {
+                c = self.rx.recv() => if c.is_some() { return Ok(c) },
+                r = &mut self.done => {
+                    if r.is_err() {
+                        return Err(conn_err("the request ended before its handoff"));
+                    }
+                    self.finished = true;
+                }
+            }
+        }
+    }
+
+    /// The next export if one is already there.
+    fn ready(&mut self) -> Option<Export> {
+        self.rx.try_recv().ok()
+    }
+}
+
 async fn send_kv(
     job: &Job,
     addr: &str,
-    mut chunks: mpsc::UnboundedReceiver<(u32, Vec<u8>)>,
-    mut done: oneshot::Receiver<()>,
-    spent: &mut Vec<Vec<u8>>,
+    mut exports: Exports,
+    spent: &mut Vec<Arc<Vec<u8>>>,
 ) -> Result<Sent, ProtocolError> {
     let conn = TcpStream::connect(addr).await.map_err(conn_err)?;
     let _ = conn.set_nodelay(true);
@@ -193,72 +254,80 @@ async fn send_kv(
     write_control(&mut wr, &ToWorker::KvBegin { transfer, n_tokens: n, layout: job.layout, host }).await?;
     let mut ring = negotiate_ring(job, &mut rd, asked).await?;
     tracing::debug!(transfer = transfer.0, ring = ring.is_some(), "KV transfer to {addr} starts");
-    let bb = job.block_bytes.max(1);
-    let target = match &ring {
-        Some((r, _)) => RING_CHUNK_TARGET_BYTES.min(r.len()),
-        None => KV_FRAME_TARGET_BYTES.min(MAX_KV_CHUNK_BYTES as usize) - KV_TRAILER,
+    let (sent, bytes_sent) = match ring.as_mut() {
+        Some((r, space)) => send_ring(job, &mut rd, &mut wr, r, space, &mut exports, spent).await?,
+        None => send_frames(job, &mut wr, &mut exports, spent).await?,
     };
-    let per_chunk = (target / bb).max(1);
-    let (mut sent, mut bytes_sent) = (0u32, 0u64);
-    let mut finished = false;
-    loop {
-        if !finished && chunks.is_empty() {
-            spent.clear();
+    write_control(&mut wr, &ToWorker::KvEnd { transfer, chunks: sent }).await?;
+    let ack = loop {
+        match read_control::<_, FromWorker>(&mut rd).await? {
+            Some(FromWorker::KvRingFree { .. }) => {}
+            Some(FromWorker::KvAck { ok, held_ms, message }) => break (ok, held_ms, message),
+            other => return Err(conn_err(format!("expected an acknowledgement, got {other:?}"))),
         }
-        let next = if finished {
-            chunks.try_recv().ok()
-        } else {
-            tokio::select! {
-                c = chunks.recv() => c,
-                r = &mut done => {
-                    if r.is_err() {
-                        return Err(conn_err("the request ended before its handoff"));
-                    }
-                    finished = true;
-                    continue;
-                }
+    };
+    // The decode worker has its ring back in its pool; the mapping stays for its next loan.
+    let through_ring = ring.is_some();
+    if let Some((r, _)) = ring {
+        job.peers.give(r);
+    }
+    match ack {
+        (true, held_ms, _) => Ok(Sent { ok: true, bytes: bytes_sent, held_ms, ring: through_ring }),
+        (false, _, message) => Err(refused(message)),
+    }
+}
+
+/// Every export as `KvChunk` frames, each hashed while the previous one waits for the socket:
+/// (frames, block bytes).
+async fn send_frames(
+    job: &Job,
+    wr: &mut OwnedWriteHalf,
+    exports: &mut Exports,
+    spent: &mut Vec<Arc<Vec<u8>>>,
+) -> Result<(u32, u64), ProtocolError> {
+    let mut q = FrameQueue::new(job.transfer, job.block_bytes, frame_target_bytes());
+    loop {
+        while let Some((first_block, bytes, sums)) = exports.ready() {
+            q.push(first_block, bytes, sums);
+        }
+        if q.is_empty() {
+            match exports.next(spent).await? {
+                Some((first_block, bytes, sums)) => q.push(first_block, bytes, sums),
+                None => break,
             }
-        };
-        let Some((first_block, bytes)) = next else {
-            if finished {
-                break;
-            }
-            continue;
-        };
+        }
+        let corrupt = job.opts.corrupt && q.sent == 0;
+        q.write_next(wr, &mut || exports.ready(), spent, corrupt).await?;
+    }
+    Ok((q.sent, q.bytes))
+}
+
+/// Every export through the ring, a chunk of whole blocks at a time: (chunks, block bytes).
+async fn send_ring(
+    job: &Job,
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+    ring: &PeerRing,
+    space: &mut RingSpace,
+    exports: &mut Exports,
+    spent: &mut Vec<Arc<Vec<u8>>>,
+) -> Result<(u32, u64), ProtocolError> {
+    let bb = job.block_bytes.max(1);
+    let per_chunk = (RING_CHUNK_TARGET_BYTES.min(ring.len()) / bb).max(1);
+    let (mut sent, mut bytes_sent) = (0u32, 0u64);
+    loop {
+        let Some((first_block, bytes, _)) = exports.next(spent).await? else { break };
         for (i, part) in bytes.chunks(per_chunk * bb).enumerate() {
             let first = first_block + (i * per_chunk) as u32;
-            let n_blocks = (part.len() / bb) as u32;
+            let at = (first, (part.len() / bb) as u32);
             let corrupt = job.opts.corrupt && sent == 0;
-            match ring.as_mut() {
-                Some((r, space)) => {
-                    let at = (first, n_blocks);
-                    send_ring_chunk(&mut rd, &mut wr, r, space, transfer, at, part, corrupt).await?;
-                }
-                None => {
-                    let trailer = KvChunk::trailer(transfer, first, n_blocks);
-                    if corrupt {
-                        write_corrupted(&mut wr, part, &trailer).await?;
-                    } else {
-                        write_frame_parts(&mut wr, FrameKind::KvChunk, &[part, &trailer]).await?;
-                    }
-                }
-            }
+            send_ring_chunk(rd, wr, ring, space, job.transfer, at, part, corrupt).await?;
             sent += 1;
             bytes_sent += part.len() as u64;
         }
-        spent.push(bytes);
+        spent.push(Arc::new(bytes));
     }
-    write_control(&mut wr, &ToWorker::KvEnd { transfer, chunks: sent }).await?;
-    loop {
-        match read_control::<_, FromWorker>(&mut rd).await? {
-            Some(FromWorker::KvRingFree { .. }) => {}
-            Some(FromWorker::KvAck { ok: true, held_ms, .. }) => {
-                return Ok(Sent { ok: true, bytes: bytes_sent, held_ms, ring: ring.is_some() })
-            }
-            Some(FromWorker::KvAck { ok: false, message, .. }) => return Err(refused(message)),
-            other => return Err(conn_err(format!("expected an acknowledgement, got {other:?}"))),
-        }
-    }
+    Ok((sent, bytes_sent))
 }
 
 /// Writes blocks `at.0..at.0 + at.1` (`part`) into the ring, once the receiver has freed room
@@ -302,15 +371,4 @@ async fn send_ring_chunk(
         checksum: sum.digest(),
     };
     write_control(wr, &msg).await
-}
-
-/// Testing only (`fault_corrupt_kv`): the header (and checksum) of the true payload, then the
-/// payload with one byte flipped.
-async fn write_corrupted(wr: &mut OwnedWriteHalf, part: &[u8], trailer: &[u8]) -> Result<(), ProtocolError> {
-    let mut bad = part.to_vec();
-    bad.extend_from_slice(trailer);
-    let header = FrameHeader::for_payload(FrameKind::KvChunk, &bad)?;
-    bad[0] ^= 0x5a;
-    wr.write_all(&header.encode()).await.map_err(conn_err)?;
-    wr.write_all(&bad).await.map_err(conn_err)
 }

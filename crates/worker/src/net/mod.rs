@@ -7,6 +7,8 @@
 pub mod bench;
 pub mod client;
 mod kv;
+mod kv_frames;
+pub(crate) use kv_frames::{frame_blocks, frame_sums};
 mod kv_recv;
 mod shm;
 

@@ -10,7 +10,7 @@
 
 use super::kv::{KvSender, KvTransport, SendOptions};
 use super::kv_recv::{receive_kv, ring_len, Begin};
-use super::shm::{host_id, RingPool};
+use super::shm::{host_id, PeerRings, RingPool};
 use super::{read_control, sampler_pos, sampler_state, sampling_params, stats_msg, usage_msg, write_control};
 use crate::{Role, WorkEvent, WorkMode, WorkRequest, WorkerError, WorkerHandle};
 use std::time::{Duration, Instant};
@@ -47,7 +47,7 @@ pub async fn serve(
     let decodes = matches!(config.role, Role::Decode | Role::Both);
     let warm = (decodes && config.kv_transport == KvTransport::Auto && host_id().is_some())
         .then(|| ring_len(l.n_layer * 2 * l.kv_dim * l.block_size * 2));
-    let rings = RingPool::start(warm);
+    let rings = Rings { own: RingPool::start(warm), peers: PeerRings::start() };
     loop {
         let (stream, peer) = listener.accept().await.map_err(WorkerError::Spawn)?;
         // A request's clock on this worker starts when its connection arrives, not when a busy
@@ -65,6 +65,14 @@ pub async fn serve(
     }
 }
 
+/// The same-host rings of one worker: those it lends to senders (as a decode worker) and its
+/// mappings of those lent to it (as a prefill worker).
+#[derive(Clone, Debug)]
+struct Rings {
+    own: RingPool,
+    peers: PeerRings,
+}
+
 fn accepts(role: Role, mode: &Mode) -> bool {
     matches!(
         (role, mode),
@@ -77,7 +85,7 @@ async fn connection(
     accepted: Instant,
     handle: &WorkerHandle,
     config: &ServerConfig,
-    rings: &RingPool,
+    rings: &Rings,
 ) -> Result<(), ProtocolError> {
     let (mut rd, mut wr) = stream.into_split();
     let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, read_control::<_, ToWorker>(&mut rd))
@@ -98,10 +106,10 @@ async fn connection(
             );
             write_control(&mut wr, &FromWorker::Stats(msg)).await
         }
-        Some(ToWorker::Generate(msg)) => generate(msg, accepted, rd, wr, handle, config).await,
+        Some(ToWorker::Generate(msg)) => generate(msg, accepted, rd, wr, handle, config, &rings.peers).await,
         Some(ToWorker::KvBegin { transfer, n_tokens, layout, host }) => {
             let begin = Begin { transfer, n_tokens, layout, host };
-            receive_kv(begin, rd, wr, handle, config.kv_transport, rings).await
+            receive_kv(begin, rd, wr, handle, config.kv_transport, &rings.own).await
         }
         Some(other) => {
             Err(ProtocolError::InvalidFrame { message: format!("unexpected first message {other:?}") })
@@ -126,6 +134,7 @@ async fn generate(
     mut wr: OwnedWriteHalf,
     handle: &WorkerHandle,
     config: &ServerConfig,
+    peers: &PeerRings,
 ) -> Result<(), ProtocolError> {
     if !accepts(config.role, &msg.mode) {
         let message = format!("a {} worker does not run {:?} requests", config.role, msg.mode);
@@ -160,7 +169,7 @@ async fn generate(
     let mut kv = match &msg.mode {
         Mode::Prefill { transfer, decode_addr } => {
             let opts = SendOptions { transport: config.kv_transport, corrupt: config.fault_corrupt_kv };
-            Some(KvSender::start(*transfer, decode_addr.clone(), prompt_len, handle, opts))
+            Some(KvSender::start(*transfer, decode_addr.clone(), prompt_len, handle, opts, peers))
         }
         _ => None,
     };
@@ -172,9 +181,9 @@ async fn generate(
                 };
                 match event {
                     WorkEvent::Text { delta, tokens } => write_control(&mut wr, &FromWorker::Text { delta, tokens }).await?,
-                    WorkEvent::Kv { first_block, bytes } => {
+                    WorkEvent::Kv { first_block, bytes, sums } => {
                         if let Some(kv) = &kv {
-                            kv.chunk(first_block, bytes);
+                            kv.chunk(first_block, bytes, sums.0);
                         }
                     }
                     WorkEvent::Handoff { first_token, sampler, usage, timing, at } => {

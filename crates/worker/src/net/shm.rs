@@ -91,24 +91,40 @@ impl OwnRing {
 #[derive(Debug)]
 pub(crate) struct PeerRing {
     map: memmap2::MmapRaw,
+    /// The memfd's (device, inode): unique among live files, and this mapping keeps it alive.
+    key: (u64, u64),
+}
+
+/// Opens an offered ring and checks it is a sealed memfd of exactly that size: (file, its key).
+fn open_offer(offer: &tokenpath_protocol::cluster::RingOffer) -> io::Result<(File, (u64, u64))> {
+    use std::os::unix::fs::MetadataExt;
+    let len = usize::try_from(offer.len).map_err(|_| io::Error::other("ring too large"))?;
+    if !(1..=64 << 20).contains(&len) {
+        return Err(io::Error::other(format!("a ring of {len} bytes")));
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/{}/fd/{}", offer.pid, offer.fd))?;
+    let meta = file.metadata()?;
+    if meta.len() != offer.len || !sys::sealed_against_shrinking(&file)? {
+        return Err(io::Error::other("the offered ring is not a sealed memfd of its size"));
+    }
+    Ok((file, (meta.dev(), meta.ino())))
 }
 
 impl PeerRing {
-    /// Opens and maps an offered ring after checking it is a sealed memfd of exactly that size.
+    /// Opens and maps an offered ring after checking it is a sealed memfd of exactly that size
+    /// (what [`PeerRings::open`] does when it keeps no mapping of that memfd).
+    #[cfg(test)]
     pub(crate) fn open(offer: &tokenpath_protocol::cluster::RingOffer) -> io::Result<Self> {
-        let len = usize::try_from(offer.len).map_err(|_| io::Error::other("ring too large"))?;
-        if !(1..=64 << 20).contains(&len) {
-            return Err(io::Error::other(format!("a ring of {len} bytes")));
-        }
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(format!("/proc/{}/fd/{}", offer.pid, offer.fd))?;
-        if file.metadata()?.len() != offer.len || !sys::sealed_against_shrinking(&file)? {
-            return Err(io::Error::other("the offered ring is not a sealed memfd of its size"));
-        }
-        let map = memmap2::MmapOptions::new().len(len).populate().map_raw(&file)?;
-        Ok(Self { map })
+        let (file, key) = open_offer(offer)?;
+        Self::map(&file, key, offer.len as usize)
+    }
+
+    fn map(file: &File, key: (u64, u64), len: usize) -> io::Result<Self> {
+        let map = memmap2::MmapOptions::new().len(len).populate().map_raw(file)?;
+        Ok(Self { map, key })
     }
 
     /// The ring's size.
@@ -122,6 +138,86 @@ impl PeerRing {
         // SAFETY: inside the mapping (checked), which cannot shrink (its seals were checked).
         unsafe { copy(self.map.as_mut_ptr().add(start), src.as_ptr(), src.len()) };
         Ok(())
+    }
+}
+
+/// Peer rings kept mapped between transfers. A decode worker lends the same few rings (its
+/// pool) transfer after transfer, and mapping one afresh costs ~1.5 ms here (the kernel filling
+/// 8 MB of page tables, then tearing them down). Each cached mapping pins its memfd, so a
+/// decode worker's ring stays allocated while this worker keeps it here, at most
+/// [`MAX_PEER_RINGS`] of them (64 MB each at most).
+const MAX_PEER_RINGS: usize = 4;
+
+enum PeerCmd {
+    Take { key: (u64, u64), reply: tokio::sync::oneshot::Sender<Option<PeerRing>> },
+    Give(PeerRing),
+}
+
+/// The prefill worker's mappings of decode workers' rings, owned by one task like [`RingPool`].
+/// An offer is still opened and checked every time (cheap: an open and two fcntl/fstat calls);
+/// only the mapping is reused, and only for the very same memfd: its (device, inode) cannot
+/// name another file while a cached mapping holds this one open, and its seals cannot be
+/// removed.
+#[derive(Clone, Debug)]
+pub(crate) struct PeerRings {
+    tx: tokio::sync::mpsc::UnboundedSender<PeerCmd>,
+}
+
+impl std::fmt::Debug for PeerCmd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeerCmd::Take { .. } => "Take",
+            PeerCmd::Give(_) => "Give",
+        })
+    }
+}
+
+impl PeerRings {
+    /// Starts the cache's task on the current runtime.
+    pub(crate) fn start() -> Self {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<PeerCmd>();
+        tokio::spawn(async move {
+            // Least recently given back first.
+            let mut kept: std::collections::VecDeque<PeerRing> = std::collections::VecDeque::new();
+            while let Some(cmd) = rx.recv().await {
+                match cmd {
+                    PeerCmd::Take { key, reply } => {
+                        let found = kept.iter().position(|r| r.key == key).and_then(|i| kept.remove(i));
+                        if let Err(Some(ring)) = reply.send(found) {
+                            kept.push_back(ring);
+                        }
+                    }
+                    PeerCmd::Give(ring) => {
+                        kept.retain(|r| r.key != ring.key);
+                        kept.push_back(ring);
+                        while kept.len() > MAX_PEER_RINGS {
+                            kept.pop_front();
+                        }
+                    }
+                }
+            }
+        });
+        Self { tx }
+    }
+
+    /// Opens an offered ring after checking that it is a sealed memfd of exactly the offered
+    /// size, reusing this memfd's mapping when one is kept, else mapping it (pre-faulted).
+    pub(crate) async fn open(&self, offer: &tokenpath_protocol::cluster::RingOffer) -> io::Result<PeerRing> {
+        let (file, key) = open_offer(offer)?;
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        if self.tx.send(PeerCmd::Take { key, reply }).is_ok() {
+            if let Ok(Some(ring)) = rx.await {
+                if ring.len() as u64 == offer.len {
+                    return Ok(ring);
+                }
+            }
+        }
+        PeerRing::map(&file, key, offer.len as usize)
+    }
+
+    /// Keeps a ring's mapping for a later transfer to the same decode worker.
+    pub(crate) fn give(&self, ring: PeerRing) {
+        let _ = self.tx.send(PeerCmd::Give(ring));
     }
 }
 
@@ -361,5 +457,33 @@ mod tests {
             tokenpath_protocol::cluster::RingOffer { pid: std::process::id(), fd: f.as_raw_fd(), len: 4096 };
         assert!(PeerRing::open(&plain).is_err(), "a file that could shrink under the mapping");
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn peer_rings_reuse_a_mapping_only_for_the_same_memfd() {
+        let Ok(a) = OwnRing::create(1 << 16) else { return }; // no memfd here: TCP only
+        let b = OwnRing::create(1 << 16).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        rt.block_on(async {
+            let peers = PeerRings::start();
+            let first = peers.open(&a.offer()).await.unwrap();
+            let at = first.map.as_ptr() as usize;
+            first.copy_in(0, b"kept").unwrap();
+            peers.give(first);
+            let again = peers.open(&a.offer()).await.unwrap();
+            assert_eq!(again.map.as_ptr() as usize, at, "the same memfd: the kept mapping");
+            let other = peers.open(&b.offer()).await.unwrap();
+            assert_ne!(other.key, again.key, "another memfd: its own mapping");
+            other.copy_in(0, b"else").unwrap();
+            let (mut got_a, mut got_b) = ([0u8; 4], [0u8; 4]);
+            a.copy_out(0, &mut got_a).unwrap();
+            b.copy_out(0, &mut got_b).unwrap();
+            assert_eq!((&got_a, &got_b), (b"kept", b"else"));
+            // An offer is checked again even when a mapping is kept.
+            peers.give(again);
+            let mut lie = a.offer();
+            lie.len += 1;
+            assert!(peers.open(&lie).await.is_err());
+        });
     }
 }
