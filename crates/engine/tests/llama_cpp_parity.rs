@@ -23,6 +23,8 @@
 //! Both report how many free-running greedy continuations are identical and where the others
 //! part, with both top-2 gaps. `TOKENPATH_PARITY_JSON` points them at another fixture.
 
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use serde_json::Value;
@@ -57,21 +59,43 @@ impl Runner<'_> {
     }
 }
 
+/// The fixture (`TOKENPATH_PARITY_JSON`, else the committed one).
+fn fixture() -> Value {
+    let path = std::env::var_os("TOKENPATH_PARITY_JSON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| support::fixture("llama_cpp_greedy.json"));
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// A KV cache for the fixture's longest case, in blocks of 16.
+fn cache_for(model: &Model) -> KvCache {
+    let c = model.config();
+    KvCache::new(KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), block_size: 16 }, 4096 / 16).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Top-1 minus top-2 logit of one `step_top2` entry.
+fn gap(v: &Value) -> f32 {
+    (v[0][1].as_f64().unwrap() - v[1][1].as_f64().unwrap()) as f32
+}
+
+/// Largest difference between `logits` and the fixture's first-step top-50.
+fn first_step_diff(case: &Value, logits: &[f32]) -> f32 {
+    case["first_step_top"].as_array().unwrap().iter().fold(0f32, |m, pair| {
+        let (id, l) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap() as f32);
+        m.max((logits[id] - l).abs())
+    })
+}
+
 #[test]
 fn engine_tracks_llama_cpp() {
     let Some(path) = support::model_path() else { return };
-    let fixture = std::env::var_os("TOKENPATH_PARITY_JSON")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| support::fixture("llama_cpp_greedy.json"));
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    let doc = fixture();
     let model = Model::open(&path).unwrap();
-    let c = model.config().clone();
-    let layout = KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), block_size: 16 };
-    let mut r = Runner { model: &model, cache: KvCache::new(layout, 4096 / 16).unwrap() };
-    let ids = |v: &Value| -> Vec<u32> {
-        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-    };
-    let gap = |v: &Value| (v[0][1].as_f64().unwrap() - v[1][1].as_f64().unwrap()) as f32;
+    let mut r = Runner { model: &model, cache: cache_for(&model) };
 
     let cases = doc["cases"].as_array().unwrap();
     let (mut steps, mut agree, mut identical, mut max_first) = (0usize, 0usize, 0usize, 0f32);
@@ -85,10 +109,7 @@ fn engine_tracks_llama_cpp() {
         // Teacher-forced: llama.cpp's tokens in, our argmax compared at every step.
         let mut table = BlockTable::default();
         let mut logits = r.step(&mut table, &prompt);
-        for pair in case["first_step_top"].as_array().unwrap() {
-            let (id, l) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap() as f32);
-            max_first = max_first.max((logits[id] - l).abs());
-        }
+        max_first = max_first.max(first_step_diff(case, &logits));
         // Up to the first disagreement, teacher forcing *is* free-running greedy: that step is
         // where the two greedy continuations part.
         let mut parted = None;
@@ -138,19 +159,10 @@ fn engine_tracks_llama_cpp() {
 #[test]
 fn ggml_numerics_reproduce_llama_cpp_greedy() {
     let Some(path) = support::model_path() else { return };
-    let fixture = std::env::var_os("TOKENPATH_PARITY_JSON")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| support::fixture("llama_cpp_greedy.json"));
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    let doc = fixture();
     let mut model = Model::open(&path).unwrap();
     model.set_numerics(Numerics::Ggml).unwrap();
-    let c = model.config().clone();
-    let layout = KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), block_size: 16 };
-    let mut r = Runner { model: &model, cache: KvCache::new(layout, 4096 / 16).unwrap() };
-    let ids = |v: &Value| -> Vec<u32> {
-        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-    };
-    let gap = |v: &Value| (v[0][1].as_f64().unwrap() - v[1][1].as_f64().unwrap()) as f32;
+    let mut r = Runner { model: &model, cache: cache_for(&model) };
     let cases = doc["cases"].as_array().unwrap();
     let (mut identical, mut max_first, mut parted) = (0usize, 0f32, Vec::new());
     for case in cases {
@@ -159,10 +171,7 @@ fn ggml_numerics_reproduce_llama_cpp_greedy() {
         let theirs = case["step_top2"].as_array().unwrap();
         let mut table = BlockTable::default();
         let mut logits = r.step(&mut table, &ids(&case["prompt_ids"]));
-        for pair in case["first_step_top"].as_array().unwrap() {
-            let (id, l) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap() as f32);
-            max_first = max_first.max((logits[id] - l).abs());
-        }
+        max_first = max_first.max(first_step_diff(case, &logits));
         // Free-running: our own argmax is fed back.
         let mut same = true;
         for (k, &tok) in want.iter().enumerate() {

@@ -313,7 +313,7 @@ fn softmax(row: &mut [f32], scale: f32) {
 }
 
 /// Causal attention for every stacked row and head, ggml's way; returns `[T × n_head·hd]`.
-/// `batched`: the forward call has two or more tokens (llamafile takes the products).
+/// One task per (row, KV head): the group's query heads share one gather of K and V.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention(
     cache: &KvCache,
@@ -326,74 +326,69 @@ pub(super) fn attention(
     hd: usize,
 ) -> Vec<f32> {
     let d = n_head * hd;
-    let batched = rows.len() >= 2;
-    let tasks: Vec<(usize, usize)> = (0..rows.len()).flat_map(|r| (0..n_head).map(move |h| (r, h))).collect();
-    let run = |&(r, h): &(usize, usize)| {
+    let width = group * hd; // the group's heads are contiguous in Q and in the output
+    let tasks: Vec<(usize, usize)> =
+        (0..rows.len()).flat_map(|r| (0..n_head / group).map(move |kvh| (r, kvh))).collect();
+    let run = |&(r, kvh): &(usize, usize)| {
         let (item, pos) = rows[r];
-        attend_one(cache, batch[item].table, layer, h / group, hd, pos, &q[r * d + h * hd..][..hd], batched)
+        let query = Query {
+            cache,
+            table: batch[item].table,
+            layer,
+            kvh,
+            hd,
+            pos,
+            q: &q[r * d + kvh * width..][..width],
+            // llamafile takes the products of a forward call with two or more tokens.
+            batched: rows.len() >= 2,
+        };
+        attend(&query)
     };
     let outs: Vec<Vec<f32>> = tasks.par_iter().map(run).collect();
     let mut out = vec![0f32; rows.len() * d];
-    for (&(r, h), o) in tasks.iter().zip(&outs) {
-        out[r * d + h * hd..][..hd].copy_from_slice(o);
+    for (&(r, kvh), o) in tasks.iter().zip(&outs) {
+        out[r * d + kvh * width..][..width].copy_from_slice(o);
     }
     out
 }
 
-#[allow(clippy::too_many_arguments)]
-fn attend_one(
-    cache: &KvCache,
-    table: &BlockTable,
+/// One query row's heads of one KV head group, over positions `0..=pos`.
+struct Query<'a> {
+    cache: &'a KvCache,
+    table: &'a BlockTable,
     layer: usize,
     kvh: usize,
     hd: usize,
     pos: usize,
-    q: &[f32],
+    /// The group's query heads, `hd` each.
+    q: &'a [f32],
     batched: bool,
-) -> Vec<f32> {
+}
+
+fn attend(query: &Query<'_>) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has FMA (checked just above).
-        return unsafe { attend_one_fma(cache, table, layer, kvh, hd, pos, q, batched) };
+        return unsafe { attend_fma(query) };
     }
-    attend_one_body(cache, table, layer, kvh, hd, pos, q, batched)
+    attend_body(query)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma")]
-#[allow(clippy::too_many_arguments)]
-fn attend_one_fma(
-    cache: &KvCache,
-    table: &BlockTable,
-    layer: usize,
-    kvh: usize,
-    hd: usize,
-    pos: usize,
-    q: &[f32],
-    batched: bool,
-) -> Vec<f32> {
-    attend_one_body(cache, table, layer, kvh, hd, pos, q, batched)
+fn attend_fma(query: &Query<'_>) -> Vec<f32> {
+    attend_body(query)
 }
 
-/// One query row × one head over positions `0..=pos`: f16 Q·K, softmax, f16 P·V.
+/// f16 Q·K, softmax, f16 P·V for each head of the group, K and V gathered once.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_one_body(
-    cache: &KvCache,
-    table: &BlockTable,
-    layer: usize,
-    kvh: usize,
-    hd: usize,
-    pos: usize,
-    q: &[f32],
-    batched: bool,
-) -> Vec<f32> {
+fn attend_body(query: &Query<'_>) -> Vec<f32> {
+    let Query { cache, table, layer, kvh, hd, pos, q, batched } = *query;
     let bs = cache.layout().block_size;
     let kv_dim = cache.layout().kv_dim;
     let n = pos + 1;
     // Zero padding to whole 32-element steps adds exact zeros to either dot's lanes.
     let padded = n.div_ceil(32) * 32;
-    let q16: Vec<f16> = q.iter().map(|&v| f16::from_f32(v)).collect();
     let mut k = vec![f16::ZERO; n * hd];
     let mut vt = vec![f16::ZERO; hd * padded]; // V transposed, as llama.cpp caches it
     for (bi, block) in table.blocks().iter().enumerate().take(n.div_ceil(bs)) {
@@ -408,13 +403,18 @@ fn attend_one_body(
         }
     }
     let dot = |a: &[f16], b: &[f16]| if batched { dot_f16_tiny(a, b) } else { dot_f16_vec(a, b) };
-    let mut scores: Vec<f32> = k.chunks_exact(hd).map(|kr| dot(kr, &q16)).collect();
-    softmax(&mut scores, 1.0 / (hd as f32).sqrt());
+    let mut out = Vec::with_capacity(q.len());
     let mut p16 = vec![f16::ZERO; padded];
-    for (o, &s) in p16.iter_mut().zip(&scores) {
-        *o = f16::from_f32(s);
+    for qh in q.chunks_exact(hd) {
+        let q16: Vec<f16> = qh.iter().map(|&v| f16::from_f32(v)).collect();
+        let mut scores: Vec<f32> = k.chunks_exact(hd).map(|kr| dot(kr, &q16)).collect();
+        softmax(&mut scores, 1.0 / (hd as f32).sqrt());
+        for (o, &s) in p16.iter_mut().zip(&scores) {
+            *o = f16::from_f32(s);
+        }
+        out.extend(vt.chunks_exact(padded).map(|vr| dot(vr, &p16)));
     }
-    vt.chunks_exact(padded).map(|vr| dot(vr, &p16)).collect()
+    out
 }
 
 #[cfg(test)]
