@@ -7,6 +7,7 @@ use clap::Args;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokenpath_engine::sampling::SamplingParams;
+use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_timeline::{RequestId, Stage};
 use tokenpath_worker::net::bench::quantile;
 use tokenpath_worker::{Role, WorkEvent, WorkMode, WorkRequest, Worker, WorkerConfig, WorkerHandle};
@@ -150,16 +151,22 @@ async fn live_handoff(decode: &WorkerHandle, tokens: usize) -> anyhow::Result<(f
     let engine = Arc::clone(decode.engine());
     let prefill = Worker::spawn(engine, WorkerConfig { prefix_cache: false, ..WorkerConfig::default() })?;
     let mut addrs = Vec::new();
+    let secret = ClusterSecret::new(&ClusterSecret::generate()?)?;
     for (h, role) in [(prefill.handle(), Role::Prefill), (decode.clone(), Role::Decode)] {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         addrs.push((l.local_addr()?.to_string(), role));
         tokio::spawn(serve(
             l,
             h,
-            ServerConfig { role, fault_corrupt_kv: false, kv_transport: KvTransport::Auto },
+            ServerConfig {
+                role,
+                fault_corrupt_kv: false,
+                kv_transport: KvTransport::Auto,
+                secret: secret.clone(),
+            },
         ));
     }
-    let registry = Registry::start(addrs);
+    let registry = Registry::start(addrs, secret);
     anyhow::ensure!(
         registry.wait_ready(Duration::from_secs(30)).await,
         "the loopback workers did not come up"

@@ -7,7 +7,7 @@
 //! crates, where it is tested without a process.
 
 use crate::generate::ModelArgs;
-use crate::topology::{load_cluster_file, Children, CpuList};
+use crate::topology::{load_cluster_file, Children, CpuList, SecretArgs};
 use anyhow::Context as _;
 use clap::Args;
 use std::net::IpAddr;
@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokenpath_gateway::cluster::{Cluster, Registry};
 use tokenpath_gateway::{ApiKeys, Backend, Gateway, GatewayConfig};
+use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_timeline::WorkerId;
 use tokenpath_worker::{Role, Worker, WorkerConfig};
 
@@ -31,6 +32,8 @@ pub struct ServeArgs {
     topology: TopologyArgs,
     #[command(flatten)]
     http: HttpArgs,
+    #[command(flatten)]
+    secret: SecretArgs,
 }
 
 /// Which processes run the model: one colocated worker in this process (the default), worker
@@ -201,8 +204,30 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut local = None;
     runtime.block_on(async {
         let backend = if args.topology.is_cluster() {
-            let workers = start_workers(&args, &mut children)?;
-            let registry = Registry::start(workers);
+            let (text, secret) = match args.secret.secret()? {
+                Some(s) => s,
+                None if args.topology.prefill + args.topology.decode > 0
+                    && args.topology.cluster.is_none()
+                    && !args.topology.accept_workers =>
+                {
+                    // Only our own children: a fresh secret nobody else ever sees.
+                    let text = ClusterSecret::generate().map_err(anyhow::Error::msg)?;
+                    let secret = ClusterSecret::new(&text).map_err(anyhow::Error::msg)?;
+                    (text, secret)
+                }
+                None => {
+                    // Workers that are not our children can only be loopback ones without a
+                    // secret (a worker refuses a public address without one).
+                    tracing::warn!(
+                        "!!! NO CLUSTER SECRET: only workers on this host without one can serve; set {} \
+                         here and on every worker !!!",
+                        crate::topology::CLUSTER_SECRET_ENV
+                    );
+                    (String::new(), ClusterSecret::open())
+                }
+            };
+            let workers = start_workers(&args, &mut children, &text)?;
+            let registry = Registry::start(workers, secret);
             if args.topology.prefill + args.topology.decode > 0 || args.topology.cluster.is_some() {
                 tracing::info!("waiting for the workers to come up");
                 if !registry.wait_ready(Duration::from_secs(300)).await {
@@ -233,7 +258,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// Starts the `--prefill`/`--decode` worker processes and reads the cluster file.
-fn start_workers(args: &ServeArgs, children: &mut Children) -> anyhow::Result<Vec<(String, Role)>> {
+fn start_workers(
+    args: &ServeArgs,
+    children: &mut Children,
+    secret: &str,
+) -> anyhow::Result<Vec<(String, Role)>> {
     let t = &args.topology;
     if (t.prefill == 0) != (t.decode == 0) {
         anyhow::bail!(
@@ -253,7 +282,7 @@ fn start_workers(args: &ServeArgs, children: &mut Children) -> anyhow::Result<Ve
     {
         for i in 0..n {
             let name = format!("{}{i}", if role == Role::Prefill { "p" } else { "d" });
-            let addr = children.spawn(&name, role, cpus.as_ref(), &extra)?;
+            let addr = children.spawn(&name, role, cpus.as_ref(), &extra, secret)?;
             tracing::info!(worker = %name, %addr, %role, cpus = ?cpus, "worker process started");
             workers.push((addr, role));
         }

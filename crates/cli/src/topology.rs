@@ -11,7 +11,39 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
 use std::time::Duration;
+use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_worker::Role;
+
+/// The environment variable the cluster secret travels in (never the command line, which every
+/// user of the machine can read in /proc).
+pub const CLUSTER_SECRET_ENV: &str = "TOKENPATH_CLUSTER_SECRET";
+
+/// The secret gateway and workers share.
+#[derive(clap::Args)]
+pub struct SecretArgs {
+    /// The cluster secret every connection between gateway and workers proves (challenge-
+    /// response, at least 16 characters). `serve --prefill/--decode` generates one for its
+    /// children when none is set. Prefer the environment variable.
+    #[arg(long = "cluster-secret", env = CLUSTER_SECRET_ENV, hide_env_values = true, value_name = "SECRET")]
+    pub cluster_secret: Option<String>,
+}
+
+impl std::fmt::Debug for SecretArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = if self.cluster_secret.is_some() { "set" } else { "unset" };
+        write!(f, "SecretArgs {{ cluster_secret: {set} }}")
+    }
+}
+
+impl SecretArgs {
+    /// The configured secret, or none.
+    pub fn secret(&self) -> anyhow::Result<Option<(String, ClusterSecret)>> {
+        self.cluster_secret
+            .as_deref()
+            .map(|s| Ok((s.to_owned(), ClusterSecret::new(s).map_err(anyhow::Error::msg)?)))
+            .transpose()
+    }
+}
 
 /// A set of CPU cores: `0`, `0,1`, `0-3`, `0,2-3`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -108,16 +140,24 @@ pub fn load_cluster_file(path: &Path) -> anyhow::Result<Vec<(String, Role)>> {
 pub struct Children(Vec<(String, Child)>);
 
 impl Children {
-    /// Starts `tokenpath worker --role ROLE --listen 127.0.0.1:0 …extra` and returns its address.
+    /// Starts `tokenpath worker --role ROLE --listen 127.0.0.1:0 …extra` with the cluster
+    /// `secret` in its environment, and returns its address.
     pub fn spawn(
         &mut self,
         name: &str,
         role: Role,
         cpus: Option<&CpuList>,
         extra: &[String],
+        secret: &str,
     ) -> anyhow::Result<String> {
         let exe = std::env::current_exe().context("finding the tokenpath executable")?;
         let mut cmd = Command::new(exe);
+        if secret.is_empty() {
+            // No secret (loopback only): the child runs without one too.
+            cmd.env_remove(CLUSTER_SECRET_ENV);
+        } else {
+            cmd.env(CLUSTER_SECRET_ENV, secret);
+        }
         cmd.args(["worker", "--role", &role.to_string(), "--listen", "127.0.0.1:0", "--id", name]);
         if let Some(c) = cpus {
             cmd.args(["--cpus", &c.to_string()]);

@@ -7,11 +7,12 @@
 
 use crate::generate::ModelArgs;
 use crate::serve::BatchingArgs;
-use crate::topology::{pin_to_cpus, CpuList};
+use crate::topology::{pin_to_cpus, CpuList, SecretArgs};
 use anyhow::Context as _;
 use clap::Args;
 use std::io::Write as _;
 use std::sync::Arc;
+use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_timeline::WorkerId;
 use tokenpath_worker::net::server::{serve, ServerConfig};
 use tokenpath_worker::net::KvTransport;
@@ -49,12 +50,42 @@ pub struct WorkerArgs {
     #[arg(long, hide = true, env = "TOKENPATH_FAULT_CORRUPT_KV")]
     fault_corrupt_kv: bool,
     #[command(flatten)]
+    secret: SecretArgs,
+    #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
     batching: BatchingArgs,
 }
 
+/// The secret this worker demands, refusing to serve a non-loopback address without one.
+fn cluster_secret(args: &WorkerArgs) -> anyhow::Result<ClusterSecret> {
+    if let Some((_, secret)) = args.secret.secret()? {
+        return Ok(secret);
+    }
+    let ip = args
+        .listen
+        .rsplit_once(':')
+        .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']'))
+        .and_then(|h| h.parse::<std::net::IpAddr>().ok());
+    match ip {
+        Some(ip) if ip.is_loopback() => {
+            tracing::warn!(
+                "!!! NO CLUSTER SECRET: any process on this host can use this worker (set {}) !!!",
+                crate::topology::CLUSTER_SECRET_ENV
+            );
+            Ok(ClusterSecret::open())
+        }
+        _ => anyhow::bail!(
+            "refusing to listen on {} without a cluster secret: set {} (the gateway needs the same \
+             one), or listen on loopback",
+            args.listen,
+            crate::topology::CLUSTER_SECRET_ENV
+        ),
+    }
+}
+
 pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    let secret = cluster_secret(&args)?;
     if let Some(cpus) = &args.cpus {
         // Before any thread exists: every thread started later inherits the mask.
         pin_to_cpus(cpus)?;
@@ -89,6 +120,7 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
             role: args.role,
             fault_corrupt_kv: args.fault_corrupt_kv,
             kv_transport: args.kv_transport,
+            secret,
         };
         tokio::select! {
             r = serve(listener, worker.handle(), server) => r.context("serving")?,

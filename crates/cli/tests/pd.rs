@@ -13,7 +13,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use support::{http, worker, Served};
+use support::{http, worker, worker_with_secret, Served};
 
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 
@@ -288,5 +288,38 @@ fn workers_can_register_at_run_time() {
         "{}",
         v["timing"]
     );
+    s.stop();
+}
+
+#[test]
+fn a_worker_without_the_cluster_secret_never_serves() {
+    let m = model("secret");
+    let w = worker(&m, "both", &[]);
+    let stranger = worker_with_secret(&m, "both", &[], "some-other-cluster-secret");
+    let s = serve(&m, &["--accept-workers"]);
+    // Only the stranger: the gateway never finds a worker it can trust.
+    let (status, body) = http(
+        s.port(),
+        "POST",
+        "/admin/workers",
+        &format!(r#"{{"addr":"{}","role":"both"}}"#, stranger.addr),
+    );
+    assert_eq!(status, 200, "{body}");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(http(s.port(), "GET", "/ready", "").0, 503, "a worker with another secret is not up");
+    let (status, body) =
+        http(s.port(), "POST", "/admin/workers", &format!(r#"{{"addr":"{}","role":"both"}}"#, w.addr));
+    assert_eq!(status, 200, "{body}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while http(s.port(), "GET", "/ready", "").0 != 200 {
+        assert!(Instant::now() < deadline, "the worker holding the secret never became ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for i in 0..3 {
+        assert_eq!(ask(s.port(), &format!("only trusted workers {i}"), "")["usage"]["completion_tokens"], 24);
+    }
+    let stranger_up =
+        workers(s.port()).iter().any(|v| v["addr"] == stranger.addr.as_str() && v["up"] == true);
+    assert!(!stranger_up, "the stranger was never up");
     s.stop();
 }

@@ -61,3 +61,25 @@ fn serve_refuses_a_public_address_without_api_keys() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("without API keys"), "{err}");
 }
+
+#[test]
+fn worker_refuses_a_public_address_without_a_cluster_secret() {
+    for listen in ["0.0.0.0:0", "[::]:0", "10.1.2.3:0"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+            .args(["worker", "--listen", listen, "--model", "/nonexistent.gguf"])
+            .env_remove("TOKENPATH_CLUSTER_SECRET")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{listen}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("without a cluster secret"), "{listen}: {err}");
+    }
+    // A secret too short to be one is refused too.
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+        .args(["worker", "--listen", "0.0.0.0:0", "--model", "/nonexistent.gguf"])
+        .env("TOKENPATH_CLUSTER_SECRET", "short")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 16"));
+}

@@ -26,10 +26,64 @@ use crate::ProtocolError;
 use serde::{Deserialize, Serialize};
 use tokenpath_timeline::{FinishReason, ServerTiming};
 
-/// Identifies one KV transfer between a prefill and a decode worker (chosen by the gateway).
+/// Identifies one KV transfer between a prefill and a decode worker (chosen by the gateway,
+/// at random: an id says nothing about the ids of other requests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct TransferId(pub u64);
+
+impl TransferId {
+    /// A fresh random id.
+    pub fn random() -> Result<Self, ProtocolError> {
+        let mut b = [0u8; 8];
+        crate::auth::fill_random(&mut b)?;
+        Ok(Self(u64::from_le_bytes(b)))
+    }
+}
+
+/// The capability to deliver one transfer's KV: 128 random bits the gateway draws per transfer
+/// and gives to exactly the two workers of that request. The decode worker lends its blocks only
+/// to a `KvBegin` carrying it, so knowing (or guessing) a transfer id is worth nothing.
+/// Compared in constant time; `Debug` does not print it.
+#[derive(Clone, Copy, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TransferToken(#[serde(with = "hex16")] pub [u8; 16]);
+
+impl TransferToken {
+    /// A fresh random token.
+    pub fn random() -> Result<Self, ProtocolError> {
+        let mut b = [0u8; 16];
+        crate::auth::fill_random(&mut b)?;
+        Ok(Self(b))
+    }
+}
+
+impl PartialEq for TransferToken {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.iter().zip(other.0.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+impl Eq for TransferToken {}
+
+impl std::fmt::Debug for TransferToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TransferToken(..)")
+    }
+}
+
+mod hex16 {
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+    pub(super) fn serialize<S: Serializer>(v: &[u8; 16], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&hex::encode(v))
+    }
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 16], D::Error> {
+        let s = String::deserialize(d)?;
+        let mut b = [0u8; 16];
+        hex::decode_to_slice(s, &mut b).map_err(D::Error::custom)?;
+        Ok(b)
+    }
+}
 
 /// Sampling parameters as sent to a worker.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -81,6 +135,8 @@ pub enum Mode {
     Prefill {
         /// The transfer's id, known to the decode worker.
         transfer: TransferId,
+        /// The transfer's capability, sent in `KvBegin`.
+        token: TransferToken,
         /// Where the decode worker listens.
         decode_addr: String,
     },
@@ -88,6 +144,8 @@ pub enum Mode {
     Decode {
         /// The transfer to wait for.
         transfer: TransferId,
+        /// Only a `KvBegin` with this token may deliver it.
+        token: TransferToken,
     },
 }
 
@@ -130,6 +188,8 @@ pub enum ToWorker {
     KvBegin {
         /// Which transfer.
         transfer: TransferId,
+        /// The transfer's capability (from the gateway, via `Mode::Prefill`).
+        token: TransferToken,
         /// Tokens whose KV follows.
         n_tokens: u32,
         /// Engine KV layout fingerprint: `n_layer`, `kv_dim`, `block_size`; must match exactly.
@@ -442,7 +502,11 @@ mod tests {
             max_tokens: Some(4),
             stop: vec!["\n".into()],
             ignore_eos: false,
-            mode: Mode::Prefill { transfer: TransferId(9), decode_addr: "127.0.0.1:1".into() },
+            mode: Mode::Prefill {
+                transfer: TransferId(9),
+                token: TransferToken([7; 16]),
+                decode_addr: "127.0.0.1:1".into(),
+            },
         });
         let back: ToWorker = decode_control(&encode_control(&msg).unwrap()).unwrap();
         assert_eq!(back, msg);
@@ -459,14 +523,30 @@ mod tests {
         );
         assert!(decode_control::<ToWorker>(br#"{"type":"nope"}"#).is_err());
         // Same-host messages; a `KvBegin` without a host is the TCP-only one, byte for byte.
-        let begin = ToWorker::KvBegin { transfer: TransferId(1), n_tokens: 2, layout: [1, 2, 3], host: None };
+        let token = TransferToken([0xab; 16]);
+        let begin =
+            ToWorker::KvBegin { transfer: TransferId(1), token, n_tokens: 2, layout: [1, 2, 3], host: None };
         assert!(!String::from_utf8(encode_control(&begin).unwrap()).unwrap().contains("host"));
-        let old: ToWorker =
-            decode_control(br#"{"type":"kv_begin","transfer":1,"n_tokens":2,"layout":[1,2,3]}"#).unwrap();
-        assert_eq!(old, begin);
+        let tcp: ToWorker = decode_control(
+            br#"{"type":"kv_begin","transfer":1,"token":"abababababababababababababababab","n_tokens":2,"layout":[1,2,3]}"#,
+        )
+        .unwrap();
+        assert_eq!(tcp, begin);
+        // No token, or a token of the wrong length: not a KvBegin at all.
+        assert!(decode_control::<ToWorker>(
+            br#"{"type":"kv_begin","transfer":1,"n_tokens":2,"layout":[1,2,3]}"#
+        )
+        .is_err());
+        assert!(decode_control::<ToWorker>(
+            br#"{"type":"kv_begin","transfer":1,"token":"abab","n_tokens":2,"layout":[1,2,3]}"#
+        )
+        .is_err());
+        assert_ne!(TransferToken::random().unwrap(), TransferToken::random().unwrap());
+        assert_eq!(format!("{token:?}"), "TransferToken(..)");
         for m in [
             ToWorker::KvBegin {
                 transfer: TransferId(1),
+                token,
                 n_tokens: 2,
                 layout: [1, 2, 3],
                 host: Some("b".into()),

@@ -178,6 +178,21 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     Ok(Some((header.kind, payload)))
 }
 
+/// Reads one frame that must be a control message, refusing any other kind from its header,
+/// before a byte of its payload is read or allocated (a control channel never holds more than
+/// [`MAX_CONTROL_BYTES`] for a peer, whatever it announces). `Ok(None)` on a clean end of stream.
+pub async fn read_control_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Vec<u8>>, ProtocolError> {
+    let Some(header) = read_header(r).await? else { return Ok(None) };
+    if header.kind != FrameKind::Control {
+        return Err(bad(format!("a {:?} frame where a control message belongs", header.kind)));
+    }
+    let mut payload = vec![0u8; header.len as usize];
+    let mut reader = PayloadReader::new(header);
+    reader.read_into(r, &mut payload).await?;
+    reader.finish()?;
+    Ok(Some(payload))
+}
+
 /// One frame's payload, read piece by piece into memory the caller chooses (no buffer of its
 /// own, nothing zeroed first) and hashed as each piece arrives. Nothing read is trustworthy
 /// until [`PayloadReader::finish`] has checked the length and checksum: a caller writing into

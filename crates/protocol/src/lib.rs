@@ -12,6 +12,7 @@
 //! are not here: [`ErrorKind`] is what the gateway maps to a status. Between tokenpath processes,
 //! [`frame`] is the one framing (versioned, bounded, checksummed) and [`cluster`] the messages.
 
+pub mod auth;
 pub mod chat;
 pub mod cluster;
 pub mod completion;
@@ -87,6 +88,13 @@ pub enum ProtocolError {
     #[error("connection error: {message}")]
     Connection {
         /// The I/O error.
+        message: String,
+    },
+    /// A peer that could not prove it holds the cluster secret (or a connection that did not
+    /// follow the handshake).
+    #[error("unauthenticated: {message}")]
+    Unauthenticated {
+        /// What failed (never the secret or a MAC).
         message: String,
     },
     /// A response (body or stream event) from a server that is not what an OpenAI-compatible

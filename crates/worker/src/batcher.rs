@@ -15,7 +15,7 @@
 //! never corrupts it. A sequence's blocks are freed whenever it leaves the running set: finished,
 //! failed, cancelled (its event receiver was dropped) or preempted.
 
-use crate::handle::{WorkEvent, WorkMode, WorkRequest, WorkerConfig, WorkerStats};
+use crate::handle::{Transfer, WorkEvent, WorkMode, WorkRequest, WorkerConfig, WorkerStats};
 use crate::pd::KvBlocks;
 use crate::seq::{Ending, Seq};
 use std::collections::VecDeque;
@@ -37,11 +37,11 @@ pub(crate) enum Command {
     /// A validated request.
     Submit(Box<Submission>),
     /// Decode mode: KV blocks of a transfer.
-    KvChunk { transfer: u64, first_block: u32, bytes: Vec<u8> },
+    KvChunk { transfer: Transfer, first_block: u32, bytes: Vec<u8> },
     /// Decode mode: lend a transfer's reserved blocks to the task receiving it. The blocks travel
     /// back in a [`KvBlocks`] built on `tx`, so they come home however the reply is lost.
     KvLease {
-        transfer: u64,
+        transfer: Transfer,
         n_tokens: usize,
         tx: mpsc::Sender<Command>,
         reply: oneshot::Sender<Result<KvBlocks, String>>,
@@ -51,7 +51,7 @@ pub(crate) enum Command {
     /// Decode mode: a transfer ended (`ok`: every chunk arrived and verified), with the blocks it
     /// was received into when they were lent.
     KvEnd {
-        transfer: u64,
+        transfer: Transfer,
         n_tokens: usize,
         ok: bool,
         lease: Option<KvLease>,
@@ -179,7 +179,7 @@ impl Batcher {
             Command::ReturnLease { transfer, lease } => self.return_lease(transfer, lease),
             Command::KvEnd { transfer, n_tokens, ok, lease, reply } => {
                 if let Some(lease) = lease {
-                    self.return_lease(transfer, lease);
+                    self.return_lease(transfer.id, lease);
                 }
                 let _ = reply.send(self.kv_end(transfer, n_tokens, ok));
             }

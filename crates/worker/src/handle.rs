@@ -17,6 +17,7 @@ use std::time::Instant;
 use tokenpath_engine::kv_cache::KvLayout;
 use tokenpath_engine::sampling::{Sampler, SamplerState, SamplingParams};
 use tokenpath_engine::Engine;
+pub use tokenpath_protocol::cluster::TransferToken;
 use tokenpath_timeline::{FinishReason, RequestId, ServerTiming, WorkerId};
 use tokio::sync::{mpsc as tmpsc, watch, Semaphore};
 
@@ -71,8 +72,19 @@ pub enum WorkMode {
     /// Prefill, sample the first token, stream the KV out ([`WorkEvent::Kv`]) and hand off
     /// ([`WorkEvent::Handoff`]).
     Prefill,
-    /// Wait for the KV of transfer `u64` and the handed-off first token, then decode.
-    Decode(u64),
+    /// Wait for the KV of a transfer and the handed-off first token, then decode.
+    Decode(Transfer),
+}
+
+/// A decode-mode request's KV transfer: its id and the token that must come with its KV. Two
+/// transfers are equal only when both match (the token in constant time), so a lookup by
+/// `Transfer` is the authorization check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    /// The gateway's transfer id.
+    pub id: u64,
+    /// The transfer's capability.
+    pub token: TransferToken,
 }
 
 impl WorkMode {
@@ -371,7 +383,7 @@ impl WorkerHandle {
     }
 
     /// Decode mode: KV blocks of `transfer` arrived (not yet verified as complete).
-    pub fn kv_chunk(&self, transfer: u64, first_block: u32, bytes: Vec<u8>) -> Result<(), WorkerError> {
+    pub fn kv_chunk(&self, transfer: Transfer, first_block: u32, bytes: Vec<u8>) -> Result<(), WorkerError> {
         self.tx.send(Command::KvChunk { transfer, first_block, bytes }).map_err(|_| WorkerError::Stopped)
     }
 
@@ -379,7 +391,7 @@ impl WorkerHandle {
     /// returned receiver says whether (and when) the blocks were imported.
     pub fn kv_end(
         &self,
-        transfer: u64,
+        transfer: Transfer,
         n_tokens: usize,
         ok: bool,
     ) -> Result<tokio::sync::oneshot::Receiver<Result<Instant, String>>, WorkerError> {
@@ -390,9 +402,9 @@ impl WorkerHandle {
     }
 
     /// Decode mode: borrows the reserved blocks of `transfer` (of `n_tokens` tokens) to receive
-    /// its KV straight into them. Refused when the transfer is unknown, already received or over,
-    /// or of another length than the prompt.
-    pub async fn kv_lease(&self, transfer: u64, n_tokens: usize) -> Result<KvBlocks, String> {
+    /// its KV straight into them. Refused when the transfer is unknown (or its token wrong),
+    /// already being received or over, or of another length than the prompt.
+    pub async fn kv_lease(&self, transfer: Transfer, n_tokens: usize) -> Result<KvBlocks, String> {
         let (reply, rx) = tokio::sync::oneshot::channel();
         let cmd = Command::KvLease { transfer, n_tokens, tx: self.tx.clone(), reply };
         self.tx.send(cmd).map_err(|_| "the worker stopped")?;

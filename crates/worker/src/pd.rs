@@ -18,7 +18,7 @@
 //! when the [`KvBlocks`] is dropped), and only then does anything read them.
 
 use crate::batcher::{Batcher, Command};
-use crate::handle::WorkMode;
+use crate::handle::{Transfer, WorkMode};
 use crate::seq::{Ending, KvState, Seq};
 use crate::WorkerError;
 use std::sync::mpsc;
@@ -34,13 +34,13 @@ use tokio::sync::oneshot;
 /// the transfer counts as failed.
 #[derive(Debug)]
 pub struct KvBlocks {
-    transfer: u64,
+    transfer: Transfer,
     lease: Option<KvLease>,
     tx: mpsc::Sender<Command>,
 }
 
 impl KvBlocks {
-    pub(crate) fn new(transfer: u64, lease: KvLease, tx: mpsc::Sender<Command>) -> Self {
+    pub(crate) fn new(transfer: Transfer, lease: KvLease, tx: mpsc::Sender<Command>) -> Self {
         Self { transfer, lease: Some(lease), tx }
     }
 
@@ -78,7 +78,7 @@ impl Drop for KvBlocks {
     fn drop(&mut self) {
         if let Some(lease) = self.lease.take() {
             // A stopped worker has dropped its cache; the lease's memory goes with this value.
-            let _ = self.tx.send(Command::ReturnLease { transfer: self.transfer, lease });
+            let _ = self.tx.send(Command::ReturnLease { transfer: self.transfer.id, lease });
         }
     }
 }
@@ -88,9 +88,21 @@ pub(crate) const KV_WAIT_AFTER_HANDOFF: Duration = Duration::from_secs(10);
 /// How long a decode-mode request waits for its handoff at all.
 pub(crate) const HANDOFF_WAIT: Duration = Duration::from_secs(600);
 
+/// Whether `seq` waits for the transfer with id `id` (whatever its token: only for messages
+/// that come on the request's own connection or from inside the worker).
+fn awaits_id(seq: &Seq, id: u64) -> bool {
+    matches!(seq.mode, WorkMode::Decode(t) if t.id == id)
+}
+
 impl Batcher {
     fn awaiting_mut(&mut self, transfer: u64) -> Option<&mut Seq> {
-        self.awaiting.iter_mut().find(|s| s.mode == WorkMode::Decode(transfer))
+        self.awaiting.iter_mut().find(|s| awaits_id(s, transfer))
+    }
+
+    /// The awaiting request whose transfer is `transfer`, id and token both (a wrong token finds
+    /// nothing, exactly like an unknown id: the peer learns nothing from the difference).
+    fn awaiting_idx(&self, transfer: Transfer) -> Option<usize> {
+        self.awaiting.iter().position(|s| s.mode == WorkMode::Decode(transfer))
     }
 
     /// A new decode-mode request: reserve blocks for its prompt's KV and wait.
@@ -109,10 +121,10 @@ impl Batcher {
         self.awaiting.push(seq);
     }
 
-    pub(crate) fn kv_chunk(&mut self, transfer: u64, first_block: u32, bytes: &[u8]) {
+    pub(crate) fn kv_chunk(&mut self, transfer: Transfer, first_block: u32, bytes: &[u8]) {
         let now = Instant::now();
-        let Some(idx) = self.awaiting.iter().position(|s| s.mode == WorkMode::Decode(transfer)) else {
-            tracing::debug!(transfer, "KV chunk for an unknown or finished transfer");
+        let Some(idx) = self.awaiting_idx(transfer) else {
+            tracing::debug!(transfer = transfer.id, "KV chunk for an unknown or finished transfer");
             return;
         };
         let seq = &self.awaiting[idx];
@@ -120,16 +132,18 @@ impl Batcher {
             return;
         }
         if let Err(e) = self.cache.write_blocks(&seq.table, first_block as usize, bytes) {
-            tracing::warn!(transfer, "bad KV chunk: {e}");
+            tracing::warn!(transfer = transfer.id, "bad KV chunk: {e}");
             self.awaiting[idx].kv = KvState::Failed(now);
         }
     }
 
     /// Lends the reserved blocks of `transfer` (a transfer of `n_tokens` tokens) to its receiver.
-    pub(crate) fn kv_lease(&mut self, transfer: u64, n_tokens: usize) -> Result<KvLease, String> {
-        let Some(seq) = self.awaiting.iter_mut().find(|s| s.mode == WorkMode::Decode(transfer)) else {
-            return Err(format!("transfer {transfer} is not expected here"));
+    pub(crate) fn kv_lease(&mut self, transfer: Transfer, n_tokens: usize) -> Result<KvLease, String> {
+        let Some(idx) = self.awaiting_idx(transfer) else {
+            return Err(format!("transfer {} is not expected here", transfer.id));
         };
+        let seq = &mut self.awaiting[idx];
+        let transfer = transfer.id;
         if seq.kv != KvState::Pending || seq.kv_lent {
             return Err(format!("transfer {transfer} is already being received or over"));
         }
@@ -150,7 +164,7 @@ impl Batcher {
                 return;
             }
         };
-        match self.awaiting.iter_mut().find(|s| s.mode == WorkMode::Decode(transfer) && s.kv_lent) {
+        match self.awaiting.iter_mut().find(|s| awaits_id(s, transfer) && s.kv_lent) {
             Some(seq) => {
                 seq.table = table;
                 seq.kv_lent = false;
@@ -164,16 +178,26 @@ impl Batcher {
         }
     }
 
-    pub(crate) fn kv_end(&mut self, transfer: u64, n_tokens: usize, ok: bool) -> Result<Instant, String> {
+    /// A transfer's end. Without the transfer's token nothing changes; with it, a verdict from
+    /// anyone but the receiver holding the blocks (a second `KvBegin` of the same transfer)
+    /// changes nothing either, so only the one transfer in progress decides.
+    pub(crate) fn kv_end(
+        &mut self,
+        transfer: Transfer,
+        n_tokens: usize,
+        ok: bool,
+    ) -> Result<Instant, String> {
         let now = Instant::now();
-        let Some(idx) = self.awaiting.iter().position(|s| s.mode == WorkMode::Decode(transfer)) else {
-            return Err(format!("transfer {transfer} is not expected here"));
+        let Some(idx) = self.awaiting_idx(transfer) else {
+            return Err(format!("transfer {} is not expected here", transfer.id));
         };
+        let transfer = transfer.id;
         let seq = &mut self.awaiting[idx];
+        if seq.kv_lent {
+            return Err("the transfer is being received on another connection".to_owned());
+        }
         let result = if seq.kv != KvState::Pending {
             Err("a chunk of the transfer was rejected".to_owned())
-        } else if seq.kv_lent {
-            Err("the transfer's blocks are still lent to its receiver".to_owned())
         } else if !ok {
             Err("the transfer was incomplete or corrupted".to_owned())
         } else if n_tokens != seq.prompt_len {

@@ -11,15 +11,19 @@ use tokenpath_engine::model::Model;
 use tokenpath_engine::sampling::SamplingParams;
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 use tokenpath_engine::Engine;
+use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_protocol::cluster::{
-    decode_control, encode_control, FromWorker, GenerateMsg, KvChunk, Mode, SamplingMsg, ToWorker, TransferId,
+    decode_control, encode_control, FromWorker, GenerateMsg, KvChunk, Mode, SamplingMsg, ToWorker,
+    TransferId, TransferToken,
 };
 use tokenpath_protocol::frame::{read_frame, write_frame, FrameHeader, FrameKind, FRAME_HEADER_LEN};
 use tokenpath_timeline::{RequestId, WorkerId};
 use tokenpath_worker::net::client::RemoteRequest;
 use tokenpath_worker::net::server::{serve, ServerConfig};
 use tokenpath_worker::net::KvTransport;
-use tokenpath_worker::{Role, WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle};
+use tokenpath_worker::{
+    Role, Transfer, WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle,
+};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -45,6 +49,30 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| 3 + (i * 31 + seed * 17) % 250).collect()
 }
 
+/// The secret every served worker of these tests demands.
+fn secret() -> ClusterSecret {
+    ClusterSecret::new("kv-net-test-cluster-secret").unwrap()
+}
+
+/// The token of transfer `id` in these tests (a real gateway draws them at random).
+fn token(id: u64) -> TransferToken {
+    let mut t = [0x5a; 16];
+    t[..8].copy_from_slice(&id.to_le_bytes());
+    TransferToken(t)
+}
+
+fn tr(id: u64) -> Transfer {
+    Transfer { id, token: token(id) }
+}
+
+/// A connection to a served worker, authenticated with `secret()`.
+async fn authed(addr: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let (mut rd, mut wr) = s.split();
+    tokenpath_protocol::auth::connect(&mut rd, &mut wr, &secret()).await.unwrap();
+    s
+}
+
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
@@ -52,7 +80,11 @@ fn rt() -> tokio::runtime::Runtime {
 async fn listen_with(h: &WorkerHandle, role: Role, kv_transport: KvTransport) -> String {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
-    tokio::spawn(serve(l, h.clone(), ServerConfig { role, fault_corrupt_kv: false, kv_transport }));
+    tokio::spawn(serve(
+        l,
+        h.clone(),
+        ServerConfig { role, fault_corrupt_kv: false, kv_transport, secret: secret() },
+    ));
     addr
 }
 
@@ -76,7 +108,7 @@ fn decode_request(id: u64, prompt: Vec<u32>, transfer: u64) -> WorkRequest {
         ignore_eos: true,
         arrived: now,
         admitted: now,
-        mode: WorkMode::Decode(transfer),
+        mode: WorkMode::Decode(tr(transfer)),
     }
 }
 
@@ -142,15 +174,17 @@ fn a_handoff_through_served_workers_generates_what_one_worker_generates() {
                 i += 1;
                 let tokens = prompt(i as u32, len);
                 let t = Duration::from_secs(30);
-                let mut colo = RemoteRequest::open(&ca, msg(i, tokens.clone(), Mode::Full), t).await.unwrap();
+                let sec = secret();
+                let mut colo =
+                    RemoteRequest::open(&ca, &sec, msg(i, tokens.clone(), Mode::Full), t).await.unwrap();
                 let (want, _) = drain(&mut colo, String::new()).await;
 
                 let transfer = TransferId(100 + i);
-                let mut dec = RemoteRequest::open(&da, msg(i, tokens.clone(), Mode::Decode { transfer }), t)
-                    .await
-                    .unwrap();
-                let mode = Mode::Prefill { transfer, decode_addr: da.clone() };
-                let mut pre = RemoteRequest::open(&pa, msg(i, tokens.clone(), mode), t).await.unwrap();
+                let token = TransferToken::random().unwrap();
+                let mode = Mode::Decode { transfer, token };
+                let mut dec = RemoteRequest::open(&da, &sec, msg(i, tokens.clone(), mode), t).await.unwrap();
+                let mode = Mode::Prefill { transfer, token, decode_addr: da.clone() };
+                let mut pre = RemoteRequest::open(&pa, &sec, msg(i, tokens.clone(), mode), t).await.unwrap();
                 let mut text = String::new();
                 loop {
                     match pre.next().await.unwrap() {
@@ -191,8 +225,21 @@ fn a_handoff_through_served_workers_generates_what_one_worker_generates() {
 /// One crafted transfer of `tokens` tokens for `transfer` to the decode worker at `addr`: `frames`
 /// are whole frame byte strings (header included); returns the acknowledgement.
 async fn push(addr: &str, transfer: u64, tokens: u32, layout: [u32; 3], frames: Vec<Vec<u8>>) -> FromWorker {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let begin = ToWorker::KvBegin { transfer: TransferId(transfer), n_tokens: tokens, layout, host: None };
+    push_with(addr, transfer, token(transfer), tokens, layout, frames).await
+}
+
+/// [`push`] with the token the sender presents.
+async fn push_with(
+    addr: &str,
+    transfer: u64,
+    token: TransferToken,
+    tokens: u32,
+    layout: [u32; 3],
+    frames: Vec<Vec<u8>>,
+) -> FromWorker {
+    let mut s = authed(addr).await;
+    let begin =
+        ToWorker::KvBegin { transfer: TransferId(transfer), token, n_tokens: tokens, layout, host: None };
     write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
     for f in frames {
         if s.write_all(&f).await.is_err() {
@@ -331,14 +378,19 @@ fn lent_blocks_come_back_however_the_receiver_ends() {
     let (wd, d) = spawn(&e, "d0");
     rt().block_on(async {
         let stream = d.submit(decode_request(1, prompt(2, 40), 7)).unwrap();
-        assert!(d.kv_lease(8, 40).await.is_err(), "an unknown transfer");
-        assert!(d.kv_lease(7, 41).await.unwrap_err().contains("the prompt has 40"));
-        let mut lent = d.kv_lease(7, 40).await.unwrap();
+        assert!(d.kv_lease(tr(8), 40).await.is_err(), "an unknown transfer");
+        let forged = Transfer { id: 7, token: token(8) };
+        assert!(d.kv_lease(forged, 40).await.unwrap_err().contains("not expected"), "a wrong token");
+        assert!(d.kv_lease(tr(7), 41).await.unwrap_err().contains("the prompt has 40"));
+        let mut lent = d.kv_lease(tr(7), 40).await.unwrap();
         assert_eq!(lent.blocks(), 3);
         assert!(lent.block_mut(3).is_none());
-        assert!(d.kv_lease(7, 40).await.is_err(), "lent once at a time");
+        assert!(d.kv_lease(tr(7), 40).await.is_err(), "lent once at a time");
+        // A verdict from anyone but the holder changes nothing (a second or forged KvBegin).
+        assert!(d.kv_end(tr(7), 40, false).unwrap().await.unwrap().is_err());
+        assert!(d.kv_end(forged, 40, false).unwrap().await.unwrap().is_err());
         drop(lent); // the receiver went away without a verdict
-        let mut again = d.kv_lease(7, 40).await.unwrap();
+        let mut again = d.kv_lease(tr(7), 40).await.unwrap();
         assert_eq!(again.blocks(), 3, "the blocks went back to the request");
         again.block_mut(0).unwrap().fill(0);
         // The request is cancelled while its blocks are out: they stay allocated (nobody else
@@ -392,9 +444,14 @@ async fn push_ring(
     frames: impl FnOnce(u64) -> Vec<Vec<u8>>,
 ) -> Option<FromWorker> {
     let host = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?.trim().to_owned();
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let begin =
-        ToWorker::KvBegin { transfer: TransferId(transfer), n_tokens: tokens, layout, host: Some(host) };
+    let mut s = authed(addr).await;
+    let begin = ToWorker::KvBegin {
+        transfer: TransferId(transfer),
+        token: token(transfer),
+        n_tokens: tokens,
+        layout,
+        host: Some(host),
+    };
     write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
     let offer = match read_frame(&mut s).await.unwrap() {
         Some((FrameKind::Control, p)) => match decode_control::<FromWorker>(&p).unwrap() {
@@ -505,4 +562,153 @@ fn ring_chunks_are_bounded_checked_and_refused_without_a_ring() {
 /// The first `len` bytes of the crafted ring transfers' payload.
 fn good_prefix(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 7) as u8).collect()
+}
+
+/// Reads frames until the peer closes; every control message it sent on the way.
+async fn read_to_close(s: &mut TcpStream) -> Vec<Vec<u8>> {
+    let mut got = Vec::new();
+    while let Ok(Ok(Some((_, p)))) = tokio::time::timeout(Duration::from_secs(15), read_frame(s)).await {
+        got.push(p);
+    }
+    got
+}
+
+#[test]
+fn unauthenticated_connections_get_nothing_but_a_close() {
+    let e = engine();
+    let (wc, c) = spawn(&e, "c0");
+    let (wp, p) = spawn(&e, "p0");
+    rt().block_on(async {
+        let ca = listen(&c, Role::Both).await;
+        let pa = listen(&p, Role::Prefill).await;
+        // A listener standing in for a decode worker: nothing may ever connect to it.
+        let bait = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let bait_addr = bait.local_addr().unwrap().to_string();
+        let generate = |mode: Mode| {
+            frame(FrameKind::Control, &encode_control(&ToWorker::Generate(msg(1, prompt(1, 20), mode))).unwrap())
+        };
+        let prefill = Mode::Prefill { transfer: TransferId(1), token: token(1), decode_addr: bait_addr.clone() };
+        for (addr, mode) in [(&ca, Mode::Full), (&pa, prefill.clone())] {
+            // Skipping the handshake: the request goes out as the first frame.
+            let mut s = TcpStream::connect(addr.as_str()).await.unwrap();
+            s.write_all(&generate(mode.clone())).await.unwrap();
+            let got = read_to_close(&mut s).await;
+            assert!(got.len() <= 1, "only the challenge, then a close: {} frames", got.len());
+            // Reading the challenge and answering with garbage.
+            let mut s = TcpStream::connect(addr.as_str()).await.unwrap();
+            let _challenge = read_frame(&mut s).await.unwrap().unwrap();
+            let auth = br#"{"type":"auth","nonce":"00000000000000000000000000000000000000000000000000000000000000ff","mac":"00000000000000000000000000000000000000000000000000000000000000ff"}"#;
+            s.write_all(&frame(FrameKind::Control, auth)).await.unwrap();
+            s.write_all(&generate(mode.clone())).await.unwrap();
+            assert!(read_to_close(&mut s).await.is_empty(), "no welcome, no answer");
+            // A client with another secret.
+            let other = ClusterSecret::new("not-the-cluster-secret").unwrap();
+            let t = Duration::from_secs(10);
+            let e = RemoteRequest::open(addr, &other, msg(1, prompt(1, 20), mode.clone()), t).await.unwrap_err();
+            assert!(e.to_string().contains("unauthenticated"), "{e}");
+            assert!(
+                tokenpath_worker::net::client::stats(addr, &other, t).await.is_err(),
+                "stats need the secret too"
+            );
+        }
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), bait.accept()).await.is_err(),
+            "the prefill worker connected to the address an unauthenticated peer named"
+        );
+        for h in [&c, &p] {
+            let s = h.stats();
+            assert_eq!((s.waiting, s.running, s.generated_tokens, s.prompt_tokens_computed), (0, 0, 0, 0));
+        }
+        // With the secret, the same worker serves.
+        let mut ok = RemoteRequest::open(&ca, &secret(), msg(2, prompt(2, 20), Mode::Full), Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert!(!drain(&mut ok, String::new()).await.0.is_empty());
+    });
+    drop((c, p));
+    for w in [wc, wp] {
+        w.join().unwrap();
+    }
+}
+
+#[test]
+fn a_prefill_worker_sends_no_kv_to_a_peer_without_the_secret() {
+    let e = engine();
+    let (wp, p) = spawn(&e, "p0");
+    rt().block_on(async {
+        let pa = listen(&p, Role::Prefill).await;
+        // A rogue "decode worker": it challenges, takes the proof, answers with a made-up one,
+        // and records whatever comes next.
+        let rogue = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let rogue_addr = rogue.local_addr().unwrap().to_string();
+        let seen = tokio::spawn(async move {
+            let (mut s, _) = rogue.accept().await.unwrap();
+            let challenge = br#"{"type":"challenge","version":1,"nonce":"0101010101010101010101010101010101010101010101010101010101010101"}"#;
+            s.write_all(&frame(FrameKind::Control, challenge)).await.unwrap();
+            let _auth = read_frame(&mut s).await.unwrap();
+            let welcome = br#"{"type":"welcome","mac":"0202020202020202020202020202020202020202020202020202020202020202"}"#;
+            s.write_all(&frame(FrameKind::Control, welcome)).await.unwrap();
+            read_to_close(&mut s).await
+        });
+        let mode = Mode::Prefill { transfer: TransferId(3), token: token(3), decode_addr: rogue_addr };
+        let mut pre =
+            RemoteRequest::open(&pa, &secret(), msg(3, prompt(3, 40), mode), Duration::from_secs(30)).await.unwrap();
+        let sent = loop {
+            match pre.next().await.unwrap() {
+                Some(FromWorker::KvSent { ok, .. }) => break ok,
+                Some(_) => {}
+                None => panic!("the prefill worker closed without a transfer report"),
+            }
+        };
+        assert!(!sent, "a transfer to a peer without the secret cannot succeed");
+        assert!(seen.await.unwrap().is_empty(), "the rogue peer received nothing after the handshake");
+        wait_free(&p).await;
+    });
+    drop(p);
+    wp.join().unwrap();
+}
+
+#[test]
+fn a_forged_or_second_kv_begin_never_disturbs_a_good_transfer() {
+    let e = engine();
+    let (wd, d) = spawn(&e, "d0");
+    let l = d.kv_layout();
+    let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
+    let bb = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let good: Vec<u8> = (0..3 * bb).map(|i| if i % 2 == 1 { 0x3c } else { i as u8 }).collect();
+    rt().block_on(async {
+        let addr = listen(&d, Role::Decode).await;
+        let stream = d.submit(decode_request(1, prompt(1, 40), 1)).unwrap();
+        // The right id with a wrong token: refused, and the transfer is still pending.
+        let mut wrong = token(1);
+        wrong.0[15] ^= 1;
+        let ack = push_with(&addr, 1, wrong, 40, layout, vec![chunk(1, 0, &good, bb), end(1, 1)]).await;
+        assert!(refused(&ack).contains("not expected"), "{ack:?}");
+        // The good transfer starts and sends its first chunk...
+        let mut s = authed(&addr).await;
+        let begin =
+            ToWorker::KvBegin { transfer: TransferId(1), token: token(1), n_tokens: 40, layout, host: None };
+        write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
+        s.write_all(&chunk(1, 0, &good[..bb], bb)).await.unwrap();
+        // ...while a second KvBegin, even with the right token, arrives on another connection
+        // (and so does a forged one): both refused, neither disturbs it.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let ack = push_with(&addr, 1, token(1), 40, layout, vec![end(1, 0)]).await;
+        assert!(refused(&ack).contains("already being received"), "{ack:?}");
+        let ack = push_with(&addr, 1, wrong, 40, layout, vec![end(1, 0)]).await;
+        assert!(refused(&ack).contains("not expected"), "{ack:?}");
+        s.write_all(&chunk(1, 1, &good[bb..], bb)).await.unwrap();
+        s.write_all(&end(1, 2)).await.unwrap();
+        let ack = match read_frame(&mut s).await.unwrap() {
+            Some((FrameKind::Control, p)) => decode_control::<FromWorker>(&p).unwrap(),
+            other => panic!("expected an acknowledgement, got {other:?}"),
+        };
+        assert!(matches!(ack, FromWorker::KvAck { ok: true, .. }), "the good transfer: {ack:?}");
+        assert_eq!(d.stats().kv_imports, 1);
+        drop(stream);
+        wait_free(&d).await;
+    });
+    assert_eq!(d.stats().kv_fallbacks, 0);
+    drop(d);
+    wd.join().unwrap();
 }

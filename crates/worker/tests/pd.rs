@@ -12,7 +12,8 @@ use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 use tokenpath_engine::Engine;
 use tokenpath_timeline::{RequestId, Stage};
 use tokenpath_worker::{
-    TokenUsage, WorkEvent, WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle,
+    TokenUsage, Transfer, TransferToken, WorkEvent, WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig,
+    WorkerHandle,
 };
 
 fn engine() -> Arc<Engine> {
@@ -111,7 +112,7 @@ fn pd_run(
     tokens: Vec<u32>,
     corrupt: bool,
 ) -> (String, TokenUsage, tokenpath_timeline::ServerTiming) {
-    let transfer = 1000 + id;
+    let transfer = Transfer { id: 1000 + id, token: TransferToken::random().unwrap() };
     let dstream = d.submit(request(id, tokens.clone(), seeded(), WorkMode::Decode(transfer))).unwrap();
     let mut pstream = p.submit(request(id, tokens.clone(), seeded(), WorkMode::Prefill)).unwrap();
     let mut text = String::new();
@@ -132,7 +133,7 @@ fn pd_run(
                 assert!(timing.stage_ms(Stage::Prefill).is_some());
                 let verdict = d.kv_end(transfer, tokens.len(), true).unwrap().blocking_recv().unwrap();
                 assert_eq!(verdict.is_ok(), !corrupt, "{verdict:?}");
-                d.handoff(transfer, first_token, sampler).unwrap();
+                d.handoff(transfer.id, first_token, sampler).unwrap();
                 break;
             }
             other => panic!("unexpected {other:?}"),
@@ -176,7 +177,8 @@ fn handoff_between_workers_generates_what_one_worker_generates() {
 fn decode_requests_whose_client_leaves_free_their_reserved_blocks() {
     let e = engine();
     let (wd, d) = spawn(&e, "d0");
-    let s = d.submit(request(1, prompt(3, 200), seeded(), WorkMode::Decode(5))).unwrap();
+    let five = Transfer { id: 5, token: TransferToken([5; 16]) };
+    let s = d.submit(request(1, prompt(3, 200), seeded(), WorkMode::Decode(five))).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while d.stats().kv_blocks_used == 0 {
         assert!(Instant::now() < deadline);
@@ -184,7 +186,7 @@ fn decode_requests_whose_client_leaves_free_their_reserved_blocks() {
     }
     drop(s);
     wait_free(&d);
-    assert!(d.kv_end(5, 200, true).unwrap().blocking_recv().unwrap().is_err(), "the transfer is gone");
+    assert!(d.kv_end(five, 200, true).unwrap().blocking_recv().unwrap().is_err(), "the transfer is gone");
     drop(d);
     wd.join().unwrap();
 }

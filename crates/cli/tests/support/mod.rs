@@ -26,6 +26,9 @@ pub fn default_model() -> Option<std::path::PathBuf> {
     None
 }
 
+/// The cluster secret the test processes share (servers and workers alike).
+pub const TEST_CLUSTER_SECRET: &str = "tokenpath-test-cluster-secret";
+
 /// A running `tokenpath serve`.
 pub struct Served {
     pub child: Child,
@@ -43,6 +46,7 @@ pub fn serve(model: &Path, extra: &[&str]) -> Served {
         .arg(model)
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
+        .env("TOKENPATH_CLUSTER_SECRET", TEST_CLUSTER_SECRET)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -90,14 +94,21 @@ impl Drop for WorkerProc {
     }
 }
 
-/// Starts `tokenpath worker --role ROLE --model MODEL EXTRA...` and reads its address.
+/// Starts `tokenpath worker --role ROLE --model MODEL EXTRA...` with the test cluster secret
+/// and reads its address.
 pub fn worker(model: &Path, role: &str, extra: &[&str]) -> WorkerProc {
+    worker_with_secret(model, role, extra, TEST_CLUSTER_SECRET)
+}
+
+/// [`worker`] with another cluster secret.
+pub fn worker_with_secret(model: &Path, role: &str, extra: &[&str], secret: &str) -> WorkerProc {
     let mut child = Command::new(env!("CARGO_BIN_EXE_tokenpath"))
         .args(["worker", "--role", role, "--listen", "127.0.0.1:0"])
         .args(extra)
         .arg("--model")
         .arg(model)
         .env("NO_COLOR", "1")
+        .env("TOKENPATH_CLUSTER_SECRET", secret)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()

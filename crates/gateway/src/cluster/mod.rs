@@ -14,10 +14,9 @@ pub mod registry;
 
 pub use registry::{Registry, Route, WorkerView};
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokenpath_protocol::cluster::{
-    FromWorker, GenerateMsg, Mode, SamplerPos, ToWorker, TransferId, UsageMsg,
+    FromWorker, GenerateMsg, Mode, SamplerPos, ToWorker, TransferId, TransferToken, UsageMsg,
 };
 use tokenpath_timeline::{ms, FinishReason, ServerTiming, Stage};
 use tokenpath_worker::net::client::RemoteRequest;
@@ -36,16 +35,12 @@ const KV_REPORT_WAIT: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub struct Cluster {
     registry: Registry,
-    transfers: AtomicU64,
 }
 
 impl Cluster {
     /// A cluster over `registry`.
     pub fn new(registry: Registry) -> Self {
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64);
-        Self { registry, transfers: AtomicU64::new(seed << 16) }
+        Self { registry }
     }
 
     /// The registry (health, registration, routing).
@@ -95,8 +90,9 @@ impl Cluster {
             ignore_eos: work.ignore_eos,
             mode,
         };
+        let secret = self.registry.secret();
         let open = |addr: String, mode: Mode| async move {
-            RemoteRequest::open(&addr, msg(mode), OPEN_TIMEOUT).await.map_err(|e| match e {
+            RemoteRequest::open(&addr, secret, msg(mode), OPEN_TIMEOUT).await.map_err(|e| match e {
                 WorkerError::Remote(_) => (Some(addr), e),
                 other => (None, other),
             })
@@ -115,11 +111,14 @@ impl Cluster {
                 });
             }
             Route::Disaggregated { prefill, decode } => {
-                let transfer = TransferId(self.transfers.fetch_add(1, Ordering::Relaxed));
-                let dconn = open(decode.clone(), Mode::Decode { transfer }).await?;
+                // Random id and token per transfer: only the two workers of this request learn
+                // them, and only the token lets a `KvBegin` deliver KV.
+                let fresh = TransferId::random().and_then(|t| Ok((t, TransferToken::random()?)));
+                let (transfer, token) = fresh.map_err(|e| (None, WorkerError::Remote(e.to_string())))?;
+                let dconn = open(decode.clone(), Mode::Decode { transfer, token }).await?;
                 clock.dispatched = Instant::now();
-                let pconn =
-                    open(prefill.clone(), Mode::Prefill { transfer, decode_addr: decode.clone() }).await?;
+                let mode = Mode::Prefill { transfer, token, decode_addr: decode.clone() };
+                let pconn = open(prefill.clone(), mode).await?;
                 let registry = self.registry.clone();
                 let (p, d) = (prefill.clone(), decode.clone());
                 tokio::spawn(async move {

@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 use tokenpath_kv::{block_hashes, BlockHash, PrefixCache};
+use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_protocol::cluster::StatsMsg;
 use tokenpath_worker::{Role, WorkerError};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -73,6 +74,7 @@ enum Cmd {
 pub struct Registry {
     tx: mpsc::UnboundedSender<Cmd>,
     view: watch::Receiver<Vec<WorkerView>>,
+    secret: ClusterSecret,
 }
 
 impl std::fmt::Debug for Cmd {
@@ -82,13 +84,20 @@ impl std::fmt::Debug for Cmd {
 }
 
 impl Registry {
-    /// Starts the registry task (on the current runtime) with `workers`.
-    pub fn start(workers: Vec<(String, Role)>) -> Self {
+    /// Starts the registry task (on the current runtime) with `workers`, which must prove
+    /// `secret` on every connection (polls included).
+    pub fn start(workers: Vec<(String, Role)>, secret: ClusterSecret) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let (view_tx, view) = watch::channel(Vec::new());
-        let state = State { workers: Vec::new(), prefixes: HashMap::new(), view: view_tx, tx: tx.clone() };
+        let state = State {
+            workers: Vec::new(),
+            prefixes: HashMap::new(),
+            view: view_tx,
+            tx: tx.clone(),
+            secret: secret.clone(),
+        };
         tokio::spawn(state.run(rx));
-        let reg = Self { tx, view };
+        let reg = Self { tx, view, secret };
         for (addr, role) in workers {
             reg.register(addr, role);
         }
@@ -98,6 +107,11 @@ impl Registry {
     /// Adds a worker (or changes a known one's role); it serves once a poll succeeds.
     pub fn register(&self, addr: String, role: Role) {
         let _ = self.tx.send(Cmd::Register { addr, role });
+    }
+
+    /// The cluster secret its workers share.
+    pub fn secret(&self) -> &ClusterSecret {
+        &self.secret
     }
 
     /// A request found `addr` dead.
@@ -146,6 +160,7 @@ struct State {
     prefixes: HashMap<String, PrefixCache<()>>,
     view: watch::Sender<Vec<WorkerView>>,
     tx: mpsc::UnboundedSender<Cmd>,
+    secret: ClusterSecret,
 }
 
 impl State {
@@ -167,8 +182,9 @@ impl State {
         for w in &self.workers {
             let addr = w.addr.clone();
             let tx = self.tx.clone();
+            let secret = self.secret.clone();
             tokio::spawn(async move {
-                let result = tokenpath_worker::net::client::stats(&addr, POLL_TIMEOUT)
+                let result = tokenpath_worker::net::client::stats(&addr, &secret, POLL_TIMEOUT)
                     .await
                     .map_err(|e| e.to_string());
                 let _ = tx.send(Cmd::Polled { addr, result });

@@ -8,11 +8,12 @@ use super::kv::{KvSender, KvTransport, SendOptions};
 use super::server::{serve, ServerConfig};
 use super::shm::PeerRings;
 use super::{frame_blocks, frame_sums};
-use crate::{Role, WorkMode, WorkRequest, WorkerError, WorkerHandle};
+use crate::{Role, Transfer, WorkMode, WorkRequest, WorkerError, WorkerHandle};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokenpath_engine::sampling::SamplingParams;
-use tokenpath_protocol::cluster::TransferId;
+use tokenpath_protocol::auth::ClusterSecret;
+use tokenpath_protocol::cluster::TransferToken;
 use tokenpath_protocol::frame::Checksum;
 use tokenpath_timeline::RequestId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -91,6 +92,8 @@ struct Setup<'a> {
     chunks: Vec<(u32, Arc<[u8]>)>,
     /// The sending side's kept ring mappings, as a prefill worker's server has them.
     peers: PeerRings,
+    /// The run's cluster secret (the transfer authenticates as a real one does).
+    secret: ClusterSecret,
 }
 
 /// One real transfer of the whole payload: (ms, whether it went through the ring).
@@ -100,8 +103,10 @@ async fn one_transfer(
     transport: KvTransport,
 ) -> Result<(f64, bool), WorkerError> {
     let now = Instant::now();
+    let token = TransferToken::random().map_err(|e| WorkerError::Remote(e.to_string()))?;
+    let transfer = Transfer { id: transfer, token };
     let stream = s.decode.submit(WorkRequest {
-        id: RequestId(transfer),
+        id: RequestId(transfer.id),
         prompt: vec![1; s.tokens],
         sampling: SamplingParams::greedy(),
         max_tokens: Some(1),
@@ -126,8 +131,8 @@ async fn one_transfer(
         })
         .collect();
     let t0 = Instant::now();
-    let opts = SendOptions { transport, corrupt: false };
-    let sender = KvSender::start(TransferId(transfer), s.addr.clone(), s.tokens, s.decode, opts, &s.peers);
+    let opts = SendOptions { transport, corrupt: false, secret: s.secret.clone() };
+    let sender = KvSender::start(transfer, s.addr.clone(), s.tokens, s.decode, opts, &s.peers);
     for (first_block, c, sums) in chunks {
         sender.chunk(first_block, c, sums);
     }
@@ -161,11 +166,16 @@ pub async fn kv_transfer(
     repeats: usize,
 ) -> Result<KvTransferBench, WorkerError> {
     let (listener, addr) = listen_on(decode_side).await?;
-    let server = decode_side.spawn(serve(
-        listener,
-        decode.clone(),
-        ServerConfig { role: Role::Decode, fault_corrupt_kv: false, kv_transport: KvTransport::Auto },
-    ));
+    let secret =
+        ClusterSecret::new(&ClusterSecret::generate().map_err(|e| WorkerError::Remote(e.to_string()))?)
+            .map_err(|e| WorkerError::Remote(e.to_string()))?;
+    let config = ServerConfig {
+        role: Role::Decode,
+        fault_corrupt_kv: false,
+        kv_transport: KvTransport::Auto,
+        secret: secret.clone(),
+    };
+    let server = decode_side.spawn(serve(listener, decode.clone(), config));
     let l = decode.kv_layout();
     let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
     let n_blocks = tokens.div_ceil(l.block_size);
@@ -180,7 +190,7 @@ pub async fn kv_transfer(
         .enumerate()
         .map(|(i, c)| ((i * per) as u32, Arc::from(c)))
         .collect();
-    let setup = Setup { decode, addr, tokens, chunks, peers: PeerRings::start() };
+    let setup = Setup { decode, addr, tokens, chunks, peers: PeerRings::start(), secret };
     let mut out = KvTransferBench {
         tokens,
         bytes: payload.len() as u64,

@@ -1,8 +1,9 @@
 //! The gateway's side of a worker connection: open a request and read its events, or poll stats.
 
-use super::{read_control, write_control};
+use super::{connect_authenticated, read_control, write_control};
 use crate::WorkerError;
 use std::time::Duration;
+use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, RejectKind, StatsMsg, ToWorker};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -11,19 +12,14 @@ fn remote(addr: &str, e: impl std::fmt::Display) -> WorkerError {
     WorkerError::Remote(format!("{addr}: {e}"))
 }
 
-async fn connect(addr: &str, timeout: Duration) -> Result<TcpStream, WorkerError> {
-    let s = tokio::time::timeout(timeout, TcpStream::connect(addr))
-        .await
-        .map_err(|_| remote(addr, "connect timed out"))?
-        .map_err(|e| remote(addr, e))?;
-    let _ = s.set_nodelay(true);
-    Ok(s)
+async fn connect(addr: &str, secret: &ClusterSecret, timeout: Duration) -> Result<TcpStream, WorkerError> {
+    connect_authenticated(addr, secret, timeout).await.map_err(|e| remote(addr, e))
 }
 
 /// Asks the worker at `addr` for its stats (health checks and routing).
-pub async fn stats(addr: &str, timeout: Duration) -> Result<StatsMsg, WorkerError> {
+pub async fn stats(addr: &str, secret: &ClusterSecret, timeout: Duration) -> Result<StatsMsg, WorkerError> {
     let work = async {
-        let (mut rd, mut wr) = connect(addr, timeout).await?.into_split();
+        let (mut rd, mut wr) = connect(addr, secret, timeout).await?.into_split();
         write_control(&mut wr, &ToWorker::Stats).await.map_err(|e| remote(addr, e))?;
         match read_control::<_, FromWorker>(&mut rd).await.map_err(|e| remote(addr, e))? {
             Some(FromWorker::Stats(s)) => Ok(s),
@@ -43,8 +39,13 @@ pub struct RemoteRequest {
 
 impl RemoteRequest {
     /// Opens a request; the worker's refusal comes back as the matching [`WorkerError`].
-    pub async fn open(addr: &str, msg: GenerateMsg, timeout: Duration) -> Result<Self, WorkerError> {
-        let (mut rd, mut wr) = connect(addr, timeout).await?.into_split();
+    pub async fn open(
+        addr: &str,
+        secret: &ClusterSecret,
+        msg: GenerateMsg,
+        timeout: Duration,
+    ) -> Result<Self, WorkerError> {
+        let (mut rd, mut wr) = connect(addr, secret, timeout).await?.into_split();
         write_control(&mut wr, &ToWorker::Generate(msg)).await.map_err(|e| remote(addr, e))?;
         let first = tokio::time::timeout(timeout, read_control::<_, FromWorker>(&mut rd))
             .await

@@ -11,15 +11,16 @@
 //! `KvRingFree` answers say which ring space may be written again.
 
 use super::kv_frames::{frame_target_bytes, FrameQueue};
+use super::server::KV_CONNECT_TIMEOUT;
 use super::shm::{host_id, PeerRing, PeerRings, RingSpace, RING_CHUNK_TARGET_BYTES};
-use super::{read_control, write_control};
-use crate::WorkerHandle;
+use super::{connect_authenticated, read_control, write_control};
+use crate::{Transfer, WorkerHandle};
 use std::sync::Arc;
-use tokenpath_protocol::cluster::{FromWorker, ToWorker, TransferId};
+use tokenpath_protocol::auth::ClusterSecret;
+use tokenpath_protocol::cluster::{FromWorker, ToWorker, TransferId, TransferToken};
 use tokenpath_protocol::frame::Checksum;
 use tokenpath_protocol::ProtocolError;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
 /// Target size of one KV frame.
@@ -80,17 +81,19 @@ pub(crate) struct Sent {
 }
 
 /// How one transfer is sent.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct SendOptions {
     /// Ask for a same-host ring.
     pub(crate) transport: KvTransport,
     /// Testing only: corrupt the first chunk after its checksum was computed.
     pub(crate) corrupt: bool,
+    /// Proven to the decode worker, which must prove it back before any KV leaves.
+    pub(crate) secret: ClusterSecret,
 }
 
 impl KvSender {
     pub(crate) fn start(
-        transfer: TransferId,
+        to: Transfer,
         addr: String,
         n_tokens: usize,
         handle: &WorkerHandle,
@@ -108,7 +111,8 @@ impl KvSender {
             // Sent export buffers are freed only when the sender would wait anyway, or once the
             // verdict is out (`Exports::next`).
             let mut spent = Vec::new();
-            let job = Job { transfer, n_tokens, layout, block_bytes, opts, peers };
+            let transfer = TransferId(to.id);
+            let job = Job { transfer, token: to.token, n_tokens, layout, block_bytes, opts, peers };
             let exports = Exports { rx, done: done_rx, finished: false };
             let r = send_kv(&job, &addr, exports, &mut spent).await;
             let verdict = r.unwrap_or_else(|e| {
@@ -136,6 +140,7 @@ impl KvSender {
 
 struct Job {
     transfer: TransferId,
+    token: TransferToken,
     n_tokens: usize,
     layout: [u32; 3],
     block_bytes: usize,
@@ -244,14 +249,14 @@ async fn send_kv(
     mut exports: Exports,
     spent: &mut Vec<Arc<Vec<u8>>>,
 ) -> Result<Sent, ProtocolError> {
-    let conn = TcpStream::connect(addr).await.map_err(conn_err)?;
-    let _ = conn.set_nodelay(true);
+    let conn = connect_authenticated(addr, &job.opts.secret, KV_CONNECT_TIMEOUT).await?;
     let (mut rd, mut wr) = conn.into_split();
     let transfer = job.transfer;
     let host = if job.opts.transport == KvTransport::Auto { host_id() } else { None };
     let asked = host.is_some();
     let n = u32::try_from(job.n_tokens).unwrap_or(u32::MAX);
-    write_control(&mut wr, &ToWorker::KvBegin { transfer, n_tokens: n, layout: job.layout, host }).await?;
+    let begin = ToWorker::KvBegin { transfer, token: job.token, n_tokens: n, layout: job.layout, host };
+    write_control(&mut wr, &begin).await?;
     let mut ring = negotiate_ring(job, &mut rd, asked).await?;
     tracing::debug!(transfer = transfer.0, ring = ring.is_some(), "KV transfer to {addr} starts");
     let (sent, bytes_sent) = match ring.as_mut() {

@@ -13,7 +13,7 @@
 use super::kv::{KvTransport, COPY_PIECE};
 use super::shm::{host_id, OwnRing, RingPool, RING_BYTES};
 use super::write_control;
-use crate::{KvBlocks, WorkerHandle};
+use crate::{KvBlocks, Transfer, WorkerHandle};
 use tokenpath_protocol::cluster::{decode_control, FromWorker, KvChunk, ToWorker, TransferId, KV_TRAILER};
 use tokenpath_protocol::frame::{read_header, Checksum, FrameKind, PayloadReader};
 use tokenpath_protocol::ProtocolError;
@@ -27,7 +27,7 @@ pub(crate) fn ring_len(block_bytes: usize) -> usize {
 /// What the sender said in `KvBegin`.
 #[derive(Debug)]
 pub(crate) struct Begin {
-    pub(crate) transfer: TransferId,
+    pub(crate) transfer: Transfer,
     pub(crate) n_tokens: u32,
     pub(crate) layout: [u32; 3],
     pub(crate) host: Option<String>,
@@ -51,7 +51,7 @@ pub(crate) async fn receive_kv<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         (layout != ours).then(|| format!("KV layout {layout:?} does not match this worker's {ours:?}"));
     let mut blocks = None;
     if problem.is_none() {
-        match handle.kv_lease(transfer.0, n_tokens as usize).await {
+        match handle.kv_lease(transfer, n_tokens as usize).await {
             Ok(b) => blocks = Some(b),
             Err(e) => problem = Some(e),
         }
@@ -63,7 +63,7 @@ pub(crate) async fn receive_kv<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         if same_host && problem.is_none() {
             match rings.take(ring_len(block_bytes)).await {
                 Ok(r) => ring = Some(r),
-                Err(e) => tracing::debug!(transfer = transfer.0, "no KV ring, receiving over TCP: {e}"),
+                Err(e) => tracing::debug!(transfer = transfer.id, "no KV ring, receiving over TCP: {e}"),
             }
         }
         write_control(&mut wr, &FromWorker::KvRing { offer: ring.as_ref().map(OwnRing::offer) }).await?;
@@ -71,7 +71,7 @@ pub(crate) async fn receive_kv<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     if let Some(b) = blocks.as_mut() {
         let expected = (n_tokens as usize).div_ceil(l.block_size);
         let mut ends = Ends { rd: &mut rd, wr: &mut wr, ring: ring.as_ref() };
-        if let Err(e) = receive_chunks(&mut ends, transfer, b, expected).await {
+        if let Err(e) = receive_chunks(&mut ends, TransferId(transfer.id), b, expected).await {
             problem = Some(e);
         }
     }
@@ -81,7 +81,9 @@ pub(crate) async fn receive_kv<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     let ok = problem.is_none();
     let ended = match blocks {
         Some(b) => b.end(n_tokens as usize, ok),
-        None => handle.kv_end(transfer.0, n_tokens as usize, ok),
+        // Never lent (unknown transfer, wrong token, already being received, wrong layout): the
+        // batcher changes nothing unless the token is right and nobody else holds the blocks.
+        None => handle.kv_end(transfer, n_tokens as usize, ok),
     };
     let verdict = match ended {
         Ok(rx) => rx.await.unwrap_or_else(|_| Err("the worker stopped".into())),

@@ -15,10 +15,13 @@ mod shm;
 pub use kv::KvTransport;
 pub mod server;
 
+use std::time::Duration;
+use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_protocol::cluster::{decode_control, encode_control, SamplingMsg, StatsMsg, UsageMsg};
-use tokenpath_protocol::frame::{read_frame, write_frame, FrameKind};
+use tokenpath_protocol::frame::{read_control_frame, write_frame, FrameKind};
 use tokenpath_protocol::ProtocolError;
 use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
 
 use crate::{TokenUsage, WorkerStats};
 use tokenpath_engine::sampling::{SamplerState, SamplingParams};
@@ -28,13 +31,31 @@ use tokenpath_protocol::cluster::SamplerPos;
 pub(crate) async fn read_control<R: AsyncRead + Unpin, T: for<'de> serde::Deserialize<'de>>(
     r: &mut R,
 ) -> Result<Option<T>, ProtocolError> {
-    match read_frame(r).await? {
+    match read_control_frame(r).await? {
         None => Ok(None),
-        Some((FrameKind::Control, payload)) => decode_control(&payload).map(Some),
-        Some((FrameKind::KvChunk, _)) => {
-            Err(ProtocolError::InvalidFrame { message: "a KV chunk where a control message belongs".into() })
-        }
+        Some(payload) => decode_control(&payload).map(Some),
     }
+}
+
+/// Opens a connection to another tokenpath process and proves (and checks) the cluster secret,
+/// all within `timeout`: nothing is sent to a peer that has not proven it holds the secret.
+pub(crate) async fn connect_authenticated(
+    addr: &str,
+    secret: &ClusterSecret,
+    timeout: Duration,
+) -> Result<TcpStream, ProtocolError> {
+    let work = async {
+        let mut s = TcpStream::connect(addr)
+            .await
+            .map_err(|e| ProtocolError::Connection { message: format!("{addr}: {e}") })?;
+        let _ = s.set_nodelay(true);
+        let (mut rd, mut wr) = s.split();
+        tokenpath_protocol::auth::connect(&mut rd, &mut wr, secret).await?;
+        Ok(s)
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| ProtocolError::Connection { message: format!("{addr}: connecting timed out") })?
 }
 
 /// Writes one control message.

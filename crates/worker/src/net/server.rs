@@ -1,5 +1,7 @@
-//! The worker process's listener: one task per connection; the first message says what the
-//! connection is (a request from the gateway, a stats poll, or an incoming KV transfer).
+//! The worker process's listener: one task per connection. Every connection first proves it
+//! holds the cluster secret ([`tokenpath_protocol::auth`]); one that does not is closed without
+//! a word. Then the first message says what the connection is (a request from the gateway, a
+//! stats poll, or an incoming KV transfer).
 //!
 //! Request connections stay open for the request's life. The server watches both directions at
 //! once: events from the batcher go out, and a read that ends (the gateway closed the
@@ -12,16 +14,19 @@ use super::kv::{KvSender, KvTransport, SendOptions};
 use super::kv_recv::{receive_kv, ring_len, Begin};
 use super::shm::{host_id, PeerRings, RingPool};
 use super::{read_control, sampler_pos, sampler_state, sampling_params, stats_msg, usage_msg, write_control};
-use crate::{Role, WorkEvent, WorkMode, WorkRequest, WorkerError, WorkerHandle};
+use crate::{Role, Transfer, WorkEvent, WorkMode, WorkRequest, WorkerError, WorkerHandle};
 use std::time::{Duration, Instant};
+use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, Mode, RejectKind, ToWorker};
 use tokenpath_protocol::ProtocolError;
 use tokenpath_timeline::RequestId;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
-/// How long a new connection may take to say what it is.
+/// How long a new connection may take to authenticate and say what it is.
 const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long connecting to (and authenticating with) a decode worker for a KV transfer may take.
+pub(crate) const KV_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What a worker process serves.
 #[derive(Clone, Debug)]
@@ -34,6 +39,9 @@ pub struct ServerConfig {
     /// How KV moves to and from workers on the same host: a shared-memory ring when possible
     /// (`Auto`, offered and asked for), or always TCP.
     pub kv_transport: KvTransport,
+    /// The cluster secret every connection must prove, and this worker proves to the decode
+    /// workers it sends KV to.
+    pub secret: ClusterSecret,
 }
 
 /// Serves `handle` on `listener` until the listener fails.
@@ -88,7 +96,11 @@ async fn connection(
     rings: &Rings,
 ) -> Result<(), ProtocolError> {
     let (mut rd, mut wr) = stream.into_split();
-    let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, read_control::<_, ToWorker>(&mut rd))
+    let opening = async {
+        tokenpath_protocol::auth::accept(&mut rd, &mut wr, &config.secret).await?;
+        read_control::<_, ToWorker>(&mut rd).await
+    };
+    let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, opening)
         .await
         .map_err(|_| ProtocolError::Connection { message: "no first message in time".into() })??;
     match first {
@@ -107,8 +119,8 @@ async fn connection(
             write_control(&mut wr, &FromWorker::Stats(msg)).await
         }
         Some(ToWorker::Generate(msg)) => generate(msg, accepted, rd, wr, handle, config, &rings.peers).await,
-        Some(ToWorker::KvBegin { transfer, n_tokens, layout, host }) => {
-            let begin = Begin { transfer, n_tokens, layout, host };
+        Some(ToWorker::KvBegin { transfer, token, n_tokens, layout, host }) => {
+            let begin = Begin { transfer: Transfer { id: transfer.0, token }, n_tokens, layout, host };
             receive_kv(begin, rd, wr, handle, config.kv_transport, &rings.own).await
         }
         Some(other) => {
@@ -144,7 +156,7 @@ async fn generate(
     let mode = match &msg.mode {
         Mode::Full => WorkMode::Full,
         Mode::Prefill { .. } => WorkMode::Prefill,
-        Mode::Decode { transfer } => WorkMode::Decode(transfer.0),
+        Mode::Decode { transfer, token } => WorkMode::Decode(Transfer { id: transfer.0, token: *token }),
     };
     let prompt_len = msg.prompt.len();
     let req = WorkRequest {
@@ -167,9 +179,14 @@ async fn generate(
     };
     write_control(&mut wr, &FromWorker::Accepted).await?;
     let mut kv = match &msg.mode {
-        Mode::Prefill { transfer, decode_addr } => {
-            let opts = SendOptions { transport: config.kv_transport, corrupt: config.fault_corrupt_kv };
-            Some(KvSender::start(*transfer, decode_addr.clone(), prompt_len, handle, opts, peers))
+        Mode::Prefill { transfer, token, decode_addr } => {
+            let opts = SendOptions {
+                transport: config.kv_transport,
+                corrupt: config.fault_corrupt_kv,
+                secret: config.secret.clone(),
+            };
+            let to = Transfer { id: transfer.0, token: *token };
+            Some(KvSender::start(to, decode_addr.clone(), prompt_len, handle, opts, peers))
         }
         _ => None,
     };
@@ -215,7 +232,7 @@ async fn generate(
                 match incoming {
                     Ok(Some(ToWorker::Handoff { first_token, sampler })) => {
                         if let WorkMode::Decode(t) = mode {
-                            if handle.handoff(t, first_token, sampler_state(sampler)).is_err() {
+                            if handle.handoff(t.id, first_token, sampler_state(sampler)).is_err() {
                                 return write_control(&mut wr, &FromWorker::Failed { message: "the worker stopped".into() }).await;
                             }
                         }
