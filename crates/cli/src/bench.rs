@@ -35,8 +35,8 @@ pub struct TargetArgs {
     #[arg(long, env = "TOKENPATH_BENCH_MODEL", default_value = "")]
     model: String,
     /// API key (sent as a bearer token).
-    #[arg(long, env = "TOKENPATH_API_KEY")]
-    api_key: Option<String>,
+    #[arg(long, env = "TOKENPATH_API_KEY", hide_env_values = true)]
+    api_key: Option<crate::secret::Secret>,
     /// Ask for non-streamed responses (no client TTFT/TPOT then).
     #[arg(long)]
     no_stream: bool,
@@ -132,7 +132,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         target: Target {
             url: t.url.clone(),
             model: t.model.clone(),
-            api_key: t.api_key.clone(),
+            api_key: t.api_key.as_ref().map(|k| k.expose().to_owned()),
             stream: !t.no_stream,
             ignore_eos: t.ignore_eos,
             timeout: Duration::from_secs_f64(t.timeout_s.max(0.001)),

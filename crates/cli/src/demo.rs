@@ -159,7 +159,7 @@ fn scrape(port: u16, name: &str) -> Option<f64> {
     use std::io::Read as _;
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").ok()?;
+    write!(s, "GET /metrics HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n").ok()?;
     let mut body = String::new();
     s.read_to_string(&mut body).ok()?;
     let values: Vec<f64> = body

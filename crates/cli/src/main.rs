@@ -8,6 +8,7 @@ mod compare;
 mod demo;
 mod generate;
 mod output;
+mod secret;
 mod serve;
 mod topology;
 mod worker;

@@ -7,6 +7,7 @@
 //! crates, where it is tested without a process.
 
 use crate::generate::ModelArgs;
+use crate::secret::Secret;
 use crate::topology::{load_cluster_file, Children, CpuList, SecretArgs};
 use anyhow::Context as _;
 use clap::Args;
@@ -14,7 +15,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokenpath_gateway::cluster::{Cluster, Registry};
-use tokenpath_gateway::{ApiKeys, Backend, Gateway, GatewayConfig};
+use tokenpath_gateway::{AdminKey, ApiKeys, Backend, Gateway, GatewayConfig};
 use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_timeline::WorkerId;
 use tokenpath_worker::{Role, Worker, WorkerConfig};
@@ -79,13 +80,21 @@ struct ListenArgs {
     /// API keys as `tenant:key,tenant2:key2`. Prefer the environment variable: command lines
     /// are visible to every user of the machine.
     #[arg(long, env = "TOKENPATH_API_KEYS", hide_env_values = true)]
-    api_keys: Option<String>,
+    api_keys: Option<Secret>,
     /// API keys with per-tenant rate limits, from a TOML file (see deploy/keys.example.toml).
     #[arg(long, env = "TOKENPATH_API_KEYS_FILE", value_name = "PATH")]
     api_keys_file: Option<std::path::PathBuf>,
     /// Bind a non-loopback address even without API keys (anyone who reaches it can use it).
     #[arg(long, env = "TOKENPATH_ALLOW_OPEN_PUBLIC")]
     allow_open_public: bool,
+    /// The operator's key for /admin/* (worker registration) and /metrics, never a tenant's.
+    /// Without it those routes are served only on loopback. Prefer the environment variable.
+    #[arg(long, env = "TOKENPATH_ADMIN_KEY", hide_env_values = true)]
+    admin_key: Option<Secret>,
+    /// Serve /metrics on this address of its own (open: bind it where only the scraper
+    /// reaches), and not on the API's.
+    #[arg(long, env = "TOKENPATH_METRICS_LISTEN", value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// How the worker batches and what it may hold.
@@ -166,7 +175,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
              (TOKENPATH_API_KEYS)"
         ),
         (Some(path), None) => ApiKeys::load(path)?,
-        (None, spec) => ApiKeys::parse(spec.as_deref().unwrap_or("")).map_err(anyhow::Error::msg)?,
+        (None, spec) => {
+            ApiKeys::parse(spec.as_ref().map_or("", |s| s.expose())).map_err(anyhow::Error::msg)?
+        }
     };
     if api_keys.is_empty() {
         if !args.listen.host.is_loopback() && !args.listen.allow_open_public {
@@ -193,6 +204,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         shutdown_grace: Duration::from_secs(args.http.shutdown_grace_s),
         peak_flops: args.http.peak_gflops.map(|g| g * 1e9),
         api_keys,
+        admin_key: args
+            .listen
+            .admin_key
+            .as_ref()
+            .map(|k| AdminKey::new(k.expose()))
+            .transpose()
+            .map_err(anyhow::Error::msg)?,
+        metrics_elsewhere: args.listen.metrics_listen.is_some(),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -247,6 +266,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let addr = std::net::SocketAddr::new(args.listen.host, args.listen.port);
         let listener = tokenpath_gateway::bind(&addr.to_string()).await?;
         let bound = listener.local_addr().context("reading the bound address")?;
+        if let Some(m) = args.listen.metrics_listen {
+            let ml = tokenpath_gateway::bind(&m.to_string()).await?;
+            let at = ml.local_addr().context("reading the metrics address")?;
+            tracing::info!(metrics = %at, "serving /metrics on http://{at}/metrics");
+            let serving = gateway.serve_metrics(ml);
+            tokio::spawn(async move {
+                if let Err(e) = serving.await {
+                    tracing::error!("the metrics listener failed: {e}");
+                }
+            });
+        }
         tracing::info!(local = %bound, model = %served_model_name, "serving the OpenAI API on http://{bound}/v1");
         gateway.serve(listener, tokenpath_gateway::shutdown_signal()).await?;
         anyhow::Ok(())

@@ -19,28 +19,21 @@ use tokenpath_worker::Role;
 pub const CLUSTER_SECRET_ENV: &str = "TOKENPATH_CLUSTER_SECRET";
 
 /// The secret gateway and workers share.
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct SecretArgs {
     /// The cluster secret every connection between gateway and workers proves (challenge-
     /// response, at least 16 characters). `serve --prefill/--decode` generates one for its
     /// children when none is set. Prefer the environment variable.
     #[arg(long = "cluster-secret", env = CLUSTER_SECRET_ENV, hide_env_values = true, value_name = "SECRET")]
-    pub cluster_secret: Option<String>,
-}
-
-impl std::fmt::Debug for SecretArgs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let set = if self.cluster_secret.is_some() { "set" } else { "unset" };
-        write!(f, "SecretArgs {{ cluster_secret: {set} }}")
-    }
+    pub cluster_secret: Option<crate::secret::Secret>,
 }
 
 impl SecretArgs {
     /// The configured secret, or none.
     pub fn secret(&self) -> anyhow::Result<Option<(String, ClusterSecret)>> {
         self.cluster_secret
-            .as_deref()
-            .map(|s| Ok((s.to_owned(), ClusterSecret::new(s).map_err(anyhow::Error::msg)?)))
+            .as_ref()
+            .map(|s| Ok((s.expose().to_owned(), ClusterSecret::new(s.expose()).map_err(anyhow::Error::msg)?)))
             .transpose()
     }
 }

@@ -39,9 +39,9 @@ pub struct WorkerArgs {
     /// The address the gateway should use to reach this worker (default: the bound address).
     #[arg(long, env = "TOKENPATH_ADVERTISE")]
     advertise: Option<String>,
-    /// Bearer key for registering with a gateway that requires one.
-    #[arg(long, env = "TOKENPATH_REGISTER_KEY", hide_env_values = true)]
-    register_key: Option<String>,
+    /// The gateway's admin key, for registering (`/admin/workers` takes no tenant key).
+    #[arg(long, alias = "register-key", env = "TOKENPATH_ADMIN_KEY", hide_env_values = true)]
+    admin_key: Option<crate::secret::Secret>,
     /// How KV moves to and from workers on the same host: `auto` (a shared-memory ring, set up
     /// per transfer; TCP when the peer is elsewhere or the ring cannot be set up) or `tcp`.
     #[arg(long, default_value = "auto", env = "TOKENPATH_KV_TRANSPORT")]
@@ -113,8 +113,8 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
         }
         if let Some(gateway) = &args.register {
             let advertise = args.advertise.clone().unwrap_or_else(|| local.to_string());
-            register(gateway, &advertise, args.role, args.register_key.as_deref()).await?;
-            tracing::info!(%gateway, %advertise, "registered with the gateway");
+            register(gateway, &advertise, args.role, args.admin_key.as_ref().map(|k| k.expose())).await?;
+            tracing::info!(%advertise, "registered with the gateway");
         }
         let server = ServerConfig {
             role: args.role,

@@ -188,7 +188,7 @@ fn open_stream(port: u16, max_tokens: u32, n: usize) -> BufReader<TcpStream> {
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     write!(
         s,
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -298,12 +298,8 @@ fn a_worker_without_the_cluster_secret_never_serves() {
     let stranger = worker_with_secret(&m, "both", &[], "some-other-cluster-secret");
     let s = serve(&m, &["--accept-workers"]);
     // Only the stranger: the gateway never finds a worker it can trust.
-    let (status, body) = http(
-        s.port(),
-        "POST",
-        "/admin/workers",
-        &format!(r#"{{"addr":"{}","role":"both"}}"#, stranger.addr),
-    );
+    let (status, body) =
+        http(s.port(), "POST", "/admin/workers", &format!(r#"{{"addr":"{}","role":"both"}}"#, stranger.addr));
     assert_eq!(status, 200, "{body}");
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(http(s.port(), "GET", "/ready", "").0, 503, "a worker with another secret is not up");

@@ -8,15 +8,16 @@
 //! validation and tokenization — all of this process's work before the queue. `arrived` is when
 //! the handler starts, i.e. once the body has been received (upload time is the client's).
 
-use crate::auth::{AuthFailure, Tenant};
+use crate::auth::Tenant;
 use crate::error::Reject;
+use crate::guard::Caller;
 use crate::ratelimit::OutputMeter;
 use crate::stream::{sse_response, SseFormat};
 use crate::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::extract::{Extension, State};
+use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -50,32 +51,19 @@ impl Endpoint {
 /// `POST /v1/chat/completions`.
 pub(crate) async fn chat(
     State(app): State<Arc<AppState>>,
-    headers: HeaderMap,
+    Extension(caller): Extension<Caller>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(app, Endpoint::Chat, &headers, body).await
+    generate(app, Endpoint::Chat, caller.0, body).await
 }
 
 /// `POST /v1/completions`.
 pub(crate) async fn completions(
     State(app): State<Arc<AppState>>,
-    headers: HeaderMap,
+    Extension(caller): Extension<Caller>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(app, Endpoint::Completions, &headers, body).await
-}
-
-/// The tenant of the request's API key; a 401 when keys are configured and it has none or a
-/// wrong one.
-fn authenticate(app: &AppState, headers: &HeaderMap) -> Result<Option<Tenant>, Reject> {
-    app.config.api_keys.check(headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes)).map_err(|f| {
-        Reject::new(ApiError::authentication(match f {
-            AuthFailure::Missing => {
-                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
-            }
-            AuthFailure::Wrong => "Incorrect API key provided.",
-        }))
-    })
+    generate(app, Endpoint::Completions, caller.0, body).await
 }
 
 /// Bodies larger than this are parsed and tokenized on the blocking pool, so a long prompt
@@ -85,17 +73,10 @@ const INLINE_BODY_BYTES: usize = 16 * 1024;
 async fn generate(
     app: Arc<AppState>,
     endpoint: Endpoint,
-    headers: &HeaderMap,
+    tenant: Option<Tenant>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrived = Instant::now();
-    let tenant = match authenticate(&app, headers) {
-        Ok(t) => t,
-        Err(reject) => {
-            app.metrics.record_status(reject.status().as_u16(), "none");
-            return reject.into_response();
-        }
-    };
     app.metrics.record_tenant(tenant.as_ref().map_or(crate::metrics::ANONYMOUS_TENANT, |t| t.0.as_str()));
     let admitted = if body.as_ref().map_or(0, Bytes::len) > INLINE_BODY_BYTES {
         let state = Arc::clone(&app);
@@ -348,10 +329,7 @@ fn server_error(app: &AppState, message: &str) -> Response {
 }
 
 /// `GET /v1/models`.
-pub(crate) async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(reject) = authenticate(&app, &headers) {
-        return reject.into_response();
-    }
+pub(crate) async fn models(State(app): State<Arc<AppState>>) -> Response {
     let body = serde_json::json!({
         "object": "list",
         "data": [{
@@ -391,10 +369,7 @@ pub(crate) async fn metrics(State(app): State<Arc<AppState>>) -> Response {
 }
 
 /// `GET /admin/workers`: the cluster's workers as the router sees them.
-pub(crate) async fn list_workers(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(reject) = authenticate(&app, &headers) {
-        return reject.into_response();
-    }
+pub(crate) async fn list_workers(State(app): State<Arc<AppState>>) -> Response {
     let workers: Vec<serde_json::Value> = app
         .backend
         .cluster()
@@ -419,12 +394,8 @@ pub(crate) async fn list_workers(State(app): State<Arc<AppState>>, headers: Head
 /// registering at run time. It serves once its first health poll succeeds.
 pub(crate) async fn register_worker(
     State(app): State<Arc<AppState>>,
-    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    if let Err(reject) = authenticate(&app, &headers) {
-        return reject.into_response();
-    }
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Registration {
@@ -436,8 +407,8 @@ pub(crate) async fn register_worker(
         .and_then(|b| serde_json::from_slice::<Registration>(&b).map_err(|e| e.to_string()))
         .and_then(|r| {
             let role = r.role.parse::<tokenpath_worker::Role>().map_err(|e| e.to_string())?;
-            if r.addr.parse::<std::net::SocketAddr>().is_err() && !r.addr.contains(':') {
-                return Err(format!("{:?} is not a host:port address", r.addr));
+            if !worker_addr(&r.addr) {
+                return Err("addr must be host:port (an IP address or a DNS name, and a port)".into());
             }
             Ok((r.addr, role))
         });
@@ -452,9 +423,41 @@ pub(crate) async fn register_worker(
         ))
         .into_response();
     };
-    cluster.registry().register(addr.clone(), role);
-    ([(header::CONTENT_TYPE, "application/json")], serde_json::json!({ "registered": addr }).to_string())
-        .into_response()
+    use crate::cluster::registry::Registered;
+    match cluster.registry().register(addr.clone(), role).await {
+        Ok(Registered::Added | Registered::Known) => (
+            [(header::CONTENT_TYPE, "application/json")],
+            serde_json::json!({ "registered": addr, "role": role.to_string() }).to_string(),
+        )
+            .into_response(),
+        Ok(Registered::Conflict(known)) => Reject::new(ApiError::conflict(format!(
+            "{addr} is registered as a {known} worker; a worker's role cannot change while the gateway runs"
+        )))
+        .into_response(),
+        Ok(Registered::Full) => Reject::insufficient_storage(format!(
+            "the gateway already knows {} workers",
+            crate::cluster::registry::MAX_WORKERS
+        ))
+        .into_response(),
+        Err(e) => Reject::from_worker(&e, "addr").into_response(),
+    }
+}
+
+/// `host:port` with a numeric port and a host that is an IP address or a DNS name (letters,
+/// digits, `-`, `.`), bounded in length: nothing else reaches the registry or its logs.
+fn worker_addr(addr: &str) -> bool {
+    if addr.len() > crate::cluster::registry::MAX_ADDR_LEN {
+        return false;
+    }
+    if addr.parse::<std::net::SocketAddr>().is_ok() {
+        return true;
+    }
+    let Some((host, port)) = addr.rsplit_once(':') else { return false };
+    port.parse::<u16>().is_ok_and(|p| p > 0)
+        && !host.is_empty()
+        && host.split('.').all(|l| {
+            !l.is_empty() && l.len() <= 63 && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
 }
 
 /// Any other path.

@@ -140,6 +140,12 @@ impl ApiKeys {
         self.keys.is_empty()
     }
 
+    /// Whether `admin` is also one of these keys (a configuration error: the credentials must
+    /// never be interchangeable).
+    pub(crate) fn holds(&self, admin: &AdminKey) -> bool {
+        self.keys.iter().any(|(_, d)| ct_eq(d, &admin.0))
+    }
+
     /// Number of keys.
     pub fn len(&self) -> usize {
         self.keys.len()
@@ -150,12 +156,7 @@ impl ApiKeys {
         if self.keys.is_empty() {
             return Ok(None);
         }
-        let presented = authorization
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-            .map(str::trim)
-            .filter(|k| !k.is_empty())
-            .ok_or(AuthFailure::Missing)?;
+        let presented = bearer(authorization).ok_or(AuthFailure::Missing)?;
         let d = digest(presented);
         // Compare against every key so the time does not tell which tenant (or none) matched.
         let mut found = None;
@@ -166,6 +167,48 @@ impl ApiKeys {
         }
         found.and_then(|t| self.tenants.get(t)).map(|(t, _)| Some(t.clone())).ok_or(AuthFailure::Wrong)
     }
+}
+
+/// The operator's credential (`--admin-key`): guards `/admin/*` and `/metrics`. A separate
+/// secret from every tenant key (a tenant key never opens an admin route, and the admin key is
+/// not a tenant key), kept as a digest and compared in constant time like them.
+#[derive(Clone)]
+pub struct AdminKey([u8; 32]);
+
+impl fmt::Debug for AdminKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AdminKey(..)")
+    }
+}
+
+impl AdminKey {
+    /// The key in clear (at least 16 characters; it is never stored as given).
+    pub fn new(key: &str) -> Result<Self, String> {
+        let key = key.trim();
+        if key.len() < 16 {
+            return Err("the admin key must be at least 16 characters".into());
+        }
+        Ok(Self(digest(key)))
+    }
+
+    /// Whether `authorization` carries this key.
+    pub(crate) fn check(&self, authorization: Option<&[u8]>) -> Result<(), AuthFailure> {
+        let presented = bearer(authorization).ok_or(AuthFailure::Missing)?;
+        if ct_eq(&digest(presented), &self.0) {
+            Ok(())
+        } else {
+            Err(AuthFailure::Wrong)
+        }
+    }
+}
+
+/// The key of an `Authorization: Bearer KEY` header.
+fn bearer(authorization: Option<&[u8]>) -> Option<&str> {
+    authorization
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
 }
 
 #[cfg(test)]

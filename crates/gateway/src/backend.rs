@@ -62,17 +62,19 @@ impl Backend {
                 for s in cluster.registry().workers().iter().filter(|w| w.up).filter_map(|w| w.stats.as_ref())
                 {
                     let s = tokenpath_worker::net::stats_of(s);
-                    sum.waiting += s.waiting;
-                    sum.running += s.running;
-                    sum.kv_blocks_used += s.kv_blocks_used;
-                    sum.kv_blocks_free += s.kv_blocks_free;
+                    sum.waiting = sum.waiting.saturating_add(s.waiting);
+                    sum.running = sum.running.saturating_add(s.running);
+                    sum.kv_blocks_used = sum.kv_blocks_used.saturating_add(s.kv_blocks_used);
+                    sum.kv_blocks_free = sum.kv_blocks_free.saturating_add(s.kv_blocks_free);
                     sum.busy_seconds += s.busy_seconds;
                     sum.uptime_seconds += s.uptime_seconds;
                     sum.flops += s.flops;
-                    sum.prompt_tokens_computed += s.prompt_tokens_computed;
-                    sum.prompt_tokens_cached += s.prompt_tokens_cached;
-                    sum.generated_tokens += s.generated_tokens;
-                    sum.kv_fallbacks += s.kv_fallbacks;
+                    sum.prompt_tokens_computed =
+                        sum.prompt_tokens_computed.saturating_add(s.prompt_tokens_computed);
+                    sum.prompt_tokens_cached =
+                        sum.prompt_tokens_cached.saturating_add(s.prompt_tokens_cached);
+                    sum.generated_tokens = sum.generated_tokens.saturating_add(s.generated_tokens);
+                    sum.kv_fallbacks = sum.kv_fallbacks.saturating_add(s.kv_fallbacks);
                 }
                 sum
             }
@@ -92,7 +94,7 @@ impl Backend {
         match self {
             Backend::Local(w) => w.in_flight(),
             Backend::Cluster { cluster, .. } => {
-                cluster.registry().workers().iter().map(|w| w.in_flight).sum()
+                cluster.registry().workers().iter().fold(0usize, |a, w| a.saturating_add(w.in_flight))
             }
         }
     }

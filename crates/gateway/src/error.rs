@@ -68,6 +68,15 @@ impl Reject {
         Reject { api: ApiError::rate_limit(r.message()), status: None, retry_after_s: r.retry_after_s.max(1) }
     }
 
+    /// 507: a bounded store (the worker registry) is full.
+    pub(crate) fn insufficient_storage(message: String) -> Self {
+        Reject {
+            api: ApiError::invalid_request(message, None),
+            status: Some(StatusCode::INSUFFICIENT_STORAGE),
+            retry_after_s: 1,
+        }
+    }
+
     /// 404 for a path that does not exist.
     pub(crate) fn no_route(path: &str) -> Self {
         let api = ApiError::invalid_request(format!("Unknown request URL: {path}."), None);
@@ -109,6 +118,9 @@ pub(crate) fn status_of(kind: ErrorKind) -> StatusCode {
     match kind {
         ErrorKind::InvalidRequest | ErrorKind::ContextLengthExceeded => StatusCode::BAD_REQUEST,
         ErrorKind::Authentication => StatusCode::UNAUTHORIZED,
+        ErrorKind::Permission => StatusCode::FORBIDDEN,
+        ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        ErrorKind::Conflict => StatusCode::CONFLICT,
         ErrorKind::ModelNotFound => StatusCode::NOT_FOUND,
         ErrorKind::RateLimit => StatusCode::TOO_MANY_REQUESTS,
         ErrorKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
@@ -145,6 +157,9 @@ mod tests {
         assert_eq!(Reject::too_large(10).status(), StatusCode::PAYLOAD_TOO_LARGE);
         assert_eq!(status_of(ErrorKind::ModelNotFound), StatusCode::NOT_FOUND);
         assert_eq!(status_of(ErrorKind::Authentication), StatusCode::UNAUTHORIZED);
+        assert_eq!(status_of(ErrorKind::Permission), StatusCode::FORBIDDEN);
+        assert_eq!(status_of(ErrorKind::UnsupportedMediaType), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        assert_eq!(status_of(ErrorKind::Conflict), StatusCode::CONFLICT);
         assert_eq!(status_of(ErrorKind::RateLimit), StatusCode::TOO_MANY_REQUESTS);
         let limited = RateLimited {
             limit: crate::ratelimit::Limit::InputTokens,

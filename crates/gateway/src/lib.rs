@@ -14,12 +14,13 @@ mod auth;
 pub mod backend;
 pub mod cluster;
 mod error;
+mod guard;
 mod keyfile;
 pub mod metrics;
 mod ratelimit;
 mod stream;
 
-pub use auth::{ApiKeys, Tenant};
+pub use auth::{AdminKey, ApiKeys, Tenant};
 pub use backend::Backend;
 pub use error::GatewayError;
 pub use ratelimit::RateLimits;
@@ -29,7 +30,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use std::future::{Future, IntoFuture};
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokenpath_protocol::Limits;
 use tokenpath_worker::WorkerHandle;
@@ -52,8 +53,14 @@ pub struct GatewayConfig {
     pub shutdown_grace: Duration,
     /// The machine's peak FLOP/s, exported next to the worker's achieved FLOPs.
     pub peak_flops: Option<f64>,
-    /// API keys; empty: the API is open (health, readiness and metrics always are).
+    /// API keys; empty: the API is open (health and readiness always are).
     pub api_keys: ApiKeys,
+    /// The operator's key for `/admin/*` and `/metrics`; none: those routes are served only by a
+    /// gateway bound to loopback ([`guard`]).
+    pub admin_key: Option<AdminKey>,
+    /// `/metrics` has a listener of its own ([`Gateway::metrics_router`]) and is not served on
+    /// the API's.
+    pub metrics_elsewhere: bool,
 }
 
 impl Default for GatewayConfig {
@@ -64,6 +71,8 @@ impl Default for GatewayConfig {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             peak_flops: None,
             api_keys: ApiKeys::default(),
+            admin_key: None,
+            metrics_elsewhere: false,
         }
     }
 }
@@ -80,11 +89,18 @@ pub(crate) struct AppState {
     next_id: AtomicU64,
     started_unix: u64,
     draining: watch::Receiver<bool>,
+    /// The API listener's address, once serving.
+    local: OnceLock<std::net::SocketAddr>,
 }
 
 impl AppState {
     fn is_draining(&self) -> bool {
         *self.draining.borrow()
+    }
+
+    /// Whether the API listens on loopback only (unknown, e.g. a router served by hand: no).
+    fn is_loopback(&self) -> bool {
+        self.local.get().is_some_and(|a| a.ip().is_loopback())
     }
 }
 
@@ -109,6 +125,11 @@ impl Gateway {
         if config.max_body_bytes == 0 {
             return Err(GatewayError::Config("max_body_bytes must be at least 1".into()));
         }
+        if config.admin_key.as_ref().is_some_and(|k| config.api_keys.holds(k)) {
+            return Err(GatewayError::Config(
+                "the admin key is also a tenant's API key; use a separate one".into(),
+            ));
+        }
         if config.peak_flops.is_some_and(|p| !(p.is_finite() && p > 0.0)) {
             return Err(GatewayError::Config("the peak FLOP/s must be a positive number".into()));
         }
@@ -128,23 +149,45 @@ impl Gateway {
             next_id: AtomicU64::new(1),
             started_unix: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             draining,
+            local: OnceLock::new(),
         };
         Ok(Self { state: Arc::new(state), drain })
     }
 
-    /// The routes, for serving or for in-process tests.
+    /// The routes, for serving or for in-process tests. Every request passes [`guard`] first.
     pub fn router(&self) -> Router {
-        Router::new()
+        let mut r = Router::new()
             .route("/v1/chat/completions", post(api::chat))
             .route("/v1/completions", post(api::completions))
             .route("/v1/models", get(api::models))
             .route("/health", get(api::health))
             .route("/ready", get(api::ready))
-            .route("/metrics", get(api::metrics))
-            .route("/admin/workers", get(api::list_workers).post(api::register_worker))
-            .fallback(api::fallback)
+            .route("/admin/workers", get(api::list_workers).post(api::register_worker));
+        if !self.state.config.metrics_elsewhere {
+            r = r.route("/metrics", get(api::metrics));
+        }
+        r.fallback(api::fallback)
             .layer(DefaultBodyLimit::max(self.state.config.max_body_bytes))
+            .layer(axum::middleware::from_fn_with_state(Arc::clone(&self.state), guard::guard))
             .with_state(Arc::clone(&self.state))
+    }
+
+    /// `/metrics` alone, open, for a listener of its own (`--metrics-listen`, typically bound
+    /// where only the scraper reaches).
+    pub fn metrics_router(&self) -> Router {
+        Router::new()
+            .route("/metrics", get(api::metrics))
+            .fallback(api::fallback)
+            .with_state(Arc::clone(&self.state))
+    }
+
+    /// Serves [`Gateway::metrics_router`] on `listener` until the process ends.
+    pub fn serve_metrics(
+        &self,
+        listener: TcpListener,
+    ) -> impl Future<Output = Result<(), GatewayError>> + Send + 'static {
+        let router = self.metrics_router();
+        async move { axum::serve(listener, router).await.map_err(GatewayError::Serve) }
     }
 
     /// Serves on `listener` until `shutdown` resolves, then drains (see the module docs).
@@ -153,6 +196,9 @@ impl Gateway {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), GatewayError> {
+        if let Ok(a) = listener.local_addr() {
+            let _ = self.state.local.set(a);
+        }
         let router = self.router();
         let grace = self.state.config.shutdown_grace;
         let mut stop = self.drain.subscribe();

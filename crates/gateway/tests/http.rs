@@ -458,12 +458,23 @@ async fn api_keys_are_required_when_configured() -> anyhow::Result<()> {
     assert_eq!(metric(&m, "tokenpath_tenant_requests_total{tenant=\"alice\"}"), Some(1.0), "{m}");
     assert_eq!(
         metric(&m, "tokenpath_requests_total{status=\"401\",finish_reason=\"none\"}"),
-        Some(3.0),
+        Some(4.0), // the three chat requests and /v1/models
         "{m}"
     );
-    for open in ["/health", "/ready", "/metrics"] {
+    for open in ["/health", "/ready"] {
         assert_eq!(server.client.get(server.url(open)).send().await?.status().as_u16(), 200, "{open}");
     }
+    // /metrics is the operator's: no credential 401, a tenant's 403, the admin key 200.
+    let metrics = |auth: Option<&'static str>| {
+        let mut req = server.client.get(server.url("/metrics"));
+        if let Some(a) = auth {
+            req = req.bearer_auth(a);
+        }
+        req.send()
+    };
+    assert_eq!(metrics(None).await?.status().as_u16(), 401);
+    assert_eq!(metrics(Some("sk-alice-0001")).await?.status().as_u16(), 403);
+    assert_eq!(metrics(Some(common::ADMIN_KEY)).await?.status().as_u16(), 200);
     server.shutdown().await?;
     Ok(())
 }

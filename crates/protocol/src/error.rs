@@ -19,6 +19,14 @@ pub enum ErrorKind {
     ContextLengthExceeded,
     /// Missing or wrong API key (401).
     Authentication,
+    /// A valid credential that may not do this (a tenant key on an admin route), or a request
+    /// from where it may not come (a foreign `Origin` or `Host`) (403).
+    Permission,
+    /// A body that is not `application/json` where JSON is required (415).
+    UnsupportedMediaType,
+    /// A change that contradicts the current state (re-registering a worker with another role)
+    /// (409).
+    Conflict,
     /// Unknown model (404).
     ModelNotFound,
     /// Client over its rate limit (429).
@@ -109,6 +117,27 @@ impl ApiError {
             None,
             Some("invalid_api_key"),
         )
+    }
+
+    /// `permission_error`: authenticated but not allowed.
+    pub fn permission(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Permission, "permission_error", message.into(), None, None)
+    }
+
+    /// `invalid_request_error`, code `unsupported_media_type`.
+    pub fn unsupported_media_type(message: impl Into<String>) -> Self {
+        Self::new(
+            ErrorKind::UnsupportedMediaType,
+            "invalid_request_error",
+            message.into(),
+            None,
+            Some("unsupported_media_type"),
+        )
+    }
+
+    /// `invalid_request_error`, code `conflict`.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Conflict, "invalid_request_error", message.into(), None, Some("conflict"))
     }
 
     /// OpenAI's unknown-model error: `invalid_request_error`, code `model_not_found`.

@@ -31,6 +31,13 @@ pub const BALANCE_THRESHOLD: usize = 4;
 const ROUTER_BLOCK: usize = 16;
 /// Most prefix entries remembered per prefill worker.
 const MAX_PREFIX_ENTRIES: usize = 65_536;
+/// Most workers one gateway knows (registrations beyond are refused).
+pub const MAX_WORKERS: usize = 256;
+/// Longest worker address accepted (a DNS name of 253 characters and a port).
+pub const MAX_ADDR_LEN: usize = 260;
+/// Worker-reported counts are clamped to this at poll time: no honest worker comes near it, and
+/// routing arithmetic on clamped values cannot overflow.
+const STAT_CAP: u64 = 1 << 40;
 
 /// One worker as the router sees it.
 #[derive(Clone, Debug)]
@@ -61,8 +68,21 @@ pub enum Route {
     },
 }
 
+/// How a registration went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Registered {
+    /// A new worker.
+    Added,
+    /// Already known with this role (registering again is harmless).
+    Known,
+    /// Already known with another role: refused (a role flip is an outage; remove it first).
+    Conflict(Role),
+    /// The registry holds [`MAX_WORKERS`] already.
+    Full,
+}
+
 enum Cmd {
-    Register { addr: String, role: Role },
+    Register { addr: String, role: Role, reply: Option<oneshot::Sender<Registered>> },
     Polled { addr: String, result: Result<StatsMsg, String> },
     MarkDown { addr: String },
     Done { addr: String },
@@ -99,14 +119,16 @@ impl Registry {
         tokio::spawn(state.run(rx));
         let reg = Self { tx, view, secret };
         for (addr, role) in workers {
-            reg.register(addr, role);
+            let _ = reg.tx.send(Cmd::Register { addr, role, reply: None });
         }
         reg
     }
 
-    /// Adds a worker (or changes a known one's role); it serves once a poll succeeds.
-    pub fn register(&self, addr: String, role: Role) {
-        let _ = self.tx.send(Cmd::Register { addr, role });
+    /// Adds a worker; it serves once a poll succeeds. A known address keeps its role.
+    pub async fn register(&self, addr: String, role: Role) -> Result<Registered, WorkerError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Cmd::Register { addr, role, reply: Some(reply) }).map_err(|_| WorkerError::Stopped)?;
+        rx.await.map_err(|_| WorkerError::Stopped)
     }
 
     /// The cluster secret its workers share.
@@ -198,29 +220,36 @@ impl State {
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Register { addr, role } => {
-                tracing::info!(%addr, %role, "worker registered");
-                match self.find(&addr) {
-                    Some(w) => w.role = role,
+            Cmd::Register { addr, role, reply } => {
+                let known = self.find(&addr).map(|w| w.role);
+                let outcome = match known {
+                    Some(r) if r == role => Registered::Known,
+                    Some(r) => Registered::Conflict(r),
+                    None if self.workers.len() >= MAX_WORKERS => Registered::Full,
                     None => {
-                        self.workers.push(WorkerView { addr, role, up: false, stats: None, in_flight: 0 })
+                        tracing::info!(addr = ?addr, %role, "worker registered");
+                        self.workers.push(WorkerView { addr, role, up: false, stats: None, in_flight: 0 });
+                        self.poll_all();
+                        Registered::Added
                     }
+                };
+                if let Some(r) = reply {
+                    let _ = r.send(outcome);
                 }
-                self.poll_all();
             }
             Cmd::Polled { addr, result } => {
                 if let Some(w) = self.find(&addr) {
                     match result {
                         Ok(s) => {
                             if !w.up {
-                                tracing::info!(%addr, role = %w.role, "worker up");
+                                tracing::info!(addr = ?addr, role = %w.role, "worker up");
                             }
                             w.up = true;
-                            w.stats = Some(s);
+                            w.stats = Some(clamped(s));
                         }
                         Err(e) => {
                             if w.up {
-                                tracing::warn!(%addr, "worker down: {e}");
+                                tracing::warn!(addr = ?addr, "worker down: {e}");
                             }
                             w.up = false;
                         }
@@ -230,7 +259,7 @@ impl State {
             Cmd::MarkDown { addr } => {
                 if let Some(w) = self.find(&addr) {
                     if w.up {
-                        tracing::warn!(%addr, "worker down (a request found it dead)");
+                        tracing::warn!(addr = ?addr, "worker down (a request found it dead)");
                     }
                     w.up = false;
                 }
@@ -266,14 +295,14 @@ impl State {
         self.remember(&first, &hashes);
         for addr in std::iter::once(first).chain(second) {
             if let Some(w) = self.find(&addr) {
-                w.in_flight += 1;
+                w.in_flight = w.in_flight.saturating_add(1);
             }
         }
         Ok(route)
     }
 
-    fn load(w: &WorkerView) -> usize {
-        w.in_flight.max(w.stats.as_ref().map_or(0, |s| s.in_flight as usize))
+    fn load(w: &WorkerView) -> u64 {
+        (w.in_flight as u64).max(w.stats.as_ref().map_or(0, |s| s.in_flight))
     }
 
     fn pick_prefill(&self, hashes: &[BlockHash], ok: impl Fn(&WorkerView) -> bool) -> Option<String> {
@@ -282,7 +311,7 @@ impl State {
         let matched = |w: &WorkerView| self.prefixes.get(&w.addr).map_or(0, |p| p.matched(hashes));
         candidates
             .iter()
-            .filter(|w| Self::load(w) <= least + BALANCE_THRESHOLD)
+            .filter(|w| Self::load(w) <= least.saturating_add(BALANCE_THRESHOLD as u64))
             .max_by(|a, b| matched(a).cmp(&matched(b)).then(Self::load(b).cmp(&Self::load(a))))
             .map(|w| w.addr.clone())
     }
@@ -294,11 +323,11 @@ impl State {
             .filter(|w| {
                 w.stats
                     .as_ref()
-                    .is_none_or(|s| s.kv_blocks_free as usize * (s.block_size.max(1) as usize) > prompt_len)
+                    .is_none_or(|s| s.kv_blocks_free.saturating_mul(s.block_size.max(1)) > prompt_len as u64)
             })
             .min_by_key(|w| {
                 (
-                    Self::load(w) + w.stats.as_ref().map_or(0, |s| s.running as usize),
+                    Self::load(w).saturating_add(w.stats.as_ref().map_or(0, |s| s.running)),
                     std::cmp::Reverse(w.stats.as_ref().map_or(0, |s| s.kv_blocks_free)),
                 )
             })
@@ -317,5 +346,108 @@ impl State {
                 break;
             }
         }
+    }
+}
+
+/// A worker's stats with every count clamped to [`STAT_CAP`] and every figure finite and
+/// non-negative: whatever a worker (or something answering on its port) reports, routing and
+/// `/metrics` arithmetic stays in range.
+fn clamped(mut s: StatsMsg) -> StatsMsg {
+    for v in [
+        &mut s.n_ctx,
+        &mut s.block_size,
+        &mut s.in_flight,
+        &mut s.waiting,
+        &mut s.running,
+        &mut s.kv_blocks_used,
+        &mut s.kv_blocks_free,
+        &mut s.prompt_tokens_computed,
+        &mut s.prompt_tokens_cached,
+        &mut s.generated_tokens,
+        &mut s.kv_fallbacks,
+    ] {
+        *v = (*v).min(STAT_CAP);
+    }
+    for v in [&mut s.busy_seconds, &mut s.uptime_seconds, &mut s.flops] {
+        *v = if v.is_finite() { v.clamp(0.0, 1e30) } else { 0.0 };
+    }
+    s.role.truncate(16);
+    s.worker_id.truncate(128);
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(in_flight: u64, running: u64, free: u64, bs: u64) -> StatsMsg {
+        StatsMsg {
+            role: "decode".into(),
+            in_flight,
+            running,
+            kv_blocks_free: free,
+            block_size: bs,
+            n_ctx: 4096,
+            busy_seconds: f64::NAN,
+            flops: f64::INFINITY,
+            ..StatsMsg::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn hostile_stats_neither_panic_nor_win_the_routing() {
+        let reg = Registry::start(Vec::new(), ClusterSecret::open());
+        for (a, r) in
+            [("127.0.0.1:1", Role::Prefill), ("127.0.0.1:2", Role::Decode), ("127.0.0.1:3", Role::Decode)]
+        {
+            assert_eq!(reg.register(a.into(), r).await.unwrap(), Registered::Added);
+        }
+        let polled = |addr: &str, s: StatsMsg| {
+            let _ = reg.tx.send(Cmd::Polled { addr: addr.into(), result: Ok(s) });
+        };
+        // Nothing listens at these addresses, so the registry's own polls mark them down now
+        // and then; every route that finds them up must avoid the rogue.
+        let mut routed = 0;
+        for _ in 0..500 {
+            polled("127.0.0.1:1", stats(0, 0, 1000, 16));
+            // The rogue: every count at the maximum, huge free KV, NaN time.
+            polled("127.0.0.1:2", stats(u64::MAX, u64::MAX, u64::MAX, u64::MAX));
+            polled("127.0.0.1:3", stats(1, 1, 1000, 16));
+            if let Ok(route) = reg.route(&[1; 40], Vec::new()).await {
+                assert_eq!(
+                    route,
+                    Route::Disaggregated { prefill: "127.0.0.1:1".into(), decode: "127.0.0.1:3".into() }
+                );
+                routed += 1;
+                if routed == 5 {
+                    break;
+                }
+            }
+        }
+        assert_eq!(routed, 5);
+        let w = reg.workers();
+        let rogue = w.iter().find(|w| w.addr == "127.0.0.1:2").and_then(|w| w.stats.clone()).unwrap();
+        assert_eq!(rogue.in_flight, STAT_CAP);
+        assert_eq!(rogue.busy_seconds, 0.0);
+        assert_eq!(rogue.flops, 0.0);
+    }
+
+    #[tokio::test]
+    async fn a_known_address_keeps_its_role_and_the_registry_has_a_cap() {
+        let reg = Registry::start(vec![("127.0.0.1:9".into(), Role::Decode)], ClusterSecret::open());
+        assert_eq!(reg.register("127.0.0.1:9".into(), Role::Decode).await.unwrap(), Registered::Known);
+        assert_eq!(
+            reg.register("127.0.0.1:9".into(), Role::Prefill).await.unwrap(),
+            Registered::Conflict(Role::Decode)
+        );
+        assert_eq!(
+            reg.workers().iter().find(|w| w.addr == "127.0.0.1:9").map(|w| w.role),
+            Some(Role::Decode)
+        );
+        for i in 1..MAX_WORKERS {
+            assert_eq!(reg.register(format!("10.0.0.1:{i}"), Role::Both).await.unwrap(), Registered::Added);
+        }
+        assert_eq!(reg.register("10.0.0.2:1".into(), Role::Both).await.unwrap(), Registered::Full);
+        assert_eq!(reg.workers().len(), MAX_WORKERS);
     }
 }

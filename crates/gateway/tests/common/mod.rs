@@ -16,6 +16,8 @@ use tokenpath_worker::{Worker, WorkerConfig};
 use tokio::sync::oneshot;
 
 pub const MODEL: &str = "tiny";
+/// The admin key of every test server that has API keys and no admin key of its own.
+pub const ADMIN_KEY: &str = "test-admin-key-0123456789";
 /// Long enough that a 8000-token stream outlives any client-side scheduling hiccup.
 pub const N_CTX: usize = 8192;
 
@@ -31,10 +33,18 @@ pub fn engine() -> Arc<Engine> {
     Arc::new(Engine::from_model(Model::from_bytes(bytes).expect("model")).expect("engine"))
 }
 
-pub async fn start(worker: WorkerConfig, gateway: GatewayConfig) -> Server {
+pub async fn start(worker: WorkerConfig, mut gateway: GatewayConfig) -> Server {
+    if !gateway.api_keys.is_empty() && gateway.admin_key.is_none() {
+        gateway.admin_key = Some(tokenpath_gateway::AdminKey::new(ADMIN_KEY).expect("admin key"));
+    }
     let worker = Worker::spawn(engine(), worker).expect("worker");
     let gateway = Gateway::new(GatewayConfig { served_model_name: MODEL.into(), ..gateway }, worker.handle())
         .expect("gateway");
+    serve_gateway(gateway).await
+}
+
+/// Serves `gateway` on an ephemeral loopback port.
+pub async fn serve_gateway(gateway: Gateway) -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let (stop, stopped) = oneshot::channel::<()>();
@@ -71,7 +81,8 @@ impl Server {
     }
 
     pub async fn metrics(&self) -> String {
-        self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text")
+        let req = self.client.get(self.url("/metrics")).bearer_auth(ADMIN_KEY);
+        req.send().await.expect("metrics").text().await.expect("text")
     }
 
     /// Polls `/metrics` until `ok` holds (bounded; the poll interval is not an assertion).

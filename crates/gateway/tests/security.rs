@@ -1,0 +1,234 @@
+//! Who may call what, over real HTTP on loopback (security review C2, H5, M7): the three
+//! credentials are never interchangeable, an open gateway refuses what a browser could forge
+//! across sites, the worker registry refuses role flips and has a cap, and a request without
+//! credentials is refused before its body is read.
+
+mod common;
+
+use common::{engine, serve_gateway, start, ADMIN_KEY, MODEL};
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::time::Duration;
+use tokenpath_gateway::cluster::{Cluster, Registry};
+use tokenpath_gateway::{AdminKey, ApiKeys, Backend, Gateway, GatewayConfig};
+use tokenpath_protocol::auth::ClusterSecret;
+use tokenpath_worker::WorkerConfig;
+
+/// A gateway over an (empty) cluster, so registrations are accepted.
+async fn cluster_gateway(config: GatewayConfig) -> common::Server {
+    let registry = Registry::start(Vec::new(), ClusterSecret::open());
+    let backend = Backend::Cluster { engine: engine(), cluster: Cluster::new(registry) };
+    let gateway = Gateway::with_backend(GatewayConfig { served_model_name: MODEL.into(), ..config }, backend)
+        .expect("gateway");
+    serve_gateway(gateway).await
+}
+
+fn keys() -> ApiKeys {
+    ApiKeys::parse("alice:sk-alice-0001").expect("keys")
+}
+
+async fn register(server: &common::Server, auth: Option<&str>, addr: &str, role: &str) -> (u16, Value) {
+    let mut req = server
+        .client
+        .post(server.url("/admin/workers"))
+        .header("content-type", "application/json")
+        .body(json!({"addr": addr, "role": role}).to_string());
+    if let Some(a) = auth {
+        req = req.bearer_auth(a);
+    }
+    let resp = req.send().await.expect("send");
+    let status = resp.status().as_u16();
+    (status, serde_json::from_slice(&resp.bytes().await.expect("body")).unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_keys_never_open_the_admin_routes() -> anyhow::Result<()> {
+    let admin = AdminKey::new(ADMIN_KEY).map_err(anyhow::Error::msg)?;
+    let server =
+        cluster_gateway(GatewayConfig { api_keys: keys(), admin_key: Some(admin), ..Default::default() })
+            .await;
+    let (status, body) = register(&server, Some("sk-alice-0001"), "127.0.0.1:9", "decode").await;
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(body["error"]["type"], "permission_error");
+    assert_eq!(register(&server, None, "127.0.0.1:9", "decode").await.0, 401);
+    assert_eq!(register(&server, Some("wrong-admin-key-0000"), "127.0.0.1:9", "decode").await.0, 401);
+    let (status, body) = register(&server, Some(ADMIN_KEY), "127.0.0.1:9", "decode").await;
+    assert_eq!(status, 200, "{body}");
+    // The admin key is not a tenant key either.
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    let resp = server
+        .client
+        .post(server.url("/v1/chat/completions"))
+        .bearer_auth(ADMIN_KEY)
+        .header("content-type", "application/json")
+        .body(chat.to_string())
+        .send()
+        .await?;
+    assert_eq!(resp.status().as_u16(), 401);
+    for (auth, want) in [(Some("sk-alice-0001"), 403), (None, 401), (Some(ADMIN_KEY), 200)] {
+        let mut req = server.client.get(server.url("/admin/workers"));
+        if let Some(a) = auth {
+            req = req.bearer_auth(a);
+        }
+        assert_eq!(req.send().await?.status().as_u16(), want, "GET /admin/workers with {auth:?}");
+    }
+    // A role flip of a known worker is refused, and the worker keeps its role.
+    let (status, body) = register(&server, Some(ADMIN_KEY), "127.0.0.1:9", "prefill").await;
+    assert_eq!(status, 409, "{body}");
+    let (status, _) = register(&server, Some(ADMIN_KEY), "127.0.0.1:9", "decode").await;
+    assert_eq!(status, 200, "registering again with the same role is harmless");
+    let listed: Value = serde_json::from_slice(
+        &server.client.get(server.url("/admin/workers")).bearer_auth(ADMIN_KEY).send().await?.bytes().await?,
+    )?;
+    assert_eq!(listed["workers"][0]["role"], "decode", "{listed}");
+    // Addresses that are not host:port never reach the registry.
+    for bad in ["nonsense", "a:b", "evil\nlog:80", &format!("{}:80", "a".repeat(300)), "host:0"] {
+        assert_eq!(register(&server, Some(ADMIN_KEY), bad, "both").await.0, 400, "{bad:?}");
+    }
+    server.shutdown().await?;
+    // The admin key may not be a tenant's key.
+    let same = AdminKey::new("sk-alice-0001-long-enough").map_err(anyhow::Error::msg)?;
+    let k = ApiKeys::parse("alice:sk-alice-0001-long-enough").map_err(anyhow::Error::msg)?;
+    let backend = Backend::Cluster {
+        engine: engine(),
+        cluster: Cluster::new(Registry::start(Vec::new(), ClusterSecret::open())),
+    };
+    assert!(Gateway::with_backend(
+        GatewayConfig { api_keys: k, admin_key: Some(same), ..Default::default() },
+        backend
+    )
+    .is_err());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registry_has_a_cap() -> anyhow::Result<()> {
+    let admin = AdminKey::new(ADMIN_KEY).map_err(anyhow::Error::msg)?;
+    let server = cluster_gateway(GatewayConfig { admin_key: Some(admin), ..Default::default() }).await;
+    let cap = tokenpath_gateway::cluster::registry::MAX_WORKERS;
+    for i in 0..cap {
+        // Unroutable documentation addresses: polls fail fast and nobody is contacted.
+        let (status, body) =
+            register(&server, Some(ADMIN_KEY), &format!("192.0.2.1:{}", 1000 + i), "both").await;
+        assert_eq!(status, 200, "#{i}: {body}");
+    }
+    let (status, body) = register(&server, Some(ADMIN_KEY), "192.0.2.2:1", "both").await;
+    assert_eq!(status, 507, "{body}");
+    let listed: Value = serde_json::from_slice(
+        &server.client.get(server.url("/admin/workers")).bearer_auth(ADMIN_KEY).send().await?.bytes().await?,
+    )?;
+    assert_eq!(listed["workers"].as_array().map(Vec::len), Some(cap));
+    assert_eq!(server.client.get(server.url("/health")).send().await?.status().as_u16(), 200);
+    server.shutdown().await?;
+    Ok(())
+}
+
+/// One raw HTTP/1.1 request: status and body.
+fn raw(port: u16, head: &str, body: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    write!(s, "{head}content-length: {}\r\nconnection: close\r\n\r\n{body}", body.len()).expect("write");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_gateway_refuses_what_a_browser_could_forge() -> anyhow::Result<()> {
+    let server = cluster_gateway(GatewayConfig::default()).await;
+    let port: u16 = server.base.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+    let reg = r#"{"addr":"127.0.0.1:9","role":"both"}"#;
+    let chat =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).to_string();
+    let cases: [(&str, &str, &str, u16); 8] = [
+        // A "simple" cross-site POST (text/plain, no preflight).
+        ("POST /admin/workers", "host: 127.0.0.1\r\ncontent-type: text/plain\r\n", reg, 415),
+        ("POST /admin/workers", "host: 127.0.0.1\r\n", reg, 415),
+        // DNS rebinding: the page's own name in Host.
+        ("POST /admin/workers", "host: evil.example:8000\r\ncontent-type: application/json\r\n", reg, 403),
+        ("GET /admin/workers", "host: evil.example\r\n", "", 403),
+        ("GET /metrics", "host: evil.example\r\n", "", 403),
+        (
+            "POST /admin/workers",
+            "host: 127.0.0.1\r\norigin: https://evil.example\r\ncontent-type: application/json\r\n",
+            reg,
+            403,
+        ),
+        ("POST /v1/chat/completions", "host: localhost\r\ncontent-type: text/plain\r\n", &chat, 415),
+        (
+            "POST /v1/chat/completions",
+            "host: localhost\r\nsec-fetch-site: cross-site\r\ncontent-type: application/json\r\n",
+            &chat,
+            403,
+        ),
+    ];
+    for (line, headers, body, want) in cases {
+        let (status, text) = raw(port, &format!("{line} HTTP/1.1\r\n{headers}"), body);
+        assert_eq!(status, want, "{line} {headers:?}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        assert!(v["error"]["message"].is_string(), "an OpenAI error body: {text}");
+    }
+    let listed: Value = serde_json::from_slice(
+        &server.client.get(server.url("/admin/workers")).send().await?.bytes().await?,
+    )?;
+    assert_eq!(listed["workers"].as_array().map(Vec::len), Some(0), "nothing was registered: {listed}");
+    // The same requests, same-site: served.
+    let json_ct = "host: localhost:1\r\norigin: http://localhost:3000\r\ncontent-type: application/json\r\n";
+    assert_eq!(raw(port, &format!("POST /admin/workers HTTP/1.1\r\n{json_ct}"), reg).0, 200);
+    assert_eq!(raw(port, "GET /metrics HTTP/1.1\r\nhost: [::1]:8000\r\n", "").0, 200);
+    server.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_an_admin_key_a_gateway_with_tenant_keys_serves_no_admin_route() -> anyhow::Result<()> {
+    let registry = Registry::start(Vec::new(), ClusterSecret::open());
+    let backend = Backend::Cluster { engine: engine(), cluster: Cluster::new(registry) };
+    let config = GatewayConfig { served_model_name: MODEL.into(), api_keys: keys(), ..Default::default() };
+    let server = serve_gateway(Gateway::with_backend(config, backend)?).await;
+    for auth in [None, Some("sk-alice-0001")] {
+        let (status, _) = register(&server, auth, "127.0.0.1:9", "both").await;
+        assert_eq!(status, 403, "{auth:?}");
+    }
+    server.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_on_their_own_listener_are_not_on_the_api() -> anyhow::Result<()> {
+    let config = GatewayConfig { metrics_elsewhere: true, ..Default::default() };
+    let worker = tokenpath_worker::Worker::spawn(engine(), WorkerConfig::default())?;
+    let gateway = Gateway::new(GatewayConfig { served_model_name: MODEL.into(), ..config }, worker.handle())?;
+    let ml = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let maddr = ml.local_addr()?;
+    tokio::spawn(gateway.serve_metrics(ml));
+    let server = serve_gateway(gateway).await;
+    assert_eq!(server.client.get(server.url("/metrics")).send().await?.status().as_u16(), 404);
+    let m = server.client.get(format!("http://{maddr}/metrics")).send().await?;
+    assert_eq!(m.status().as_u16(), 200);
+    assert!(m.text().await?.contains("tokenpath_"));
+    server.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_credentials_is_refused_before_its_body() -> anyhow::Result<()> {
+    let server =
+        start(WorkerConfig::default(), GatewayConfig { api_keys: keys(), ..Default::default() }).await;
+    let port: u16 = server.base.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+    // Announces 4 MB and sends none of it: the 401 comes anyway.
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+         content-length: 4000000\r\n\r\n"
+    )?;
+    let mut buf = [0u8; 512];
+    let n = s.read(&mut buf)?;
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 401"), "{head}");
+    server.shutdown().await?;
+    Ok(())
+}
