@@ -30,7 +30,7 @@ pub use completion::{parse_completion_request, CompletionRequest, PromptInput};
 pub use error::{ApiError, ErrorBody, ErrorDetail, ErrorKind};
 pub use params::{
     GenerationParams, GenerationRequest, Limits, Prompt, PromptMessage, StreamOptions,
-    COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_STOP_SEQUENCES,
+    COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_STOP_BYTES, MAX_STOP_SEQUENCES,
 };
 pub use response::{
     chat_completion_id, completion_id, ChatChoice, ChatCompletionResponse, CompletionChoice,

@@ -13,6 +13,9 @@ use serde::{Deserialize, Serialize};
 
 /// OpenAI's limit on `stop` sequences.
 pub const MAX_STOP_SEQUENCES: usize = 4;
+/// Longest stop sequence accepted, in bytes (a stop is matched on every generated token: its
+/// length is work per token, so it is bounded like the count).
+pub const MAX_STOP_BYTES: usize = 1024;
 
 /// `max_tokens` when a legacy completions request sets none (OpenAI's and vLLM's default).
 /// Chat has no such default: it generates until a stop, EOS or the context end.
@@ -238,6 +241,16 @@ pub(crate) fn check_sampling(s: Sampling<'_>, limits: &Limits) -> Result<Generat
             format!("Invalid 'stop[{i}]': empty string. Expected a non-empty stop sequence."),
         ));
     }
+    if let Some(i) = stop.iter().position(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ProtocolError::invalid(
+            format!("stop[{i}]"),
+            format!(
+                "Invalid 'stop[{i}]': string too long. Expected a stop sequence of at most {MAX_STOP_BYTES} \
+                 bytes, but got one of {} bytes instead.",
+                stop[i].len()
+            ),
+        ));
+    }
 
     let stream = s.stream.unwrap_or(false);
     let include_usage = match s.stream_options {
@@ -348,6 +361,13 @@ mod tests {
         let empty = vec!["a".to_owned(), String::new()];
         let e = check_sampling(Sampling { stop: Some(&empty), ..Default::default() }, &l).unwrap_err();
         assert_eq!(param_of(e), "stop[1]");
+        // A 100,000-character stop string (the review's) is refused; the longest allowed is not.
+        let long = vec!["a".to_owned(), "x".repeat(100_000)];
+        let e = check_sampling(Sampling { stop: Some(&long), ..Default::default() }, &l).unwrap_err();
+        assert!(e.to_string().contains("too long"), "{e}");
+        assert_eq!(param_of(e), "stop[1]");
+        let max = vec!["é".repeat(MAX_STOP_BYTES / 2)];
+        assert!(check_sampling(Sampling { stop: Some(&max), ..Default::default() }, &l).is_ok());
     }
 
     #[test]

@@ -465,6 +465,14 @@ pub fn validate_request(req: &WorkRequest, n_ctx: usize, n_vocab: usize) -> Resu
             "token id {bad} is outside the vocabulary of {n_vocab} tokens"
         )));
     }
+    // The gateway checked these already; a request arriving over the worker port is checked
+    // again, since the stop strings' count and length are work on every generated token.
+    use tokenpath_protocol::{MAX_STOP_BYTES, MAX_STOP_SEQUENCES};
+    if req.stop.len() > MAX_STOP_SEQUENCES || req.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(WorkerError::InvalidRequest(format!(
+            "at most {MAX_STOP_SEQUENCES} stop strings of at most {MAX_STOP_BYTES} bytes each"
+        )));
+    }
     let prompt_tokens = req.prompt.len();
     let requested = req.max_tokens.map_or(0, |m| m as usize);
     if req.max_tokens == Some(0) {

@@ -230,6 +230,11 @@ fn oversized_requests_are_rejected_before_any_work() {
     assert!(matches!(err, WorkerError::InvalidRequest(_)), "{err}");
     let err = handle.submit(request(3, vec![99_999], Some(1))).expect_err("bad id");
     assert!(matches!(err, WorkerError::InvalidRequest(_)), "{err}");
+    // Stop strings are work on every token: bounded here too, not only at the gateway.
+    for stop in [vec!["x".repeat(1025)], (0..5).map(|i| i.to_string()).collect()] {
+        let err = handle.submit(WorkRequest { stop, ..request(5, prompt(5, 10), Some(4)) }).expect_err("stops");
+        assert!(matches!(err, WorkerError::InvalidRequest(_)), "{err}");
+    }
     // Exactly at the limit is fine; no context end means "until the context is full".
     let ok = collect(handle.submit(request(4, prompt(4, 200), Some(56))).expect("fits"));
     assert!(ok.completion_tokens <= 56);

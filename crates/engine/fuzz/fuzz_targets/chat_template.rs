@@ -1,0 +1,26 @@
+//! Fuzz target: a fuzzer-chosen chat template (the GGUF's `tokenizer.chat_template`, which
+//! comes with an untrusted model file) compiled and rendered over a few messages, as the
+//! gateway does for every chat request. `ChatTemplate::new` must refuse a broken template with
+//! an error and `render` must return or fail, never panic, never hang (libFuzzer's -timeout
+//! reports a render that does not end) and never allocate without bound (-rss_limit_mb).
+//! Input: `template \0 content \0 content ...` (up to four message contents; without a NUL the
+//! whole input is the template and the messages are fixed).
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use tokenpath_engine::tokenizer::{ChatMessage, ChatTemplate};
+
+const ROLES: [&str; 4] = ["system", "user", "assistant", "user"];
+
+fuzz_target!(|data: &[u8]| {
+    let text = String::from_utf8_lossy(data);
+    let mut parts = text.split('\0');
+    let source = parts.next().unwrap_or_default();
+    let Ok(t) = ChatTemplate::new(source, "<s>", "</s>") else { return };
+    let mut messages: Vec<ChatMessage> =
+        parts.take(ROLES.len()).zip(ROLES).map(|(c, r)| ChatMessage::new(r, c)).collect();
+    if messages.is_empty() {
+        messages = vec![ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi there")];
+    }
+    let _ = t.render(&messages, data.len() % 2 == 0);
+});
