@@ -185,6 +185,7 @@ async fn live_handoff(decode: &WorkerHandle, tokens: usize) -> anyhow::Result<(f
             arrived: now,
             admitted: now,
             mode: WorkMode::Full,
+            meter: None,
         })
         .await?;
     while let Some(ev) = stream.next().await {

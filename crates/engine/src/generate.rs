@@ -117,6 +117,14 @@ impl Engine {
         Ok(self.tokenizer.encode(text, true, true)?)
     }
 
+    /// [`Engine::encode_prompt`] for a prompt that must fit the context: refused with
+    /// `TokenizerError::TooLong` (as [`crate::EngineError::Tokenizer`]) once it cannot, without
+    /// tokenizing text that could never fit.
+    pub fn encode_prompt_within_context(&self, text: &str) -> Result<Vec<u32>> {
+        let n_ctx = self.model().config().n_ctx;
+        Ok(self.tokenizer.encode_at_most(text, true, true, n_ctx)?)
+    }
+
     /// Generates from `prompt`, calling `on_text` with each piece of text as soon as it is safe to
     /// send. The sequence's KV blocks are returned to `cache` whatever happens.
     pub fn generate(

@@ -68,7 +68,10 @@ pub struct StopStep {
 impl StopMatcher {
     /// A matcher for `stops` (empty strings are ignored).
     pub fn new(stops: impl IntoIterator<Item = String>) -> Self {
-        Self { stops: stops.into_iter().filter(|s| !s.is_empty()).map(|s| Kmp::new(&s)).collect(), ..Self::default() }
+        Self {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).map(|s| Kmp::new(&s)).collect(),
+            ..Self::default()
+        }
     }
 
     /// Feeds newly decoded text.

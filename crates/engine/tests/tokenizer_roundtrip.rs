@@ -93,3 +93,24 @@ fn default_model_round_trip() {
         proptest::test_runner::TestRunner::new(ProptestConfig { cases: 256, ..ProptestConfig::default() });
     runner.run(&text_strategy(), |s| check(&l.tok, &s)).expect("round trip");
 }
+
+#[test]
+fn long_words_are_merged_in_bounded_pieces_and_refused_past_the_limit() {
+    let tok = synthetic("smollm");
+    // A 4 MB run of one letter: refused from its length alone when it cannot fit 8192 tokens.
+    let huge = "a".repeat(4_000_000);
+    let limit = 8192;
+    assert!(huge.len() > limit * tok.max_token_bytes());
+    assert!(matches!(
+        tok.encode_at_most(&huge, false, false, limit),
+        Err(tokenpath_engine::tokenizer::TokenizerError::TooLong { limit: 8192 })
+    ));
+    // Shorter than the byte bound but still more tokens than the limit: refused while encoding.
+    let many = "a ".repeat(limit);
+    assert!(tok.encode_at_most(&many, false, false, limit).is_err());
+    assert!(tok.encode_at_most(&many, false, false, 4 * limit).is_ok());
+    // A long word decodes back to itself (pieces change the merges, never the text).
+    let word = "é".repeat(3000) + &"x".repeat(5000);
+    let ids = tok.encode(&word, false, false).expect("encode");
+    assert_eq!(String::from_utf8(tok.decode(&ids, true).expect("decode")).expect("utf8"), word);
+}

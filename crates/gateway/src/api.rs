@@ -29,7 +29,7 @@ use tokenpath_protocol::{
     GenerationRequest, Prompt, Usage,
 };
 use tokenpath_timeline::{ClientRecord, FinishReason as Finish, Nanos, RequestId, StreamEvent};
-use tokenpath_worker::{TokenUsage, WorkEvent, WorkRequest};
+use tokenpath_worker::{TokenUsage, WorkEvent, WorkRequest, WorkerError};
 
 /// Which OpenAI endpoint a request came through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +69,9 @@ pub(crate) async fn completions(
 /// Bodies larger than this are parsed and tokenized on the blocking pool, so a long prompt
 /// cannot stall the async threads that carry every other stream.
 const INLINE_BODY_BYTES: usize = 16 * 1024;
+/// Most large bodies parsed and tokenized at once; more wait for a turn (bounded CPU and memory
+/// however many arrive together).
+pub(crate) const MAX_CONCURRENT_TOKENIZATIONS: usize = 4;
 
 async fn generate(
     app: Arc<AppState>,
@@ -78,10 +81,22 @@ async fn generate(
 ) -> Response {
     let arrived = Instant::now();
     app.metrics.record_tenant(tenant.as_ref().map_or(crate::metrics::ANONYMOUS_TENANT, |t| t.0.as_str()));
+    // The request bucket (and the tenant's concurrency) first: a tenant out of budget costs a
+    // refusal, not a parse and a tokenization.
+    let pass = match crate::ratelimit::begin(&app, tenant.as_ref()) {
+        Ok(p) => p,
+        Err(reject) => {
+            app.metrics.record_status(reject.status().as_u16(), "none");
+            return reject.into_response();
+        }
+    };
     let admitted = if body.as_ref().map_or(0, Bytes::len) > INLINE_BODY_BYTES {
         let state = Arc::clone(&app);
         let t = tenant.clone();
-        tokio::task::spawn_blocking(move || admit(&state, endpoint, body, arrived, t.as_ref()))
+        let Ok(_turn) = Arc::clone(&app.tokenizing).acquire_owned().await else {
+            return server_error(&app, "the tokenization gate closed");
+        };
+        tokio::task::spawn_blocking(move || admit(&state, endpoint, body, arrived, t.as_ref(), pass))
             .await
             .unwrap_or_else(|e| {
                 tracing::error!("admission task failed: {e}");
@@ -90,7 +105,7 @@ async fn generate(
                 )))
             })
     } else {
-        admit(&app, endpoint, body, arrived, tenant.as_ref())
+        admit(&app, endpoint, body, arrived, tenant.as_ref(), pass)
     };
     match admitted {
         Ok(admitted) => respond(app, endpoint, admitted, arrived).await,
@@ -106,8 +121,8 @@ struct Admitted {
     id: RequestId,
     req: GenerationRequest,
     work: WorkRequest,
-    /// Charges the tenant's output tokens as they are generated.
-    meter: OutputMeter,
+    /// Charges the tenant's output tokens as they are generated (shared with the producer).
+    meter: Arc<OutputMeter>,
 }
 
 fn admit(
@@ -116,6 +131,7 @@ fn admit(
     body: Result<Bytes, BytesRejection>,
     arrived: Instant,
     tenant: Option<&Tenant>,
+    pass: crate::ratelimit::Pass,
 ) -> Result<Admitted, Reject> {
     if app.is_draining() {
         return Err(Reject::new(ApiError::overloaded("The server is shutting down.")));
@@ -135,9 +151,9 @@ fn admit(
     if req.model != app.config.served_model_name {
         return Err(Reject::new(ApiError::model_not_found(&req.model)));
     }
-    let prompt = tokenize(app, &req.prompt, endpoint)?;
+    let prompt = tokenize(app, &req.prompt, endpoint, req.params.max_tokens)?;
     let id = RequestId(app.next_id.fetch_add(1, Ordering::Relaxed));
-    let meter = crate::ratelimit::admit(app, tenant, id, prompt.len())?;
+    let meter = Arc::new(crate::ratelimit::input(app, pass, tenant, id, prompt.len())?);
     let p = &req.params;
     let sampling = tokenpath_engine::sampling::SamplingParams {
         temperature: p.temperature,
@@ -157,27 +173,45 @@ fn admit(
         arrived,
         admitted: Instant::now(),
         mode: tokenpath_worker::WorkMode::Full,
+        meter: Some(Arc::clone(&meter) as Arc<dyn tokenpath_worker::TokenMeter>),
     };
     Ok(Admitted { id, req, work, meter })
 }
 
-fn tokenize(app: &AppState, prompt: &Prompt, endpoint: Endpoint) -> Result<Vec<u32>, Reject> {
+/// The prompt's token ids. Text that cannot fit the context is refused before it is tokenized
+/// (longer than `n_ctx` × the longest token) or as soon as its count passes `n_ctx`: the cost of
+/// a refusal never grows with the prompt past that bound.
+fn tokenize(
+    app: &AppState,
+    prompt: &Prompt,
+    endpoint: Endpoint,
+    max_tokens: Option<u32>,
+) -> Result<Vec<u32>, Reject> {
     let engine = app.backend.engine();
     let param = endpoint.prompt_param();
-    let bad = |e: tokenpath_engine::EngineError| {
-        Reject::new(ApiError::invalid_request(
+    let n_ctx = app.backend.n_ctx();
+    let bad = |e: tokenpath_engine::EngineError| match e {
+        tokenpath_engine::EngineError::Tokenizer(tokenpath_engine::tokenizer::TokenizerError::TooLong {
+            ..
+        }) => Reject::new(ApiError::context_length_exceeded(
+            param,
+            n_ctx as u64,
+            n_ctx as u64 + 1,
+            max_tokens.map_or(0, u64::from),
+        )),
+        e => Reject::new(ApiError::invalid_request(
             format!("The prompt cannot be tokenized: {e}"),
             Some(param.into()),
-        ))
+        )),
     };
     match prompt {
         Prompt::Chat(messages) => {
             let msgs: Vec<EngineMessage> =
                 messages.iter().map(|m| EngineMessage::new(m.role.as_str(), m.content.clone())).collect();
             let text = engine.render_chat(&msgs).map_err(bad)?;
-            engine.encode_prompt(&text).map_err(bad)
+            engine.encode_prompt_within_context(&text).map_err(bad)
         }
-        Prompt::Text(text) => engine.encode_prompt(text).map_err(bad),
+        Prompt::Text(text) => engine.encode_prompt_within_context(text).map_err(bad),
         Prompt::Tokens(ids) => Ok(ids.clone()),
     }
 }
@@ -206,10 +240,14 @@ pub(crate) fn since(arrived: Instant) -> Nanos {
 }
 
 async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arrived: Instant) -> Response {
-    let Admitted { id, req, work, mut meter } = admitted;
+    let Admitted { id, req, work, meter } = admitted;
     let mut stream = match app.backend.submit(work).await {
         Ok(s) => s,
         Err(e) => {
+            if matches!(e, WorkerError::Overloaded { .. } | WorkerError::Stopped) {
+                // Refused before any work: the tenant gets its request and prompt back.
+                meter.refund();
+            }
             let reject = Reject::from_worker(&e, endpoint.prompt_param());
             app.metrics.record_status(reject.status().as_u16(), "none");
             return reject.into_response();
@@ -244,7 +282,6 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
         }
         match event {
             Some(WorkEvent::Text { delta, tokens }) => {
-                meter.charge(tokens);
                 sent.events.push(StreamEvent { at_ns: since(arrived), tokens });
                 text.push_str(&delta);
             }

@@ -32,6 +32,7 @@ struct Entry {
     requests_per_minute: Option<u64>,
     input_tokens_per_minute: Option<u64>,
     output_tokens_per_minute: Option<u64>,
+    max_concurrent_requests: Option<u64>,
 }
 
 /// A SHA-256 digest from 64 hex digits.
@@ -68,19 +69,28 @@ fn decode(n: usize, value: toml::Value) -> Result<KeyEntry, String> {
     let digest = match (&e.key, &e.key_sha256) {
         (Some(key), None) if key.trim().len() >= 8 => digest(key.trim()),
         (Some(_), None) => return Err(format!("key entry #{n}: the key must be at least 8 characters")),
-        (None, Some(hex)) => parse_hex(hex)
-            .ok_or_else(|| format!("key entry #{n}: key_sha256 must be 64 hexadecimal digits"))?,
+        (None, Some(hex)) => {
+            let d = parse_hex(hex)
+                .ok_or_else(|| format!("key entry #{n}: key_sha256 must be 64 hexadecimal digits"))?;
+            // A digest hides the key's length; at least refuse the keys everyone tries first.
+            if ["", "test", "password", "changeme", "secret", "admin"].iter().any(|w| digest(w) == d) {
+                return Err(format!("key entry #{n}: key_sha256 is the digest of a well-known key"));
+            }
+            d
+        }
         _ => return Err(format!("key entry #{n}: give exactly one of `key` and `key_sha256`")),
     };
     let limits = RateLimits {
         requests_per_minute: e.requests_per_minute,
         input_tokens_per_minute: e.input_tokens_per_minute,
         output_tokens_per_minute: e.output_tokens_per_minute,
+        max_concurrent_requests: e.max_concurrent_requests,
     };
     for (name, v) in [
         ("requests_per_minute", limits.requests_per_minute),
         ("input_tokens_per_minute", limits.input_tokens_per_minute),
         ("output_tokens_per_minute", limits.output_tokens_per_minute),
+        ("max_concurrent_requests", limits.max_concurrent_requests),
     ] {
         if v == Some(0) {
             return Err(format!("key entry #{n}: {name} must be at least 1 (leave it out for no limit)"));
@@ -121,6 +131,13 @@ impl ApiKeys {
 mod tests {
     use super::*;
 
+    /// What deploy/keys.example.toml has in place of every digest.
+    const EXAMPLE_PLACEHOLDER: &str = "REPLACE-with-the-sha256-of-your-key";
+
+    fn hex_of(d: &[u8; 32]) -> String {
+        d.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     const GOOD: &str = r#"
         [[key]]
         tenant = "team-a"
@@ -131,7 +148,7 @@ mod tests {
 
         [[key]]   # a second key of the same tenant (rotation)
         tenant = "team-a"
-        key_sha256 = "9F86D081884C7D659A2FEAA0C55AD015A3BF4F1B2B0B822CD15D6C15B0F00A08"
+        key_sha256 = "1DEAD7596CF26003326D5995B0AAFA26E095174706234F32F3A83862D33DEB79"
         requests_per_minute = 60
         input_tokens_per_minute = 100000
         output_tokens_per_minute = 20000
@@ -149,12 +166,22 @@ mod tests {
         assert_eq!(tenants.len(), 2);
         assert_eq!(tenants[0].1.requests_per_minute, Some(60));
         assert!(tenants[1].1.is_unlimited());
-        // sha256("test") in upper case hex.
-        assert_eq!(keys.check(Some(b"Bearer test")), Ok(Some(Tenant("team-a".into()))));
+        // sha256("sk-team-a-rotated") in upper case hex.
+        assert_eq!(keys.check(Some(b"Bearer sk-team-a-rotated")), Ok(Some(Tenant("team-a".into()))));
         assert_eq!(keys.check(Some(b"Bearer sk-team-b-secret")), Ok(Some(Tenant("team-b".into()))));
         assert!(ApiKeys::from_toml_str("").unwrap().is_empty());
-        let example = ApiKeys::from_toml_str(include_str!("../../../deploy/keys.example.toml")).unwrap();
-        assert_eq!(example.tenants().count(), 3, "deploy/keys.example.toml loads");
+        // The example holds placeholders, never a usable key: loading it as is fails, and with
+        // the placeholders filled in it loads.
+        let example = include_str!("../../../deploy/keys.example.toml");
+        let err = ApiKeys::from_toml_str(example).unwrap_err().to_string();
+        assert!(err.contains("64 hexadecimal"), "{err}");
+        let filled = example.replace(EXAMPLE_PLACEHOLDER, &"ab".repeat(32));
+        let filled = filled.replacen(&"ab".repeat(32), &"cd".repeat(32), 1);
+        let filled = filled.replacen(&"ab".repeat(32), &"ef".repeat(32), 1);
+        assert_eq!(ApiKeys::from_toml_str(&filled).unwrap().tenants().count(), 3);
+        // The digest of a trivially weak key is refused even though a digest hides its length.
+        let weak = format!("[[key]]\ntenant = \"a\"\nkey_sha256 = \"{}\"\n", hex_of(&digest("test")));
+        assert!(ApiKeys::from_toml_str(&weak).unwrap_err().to_string().contains("well-known"));
     }
 
     #[test]

@@ -91,6 +91,8 @@ pub(crate) struct AppState {
     draining: watch::Receiver<bool>,
     /// The API listener's address, once serving.
     local: OnceLock<std::net::SocketAddr>,
+    /// Turns for parsing and tokenizing large bodies ([`api::MAX_CONCURRENT_TOKENIZATIONS`]).
+    tokenizing: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
@@ -150,6 +152,7 @@ impl Gateway {
             started_unix: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             draining,
             local: OnceLock::new(),
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(api::MAX_CONCURRENT_TOKENIZATIONS)),
         };
         Ok(Self { state: Arc::new(state), drain })
     }

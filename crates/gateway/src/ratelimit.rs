@@ -41,6 +41,9 @@ pub struct RateLimits {
     pub input_tokens_per_minute: Option<u64>,
     /// Tokens generated per minute.
     pub output_tokens_per_minute: Option<u64>,
+    /// Requests of the tenant running at once (admitted and not ended): one tenant cannot fill
+    /// the workers' queues and starve the others.
+    pub max_concurrent_requests: Option<u64>,
 }
 
 impl RateLimits {
@@ -49,6 +52,7 @@ impl RateLimits {
         self.requests_per_minute.is_none()
             && self.input_tokens_per_minute.is_none()
             && self.output_tokens_per_minute.is_none()
+            && self.max_concurrent_requests.is_none()
     }
 }
 
@@ -82,6 +86,7 @@ pub(crate) enum Limit {
     Requests,
     InputTokens,
     OutputTokens,
+    Concurrency,
 }
 
 impl Limit {
@@ -91,6 +96,7 @@ impl Limit {
             Limit::Requests => "requests",
             Limit::InputTokens => "input_tokens",
             Limit::OutputTokens => "output_tokens",
+            Limit::Concurrency => "concurrent_requests",
         }
     }
 
@@ -99,6 +105,7 @@ impl Limit {
             Limit::Requests => "requests",
             Limit::InputTokens => "input tokens",
             Limit::OutputTokens => "output tokens",
+            Limit::Concurrency => "concurrent requests",
         }
     }
 }
@@ -122,6 +129,11 @@ impl RateLimited {
     /// The message of the OpenAI error body (never names the key).
     pub(crate) fn message(&self) -> String {
         let (unit, limit) = (self.limit.unit(), self.per_minute);
+        if self.limit == Limit::Concurrency {
+            return format!(
+                "Too many concurrent requests (limit {limit}). Please wait for one to finish and try again."
+            );
+        }
         match self.too_large {
             Some(n) => format!(
                 "Request too large: it has {n} {unit}, more than your limit of {limit} {unit} per minute. \
@@ -207,6 +219,9 @@ struct TenantBuckets {
     requests: Option<Bucket>,
     input: Option<Bucket>,
     output: Option<Bucket>,
+    /// Requests admitted and not ended, and their cap.
+    running: AtomicU64,
+    max_running: Option<u64>,
 }
 
 /// Every limited tenant's buckets. The map is fixed at start (tenants come from configuration);
@@ -231,6 +246,8 @@ impl RateLimiter {
                     requests: l.requests_per_minute.map(Bucket::new),
                     input: l.input_tokens_per_minute.map(Bucket::new),
                     output: l.output_tokens_per_minute.map(Bucket::new),
+                    running: AtomicU64::new(0),
+                    max_running: l.max_concurrent_requests,
                 };
                 (t.0.clone(), Arc::new(buckets))
             })
@@ -238,17 +255,13 @@ impl RateLimiter {
         RateLimiter { tenants }
     }
 
-    /// Admits one request of `tenant` with `input_tokens` prompt tokens: charges the request and
-    /// its input tokens, and returns the meter its output tokens are charged through. Refused
-    /// when the tenant's output bucket is in debt (holds less than one token) or the request or
-    /// its prompt does not fit; a refusal charges nothing.
-    pub(crate) fn admit(
-        &self,
-        tenant: Option<&Tenant>,
-        input_tokens: u64,
-    ) -> Result<OutputMeter, RateLimited> {
+    /// Starts admitting one request of `tenant`, before anything about it is parsed or
+    /// tokenized: refused when the tenant's output bucket is in debt, it runs its maximum of
+    /// concurrent requests, or its request bucket is empty. The [`Pass`] holds the request's
+    /// charge and its concurrency slot; [`Pass::input`] charges its prompt.
+    pub(crate) fn begin(&self, tenant: Option<&Tenant>) -> Result<Pass, RateLimited> {
         let Some(b) = tenant.and_then(|t| self.tenants.get(&t.0)) else {
-            return Ok(OutputMeter::unlimited());
+            return Ok(Pass::unlimited());
         };
         let now = b.clock.now_ns();
         if let Some(out) = &b.output {
@@ -257,49 +270,132 @@ impl RateLimiter {
                 return Err(RateLimited::new(Limit::OutputTokens, out.per_minute, wait));
             }
         }
-        if let Some(input) = &b.input {
-            if input_tokens > input.per_minute {
-                return Err(RateLimited {
-                    too_large: Some(input_tokens),
-                    ..RateLimited::new(Limit::InputTokens, input.per_minute, MINUTE_NS)
-                });
-            }
-        }
-        let mut request_cost = None;
+        let slot = Slot::take(b)?;
+        let mut request_cost = 0;
         if let Some(req) = &b.requests {
             match req.try_take(1, now) {
-                Ok(cost) => request_cost = Some(cost),
+                Ok(cost) => request_cost = cost,
                 Err(wait) => return Err(RateLimited::new(Limit::Requests, req.per_minute, wait)),
             }
         }
-        if let Some(input) = &b.input {
-            if let Err(wait) = input.try_take(input_tokens, now) {
-                if let (Some(req), Some(cost)) = (&b.requests, request_cost) {
-                    req.refund(cost);
-                }
-                return Err(RateLimited::new(Limit::InputTokens, input.per_minute, wait));
+        Ok(Pass { buckets: Some(Arc::clone(b)), request_cost, input_cost: 0, slot })
+    }
+
+    /// Admits one request with `input_tokens` prompt tokens at once ([`RateLimiter::begin`]
+    /// then [`Pass::input`]); a refusal charges nothing.
+    #[cfg(test)]
+    pub(crate) fn admit(
+        &self,
+        tenant: Option<&Tenant>,
+        input_tokens: u64,
+    ) -> Result<OutputMeter, RateLimited> {
+        let mut pass = self.begin(tenant)?;
+        match pass.input(input_tokens) {
+            Ok(()) => Ok(pass.into_meter()),
+            Err(e) => {
+                pass.refund();
+                Err(e)
             }
         }
-        Ok(OutputMeter { buckets: Some(Arc::clone(b)), charged: 0 })
+    }
+}
+
+/// A tenant's concurrency slot, given back when dropped.
+#[derive(Debug)]
+struct Slot(Arc<TenantBuckets>);
+
+impl Slot {
+    fn take(b: &Arc<TenantBuckets>) -> Result<Option<Self>, RateLimited> {
+        let Some(max) = b.max_running else { return Ok(None) };
+        b.running.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1)).map_err(
+            |_| RateLimited { too_large: None, ..RateLimited::new(Limit::Concurrency, max, SECOND_NS) },
+        )?;
+        Ok(Some(Slot(Arc::clone(b))))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A request being admitted: what it was charged (refundable) and its concurrency slot.
+#[derive(Debug)]
+pub(crate) struct Pass {
+    buckets: Option<Arc<TenantBuckets>>,
+    request_cost: u64,
+    input_cost: u64,
+    slot: Option<Slot>,
+}
+
+impl Pass {
+    fn unlimited() -> Self {
+        Pass { buckets: None, request_cost: 0, input_cost: 0, slot: None }
+    }
+
+    /// Charges `tokens` prompt tokens (refused, charging nothing more, when they do not fit).
+    pub(crate) fn input(&mut self, tokens: u64) -> Result<(), RateLimited> {
+        let Some(b) = &self.buckets else { return Ok(()) };
+        let Some(input) = &b.input else { return Ok(()) };
+        if tokens > input.per_minute {
+            return Err(RateLimited {
+                too_large: Some(tokens),
+                ..RateLimited::new(Limit::InputTokens, input.per_minute, MINUTE_NS)
+            });
+        }
+        match input.try_take(tokens, b.clock.now_ns()) {
+            Ok(cost) => {
+                self.input_cost += cost;
+                Ok(())
+            }
+            Err(wait) => Err(RateLimited::new(Limit::InputTokens, input.per_minute, wait)),
+        }
+    }
+
+    /// Gives back everything charged: the request was refused before any work (the worker was
+    /// full, or a later limit refused it).
+    pub(crate) fn refund(mut self) {
+        if let Some(b) = self.buckets.take() {
+            if let Some(r) = &b.requests {
+                r.refund(self.request_cost);
+            }
+            if let Some(i) = &b.input {
+                i.refund(self.input_cost);
+            }
+        }
+    }
+
+    /// The admitted request's output meter; it keeps the concurrency slot until dropped.
+    pub(crate) fn into_meter(self) -> OutputMeter {
+        OutputMeter {
+            buckets: self.buckets,
+            charged: AtomicU64::new(0),
+            _slot: self.slot,
+            refund: (self.request_cost, self.input_cost),
+        }
     }
 }
 
 /// Charges one request's output tokens to its tenant as they are generated.
+///
+/// Shared with whoever produces the request's tokens (the worker's batcher thread, or the task
+/// relaying a remote worker's stream), which charges each token the moment it exists: what the
+/// client reads, or whether it reads at all, changes nothing. Atomic, like the buckets.
 #[derive(Debug)]
 pub(crate) struct OutputMeter {
     buckets: Option<Arc<TenantBuckets>>,
-    charged: u64,
+    charged: AtomicU64,
+    /// Held until the request ends.
+    _slot: Option<Slot>,
+    /// What admission charged, for [`OutputMeter::refund`].
+    refund: (u64, u64),
 }
 
 impl OutputMeter {
-    /// A meter that charges nobody (no keys, or a tenant without an output limit).
-    pub(crate) fn unlimited() -> Self {
-        OutputMeter { buckets: None, charged: 0 }
-    }
-
     /// `tokens` more tokens were generated.
-    pub(crate) fn charge(&mut self, tokens: u32) {
-        self.charged += u64::from(tokens);
+    pub(crate) fn charge(&self, tokens: u32) {
+        self.charged.fetch_add(u64::from(tokens), Ordering::AcqRel);
         if let Some(b) = &self.buckets {
             if let Some(out) = &b.output {
                 out.charge(u64::from(tokens), b.clock.now_ns());
@@ -309,40 +405,71 @@ impl OutputMeter {
 
     /// The request finished with `completion_tokens` in its usage: charges what the streamed
     /// events did not carry (tokens held back by a stop sequence are generated all the same).
-    pub(crate) fn settle(&mut self, completion_tokens: u64) {
-        let rest = completion_tokens.saturating_sub(self.charged);
+    pub(crate) fn settle(&self, completion_tokens: u64) {
+        let rest = completion_tokens.saturating_sub(self.charged.load(Ordering::Acquire));
         if rest > 0 {
             self.charge(u32::try_from(rest).unwrap_or(u32::MAX));
         }
     }
+
+    /// The worker refused the request before running it (503): the request and its prompt are
+    /// given back.
+    pub(crate) fn refund(&self) {
+        if let Some(b) = &self.buckets {
+            if let Some(r) = &b.requests {
+                r.refund(self.refund.0);
+            }
+            if let Some(i) = &b.input {
+                i.refund(self.refund.1);
+            }
+        }
+    }
 }
 
-/// The gateway's admission hook: charges `tenant`'s request and its `input_tokens`, or refuses
-/// it with a 429 whose `Retry-After` comes from the bucket; counts and logs either way.
-pub(crate) fn admit(
+impl tokenpath_worker::TokenMeter for OutputMeter {
+    fn generated(&self, tokens: u32) {
+        self.charge(tokens);
+    }
+}
+
+/// The gateway's admission hooks: [`begin`] before the body is parsed (request bucket, output
+/// debt, concurrency), [`input`] once the prompt is tokenized; a refusal is a 429 whose
+/// `Retry-After` comes from the bucket, counted and logged.
+pub(crate) fn begin(app: &AppState, tenant: Option<&Tenant>) -> Result<Pass, Reject> {
+    app.limiter.begin(tenant).map_err(|l| refused(app, tenant, &l))
+}
+
+/// Charges the prompt's `input_tokens` (see [`begin`]).
+pub(crate) fn input(
     app: &AppState,
+    mut pass: Pass,
     tenant: Option<&Tenant>,
     id: RequestId,
     input_tokens: usize,
 ) -> Result<OutputMeter, Reject> {
-    let name = tenant.map_or(ANONYMOUS_TENANT, |t| t.0.as_str());
-    match app.limiter.admit(tenant, u64::try_from(input_tokens).unwrap_or(u64::MAX)) {
-        Ok(meter) => {
+    match pass.input(u64::try_from(input_tokens).unwrap_or(u64::MAX)) {
+        Ok(()) => {
+            let name = tenant.map_or(ANONYMOUS_TENANT, |t| t.0.as_str());
             tracing::debug!(request = %id, tenant = name, input_tokens, "admitted");
-            Ok(meter)
+            Ok(pass.into_meter())
         }
         Err(limited) => {
-            tracing::info!(
-                request = %id,
-                tenant = name,
-                limit = limited.limit.label(),
-                retry_after_s = limited.retry_after_s,
-                "rate limited"
-            );
-            app.metrics.record_rate_limited(name, limited.limit.label());
-            Err(Reject::rate_limited(&limited))
+            pass.refund();
+            Err(refused(app, tenant, &limited))
         }
     }
+}
+
+fn refused(app: &AppState, tenant: Option<&Tenant>, limited: &RateLimited) -> Reject {
+    let name = tenant.map_or(ANONYMOUS_TENANT, |t| t.0.as_str());
+    tracing::info!(
+        tenant = name,
+        limit = limited.limit.label(),
+        retry_after_s = limited.retry_after_s,
+        "rate limited"
+    );
+    app.metrics.record_rate_limited(name, limited.limit.label());
+    Reject::rate_limited(limited)
 }
 
 #[cfg(test)]
@@ -420,7 +547,7 @@ mod tests {
     #[test]
     fn output_tokens_go_into_debt_and_the_next_request_waits() {
         let (l, clock, t) = limiter(RateLimits { output_tokens_per_minute: Some(60), ..Default::default() });
-        let mut meter = l.admit(Some(&t), 10).unwrap();
+        let meter = l.admit(Some(&t), 10).unwrap();
         for _ in 0..50 {
             meter.charge(2);
         }
@@ -431,10 +558,10 @@ mod tests {
         clock.advance(45 * SECOND_NS);
         assert_eq!(l.admit(Some(&t), 10).unwrap_err().retry_after_s, 1);
         clock.advance(SECOND_NS);
-        let mut meter = l.admit(Some(&t), 10).unwrap();
+        let meter = l.admit(Some(&t), 10).unwrap();
         meter.settle(0);
         // The unlimited meter charges nobody.
-        OutputMeter::unlimited().charge(1000);
+        Pass::unlimited().into_meter().charge(1000);
     }
 
     #[test]

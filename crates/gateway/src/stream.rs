@@ -64,7 +64,7 @@ struct SseState {
     format: SseFormat,
     work: WorkStream,
     /// Charges the tenant's output tokens as they are generated.
-    meter: OutputMeter,
+    meter: Arc<OutputMeter>,
     pending: VecDeque<String>,
     arrived: Instant,
     sent: ClientRecord,
@@ -92,7 +92,6 @@ impl SseState {
         }
         match self.work.next().await {
             Some(WorkEvent::Text { delta, tokens }) => {
-                self.meter.charge(tokens);
                 self.sent.events.push(StreamEvent { at_ns: since(self.arrived), tokens });
                 Some(self.format.text(delta))
             }
@@ -131,7 +130,7 @@ pub(crate) fn sse_response(
     app: Arc<AppState>,
     format: SseFormat,
     work: WorkStream,
-    meter: OutputMeter,
+    meter: Arc<OutputMeter>,
     id: RequestId,
     arrived: Instant,
 ) -> Response {

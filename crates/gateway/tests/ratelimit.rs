@@ -29,6 +29,16 @@ output_tokens_per_minute = 600
 tenant = "big"
 key = "sk-big-00000001"
 requests_per_minute = 10000
+
+[[key]]
+tenant = "pair"
+key = "sk-pair-0000001"
+max_concurrent_requests = 2
+
+[[key]]
+tenant = "three"
+key = "sk-three-000001"
+requests_per_minute = 3
 "#;
 
 async fn server() -> common::Server {
@@ -123,6 +133,109 @@ async fn output_tokens_are_charged_as_streamed_and_the_next_request_waits() -> a
     let m = server.metrics().await;
     let limited = "tokenpath_rate_limited_requests_total{tenant=\"talker\",limit=\"output_tokens\"}";
     assert_eq!(metric(&m, limited), Some(1.0), "{m}");
+    server.shutdown().await?;
+    Ok(())
+}
+
+/// A streamed completion opened over a raw socket whose body is never read.
+fn unread_stream(server: &common::Server, key: &str, max_tokens: u32) -> std::net::TcpStream {
+    use std::io::Write;
+    let port: u16 = server.base.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap();
+    let body = json!({"model": MODEL, "prompt": vec![40; 4], "max_tokens": max_tokens, "ignore_eos": true,
+                      "stream": true, "temperature": 0})
+    .to_string();
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+         authorization: Bearer {key}\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_tokens_are_charged_as_generated_even_when_the_client_never_reads() -> anyhow::Result<()> {
+    let server = server().await;
+    // 900 tokens against a budget of 600, and the client reads nothing: the tokens are charged
+    // as the worker generates them, so the tenant is in debt long before anyone reads them.
+    let held = unread_stream(&server, "sk-talker-00001", 900);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let resp = complete(&server, "sk-talker-00001", 4, json!({"max_tokens": 1})).await?;
+        if resp.status().as_u16() == 429 {
+            check_429(resp, "output tokens").await?;
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the unread stream was never charged");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    drop(held);
+    server.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_runs_at_most_its_concurrent_requests() -> anyhow::Result<()> {
+    let server = server().await;
+    let extra = || json!({"max_tokens": 4000, "ignore_eos": true, "stream": true});
+    let a = complete(&server, "sk-pair-0000001", 4, extra()).await?;
+    let b = complete(&server, "sk-pair-0000001", 4, extra()).await?;
+    assert_eq!((a.status().as_u16(), b.status().as_u16()), (200, 200));
+    check_429(complete(&server, "sk-pair-0000001", 4, extra()).await?, "concurrent requests").await?;
+    // Others are not held back by it.
+    assert_eq!(complete(&server, "sk-big-00000001", 4, json!({})).await?.status().as_u16(), 200);
+    // One ends (the client goes away): its slot is free again.
+    drop(a);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let r = complete(&server, "sk-pair-0000001", 4, json!({})).await?;
+        if r.status().as_u16() == 200 {
+            break;
+        }
+        assert_eq!(r.status().as_u16(), 429);
+        assert!(std::time::Instant::now() < deadline, "the slot never came back");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    drop(b);
+    server.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_by_a_full_worker_is_refunded() -> anyhow::Result<()> {
+    let keys = ApiKeys::from_toml_str(KEYS).unwrap();
+    let worker = WorkerConfig { max_queue: 1, max_batch: 1, ..WorkerConfig::default() };
+    let server = start(worker, GatewayConfig { api_keys: keys, ..Default::default() }).await;
+    let long = || json!({"max_tokens": 4000, "ignore_eos": true, "stream": true});
+    // One running, one queued (3 requests a minute: two spent)...
+    let a = complete(&server, "sk-three-000001", 4, long()).await?;
+    assert_eq!(a.status().as_u16(), 200);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let b = loop {
+        let r = complete(&server, "sk-big-00000001", 4, long()).await?;
+        if r.status().as_u16() == 200 {
+            break r;
+        }
+        assert!(std::time::Instant::now() < deadline, "no queue slot");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    // ...so the third finds the queue full: 503, and its request is given back.
+    let c = complete(&server, "sk-three-000001", 4, json!({})).await?;
+    assert_eq!(c.status().as_u16(), 503);
+    drop((a, b));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let r = complete(&server, "sk-three-000001", 4, json!({})).await?;
+        match r.status().as_u16() {
+            200 => break,
+            503 => {} // the cancelled ones are still leaving
+            other => panic!("status {other}: the refused request was charged"),
+        }
+        assert!(std::time::Instant::now() < deadline, "the worker never freed up");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     server.shutdown().await?;
     Ok(())
 }

@@ -232,3 +232,58 @@ async fn a_request_without_credentials_is_refused_before_its_body() -> anyhow::R
     server.shutdown().await?;
     Ok(())
 }
+
+fn vm_hwm_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized() -> anyhow::Result<()> {
+    let keys = ApiKeys::from_toml_str(
+        "[[key]]\ntenant = \"a\"\nkey = \"sk-a-000000001\"\n\n[[key]]\ntenant = \"one\"\nkey = \"sk-one-0000001\"\nrequests_per_minute = 1\n",
+    )
+    .map_err(anyhow::Error::msg)?;
+    let server = start(WorkerConfig::default(), GatewayConfig { api_keys: keys, ..Default::default() }).await;
+    let word = "a".repeat(4_000_000);
+    let body = |prompt: &str| json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string();
+    let post = |key: &'static str, b: String| {
+        server
+            .client
+            .post(server.url("/v1/completions"))
+            .bearer_auth(key)
+            .header("content-type", "application/json")
+            .body(b)
+            .send()
+    };
+    let before = vm_hwm_kb();
+    // 32 at once, a 4 MB one-word prompt each.
+    let all = futures_util::future::join_all((0..32).map(|_| post("sk-a-000000001", body(&word)))).await;
+    for r in all {
+        let r = r?;
+        assert_eq!(r.status().as_u16(), 400);
+        let v: Value = serde_json::from_slice(&r.bytes().await?)?;
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    }
+    let grew_mb = vm_hwm_kb().saturating_sub(before) / 1024;
+    // The bodies themselves are 32 × 4 MB in flight; the tokenizer adds nothing near its old
+    // ~0.5 GB per prompt.
+    assert!(grew_mb < 512, "peak RSS grew by {grew_mb} MB");
+    // A long word that does fit (just under the context's bytes) is tokenized in bounded pieces.
+    let fits = "b".repeat(20_000);
+    let r = post("sk-a-000000001", body(&fits)).await?;
+    assert!(matches!(r.status().as_u16(), 200 | 400), "{}", r.status());
+    // A tenant out of requests is refused before its prompt is even parsed.
+    assert_eq!(post("sk-one-0000001", body("hello")).await?.status().as_u16(), 200);
+    let r = post("sk-one-0000001", body(&word)).await?;
+    assert_eq!(r.status().as_u16(), 429);
+    assert_eq!(server.client.get(server.url("/health")).send().await?.status().as_u16(), 200);
+    server.shutdown().await?;
+    Ok(())
+}

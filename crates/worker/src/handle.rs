@@ -98,6 +98,13 @@ impl WorkMode {
     }
 }
 
+/// Charged with every token a request generates, the moment it is sampled (the gateway's
+/// per-tenant output budget): a client that reads slowly, or not at all, is charged all the same.
+pub trait TokenMeter: Send + Sync + std::fmt::Debug {
+    /// `tokens` more tokens were generated.
+    fn generated(&self, tokens: u32);
+}
+
 /// One generation request, already tokenized.
 #[derive(Clone, Debug)]
 pub struct WorkRequest {
@@ -119,6 +126,8 @@ pub struct WorkRequest {
     pub admitted: Instant,
     /// Which part of the path runs here.
     pub mode: WorkMode,
+    /// Charged with every generated token, if any.
+    pub meter: Option<Arc<dyn TokenMeter>>,
 }
 
 /// Token counts of a finished request.

@@ -20,9 +20,9 @@ mod pd;
 mod seq;
 
 pub use handle::{
-    validate_request, FrameSums, TokenUsage, Transfer, TransferToken, WorkEvent, WorkMode, WorkRequest,
-    WorkStream, Worker, WorkerConfig, WorkerHandle, WorkerStats, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
+    validate_request, FrameSums, TokenMeter, TokenUsage, Transfer, TransferToken, WorkEvent, WorkMode,
+    WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle, WorkerStats, DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
 };
 pub use pd::KvBlocks;
 

@@ -77,12 +77,14 @@ pub(crate) struct Seq {
     pub(crate) handoff: Option<(u32, SamplerState, Instant)>,
     /// Decode mode: the transfer failed and the prompt was recomputed here.
     pub(crate) recomputed: bool,
+    /// Charged with each generated token.
+    meter: Option<std::sync::Arc<dyn crate::TokenMeter>>,
 }
 
 impl Seq {
     pub(crate) fn new(sub: Submission) -> Self {
         let Submission { req, max_tokens, sampler, events, permit } = sub;
-        let WorkRequest { id, prompt, mode, stop, ignore_eos, arrived, admitted, .. } = req;
+        let WorkRequest { id, prompt, mode, stop, ignore_eos, arrived, admitted, meter, .. } = req;
         let mut seq = Seq {
             id,
             mode,
@@ -112,6 +114,7 @@ impl Seq {
             kv_lent: false,
             handoff: None,
             recomputed: false,
+            meter,
         };
         seq.stamp(Mark::Admitted, admitted);
         seq
@@ -154,6 +157,9 @@ impl Seq {
     fn push_token(&mut self, engine: &Engine, tok: u32) -> Result<(String, bool), String> {
         self.generated += 1;
         self.unsent_tokens += 1;
+        if let Some(m) = &self.meter {
+            m.generated(1);
+        }
         self.tokens.push(tok);
         let piece = self.decoder.push(engine.tokenizer(), tok).map_err(|e| e.to_string())?;
         let step = self.stops.push(&piece);

@@ -28,6 +28,7 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: Option<u32>) -> WorkRequest {
         arrived: now,
         admitted: now,
         mode: tokenpath_worker::WorkMode::Full,
+        meter: None,
     }
 }
 
@@ -232,7 +233,8 @@ fn oversized_requests_are_rejected_before_any_work() {
     assert!(matches!(err, WorkerError::InvalidRequest(_)), "{err}");
     // Stop strings are work on every token: bounded here too, not only at the gateway.
     for stop in [vec!["x".repeat(1025)], (0..5).map(|i| i.to_string()).collect()] {
-        let err = handle.submit(WorkRequest { stop, ..request(5, prompt(5, 10), Some(4)) }).expect_err("stops");
+        let err =
+            handle.submit(WorkRequest { stop, ..request(5, prompt(5, 10), Some(4)) }).expect_err("stops");
         assert!(matches!(err, WorkerError::InvalidRequest(_)), "{err}");
     }
     // Exactly at the limit is fine; no context end means "until the context is full".

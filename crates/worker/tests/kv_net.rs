@@ -109,6 +109,7 @@ fn decode_request(id: u64, prompt: Vec<u32>, transfer: u64) -> WorkRequest {
         arrived: now,
         admitted: now,
         mode: WorkMode::Decode(tr(transfer)),
+        meter: None,
     }
 }
 

@@ -43,6 +43,7 @@ fn request(id: u64, prompt: Vec<u32>, sampling: SamplingParams, mode: WorkMode) 
         arrived: now,
         admitted: now,
         mode,
+        meter: None,
     }
 }
 

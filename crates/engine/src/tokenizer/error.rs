@@ -33,6 +33,12 @@ pub enum TokenizerError {
     /// The chat template does not parse.
     #[error("chat template does not compile: {0}")]
     TemplateSyntax(String),
+    /// The text is more tokens than allowed (the context): refused before or while tokenizing.
+    #[error("the text is longer than {limit} tokens")]
+    TooLong {
+        /// The limit.
+        limit: usize,
+    },
     /// The chat template failed while rendering (including its own `raise_exception`).
     #[error("chat template failed to render: {0}")]
     TemplateRender(String),

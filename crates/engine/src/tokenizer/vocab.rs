@@ -61,6 +61,33 @@ impl TokenType {
 const WORD_CACHE_LIMIT: usize = 1 << 16;
 /// Words longer than this (in bytes) are not cached.
 const WORD_CACHE_MAX_WORD: usize = 128;
+/// Words longer than this (in bytes) are merged in pieces of at most this many bytes. BPE on one
+/// word costs memory and time superlinear in its length (a symbol and heap entries per byte); a
+/// run of one letter or punctuation mark is one "word" to the GPT-2 pre-tokenizers, so a 4 MB
+/// prompt of `a` was one merge of 4 M symbols (~0.5 GB, seconds). No real word is this long, so
+/// ordinary text tokenizes exactly as before.
+const MAX_BPE_WORD: usize = 256;
+
+/// `word` in pieces of at most `max` bytes, cut at char boundaries (one piece when it is short).
+fn pieces_of(word: &str, max: usize) -> impl Iterator<Item = &str> {
+    let mut rest = word;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut cut = rest.len().min(max);
+        while !rest.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        if cut == 0 {
+            // One char longer than `max` bytes (never: chars are ≤ 4 bytes).
+            cut = rest.char_indices().nth(1).map_or(rest.len(), |(i, _)| i);
+        }
+        let (piece, tail) = rest.split_at(cut);
+        rest = tail;
+        Some(piece)
+    })
+}
 
 /// A GGUF byte-level BPE tokenizer (`tokenizer.ggml.model = "gpt2"`).
 #[derive(Debug)]
@@ -81,6 +108,8 @@ pub struct Tokenizer {
     pieces: Vec<Box<[u8]>>,
     byte_chars: [char; 256],
     word_cache: Mutex<HashMap<Box<str>, Box<[u32]>>>,
+    /// The longest token's text in bytes: no text longer than `n × max_piece` fits in `n` tokens.
+    max_piece: usize,
 }
 
 impl Tokenizer {
@@ -133,7 +162,8 @@ impl Tokenizer {
         let mut types = types;
         apply_llama_cpp_overrides(&mut types, |t| token_to_id.get(t).copied());
         let inv = char_to_byte_table();
-        let pieces = texts.iter().zip(&types).map(|(t, ty)| piece_of(t, *ty, &inv)).collect();
+        let pieces: Vec<Box<[u8]>> = texts.iter().zip(&types).map(|(t, ty)| piece_of(t, *ty, &inv)).collect();
+        let max_piece = pieces.iter().map(|p| p.len()).max().unwrap_or(1).max(1);
         let specials = SpecialTokens::new(&texts, &types);
         let mut eog: Vec<u32> =
             EOG_TEXTS.iter().filter_map(|t| token_to_id.get(*t).copied()).chain(eos).collect();
@@ -154,6 +184,7 @@ impl Tokenizer {
             pieces,
             byte_chars: byte_to_char_table(),
             word_cache: Mutex::new(HashMap::new()),
+            max_piece,
         })
     }
 
@@ -221,14 +252,39 @@ impl Tokenizer {
         add_special: bool,
         parse_special: bool,
     ) -> Result<Vec<u32>, TokenizerError> {
-        let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        self.encode_at_most(text, add_special, parse_special, usize::MAX)
+    }
+
+    /// The longest token's text, in bytes.
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_piece
+    }
+
+    /// [`Tokenizer::encode`], refusing (with [`TokenizerError::TooLong`]) text of more than
+    /// `limit` tokens — before any work when the text is longer than `limit` tokens could
+    /// ever be, and as soon as the count passes `limit` otherwise.
+    pub fn encode_at_most(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        limit: usize,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        // Specials added or parsed are ≤ their text in bytes too, so the bound holds for them.
+        if text.len() > limit.saturating_mul(self.max_piece) {
+            return Err(TokenizerError::TooLong { limit });
+        }
+        let mut out = Vec::with_capacity((text.len() / 3 + 2).min(limit.saturating_add(2)));
         if add_special && self.add_bos {
             out.push(self.bos.ok_or(TokenizerError::MissingSpecialToken("BOS"))?);
         }
         for frag in partition(&self.specials, text, parse_special) {
             match frag {
                 Fragment::Token(id) => out.push(id),
-                Fragment::Text(t) => self.encode_text(t, &mut out),
+                Fragment::Text(t) => self.encode_text(t, &mut out, limit)?,
+            }
+            if out.len() > limit {
+                return Err(TokenizerError::TooLong { limit });
             }
         }
         if add_special && self.add_eos {
@@ -237,11 +293,13 @@ impl Tokenizer {
         Ok(out)
     }
 
-    fn encode_text(&self, text: &str, out: &mut Vec<u32>) {
+    fn encode_text(&self, text: &str, out: &mut Vec<u32>, limit: usize) -> Result<(), TokenizerError> {
         let mut encoded = String::new();
         let mut syms = Vec::new();
-        for range in self.pre.split(text) {
-            let raw = &text[range];
+        for raw in self.pre.split(text).into_iter().flat_map(|r| pieces_of(&text[r], MAX_BPE_WORD)) {
+            if out.len() > limit {
+                return Err(TokenizerError::TooLong { limit });
+            }
             if raw.len() <= WORD_CACHE_MAX_WORD {
                 if let Some(ids) = self.cache().get(raw) {
                     out.extend_from_slice(ids);
@@ -283,6 +341,7 @@ impl Tokenizer {
                 cache.insert(raw.into(), out[before..].into());
             }
         }
+        Ok(())
     }
 
     fn cache(&self) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Box<[u32]>>> {

@@ -14,6 +14,7 @@ pub mod registry;
 
 pub use registry::{Registry, Route, WorkerView};
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokenpath_protocol::cluster::{
     FromWorker, GenerateMsg, Mode, SamplerPos, ToWorker, TransferId, TransferToken, UsageMsg,
@@ -21,7 +22,7 @@ use tokenpath_protocol::cluster::{
 use tokenpath_timeline::{ms, FinishReason, ServerTiming, Stage};
 use tokenpath_worker::net::client::RemoteRequest;
 use tokenpath_worker::net::{sampling_msg, usage_of};
-use tokenpath_worker::{WorkEvent, WorkRequest, WorkStream, WorkerError};
+use tokenpath_worker::{TokenMeter, WorkEvent, WorkRequest, WorkStream, WorkerError};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// How long opening a request on a worker may take.
@@ -105,8 +106,9 @@ impl Cluster {
                 let conn = open(addr.clone(), Mode::Full).await?;
                 let registry = self.registry.clone();
                 let addr = addr.clone();
+                let meter = work.meter.clone();
                 tokio::spawn(async move {
-                    pump_colocated(conn, &tx, clock, &registry).await;
+                    pump_colocated(conn, &tx, clock, &registry, meter).await;
                     registry.done(&addr);
                 });
             }
@@ -121,8 +123,9 @@ impl Cluster {
                 let pconn = open(prefill.clone(), mode).await?;
                 let registry = self.registry.clone();
                 let (p, d) = (prefill.clone(), decode.clone());
+                let meter = work.meter.clone();
                 tokio::spawn(async move {
-                    pump_disaggregated(pconn, dconn, &tx, clock, &registry).await;
+                    pump_disaggregated(pconn, dconn, &tx, clock, &registry, meter).await;
                     registry.done(&p);
                     registry.done(&d);
                 });
@@ -194,6 +197,7 @@ async fn relay(
     tx: &UnboundedSender<WorkEvent>,
     first: &mut Option<Instant>,
     registry: &Registry,
+    meter: Option<&dyn TokenMeter>,
 ) -> Relayed {
     loop {
         let event = tokio::select! {
@@ -203,6 +207,10 @@ async fn relay(
         match event {
             Ok(Some(FromWorker::Text { delta, tokens })) => {
                 first.get_or_insert_with(Instant::now);
+                // Charged as the worker produced them (this task reads the worker at once).
+                if let Some(m) = meter {
+                    m.generated(tokens);
+                }
                 let _ = tx.send(WorkEvent::Text { delta, tokens });
             }
             Ok(Some(FromWorker::Finished { reason, usage, timing })) => {
@@ -233,9 +241,10 @@ async fn pump_colocated(
     tx: &UnboundedSender<WorkEvent>,
     clock: Clock,
     registry: &Registry,
+    meter: Option<Arc<dyn TokenMeter>>,
 ) {
     let mut first = None;
-    match relay(&mut conn, tx, &mut first, registry).await {
+    match relay(&mut conn, tx, &mut first, registry, meter.as_deref()).await {
         Relayed::Finished(reason, usage, timing) => {
             let timing = clock.assemble(first, &[&timing]);
             let _ = tx.send(WorkEvent::Finished { reason, usage: usage_of(usage), timing });
@@ -251,10 +260,11 @@ async fn pump_disaggregated(
     tx: &UnboundedSender<WorkEvent>,
     clock: Clock,
     registry: &Registry,
+    meter: Option<Arc<dyn TokenMeter>>,
 ) {
     let mut first = None;
     // Phase 1: the prefill worker, up to the handoff.
-    let (ptiming, pusage) = match relay(&mut pconn, tx, &mut first, registry).await {
+    let (ptiming, pusage) = match relay(&mut pconn, tx, &mut first, registry, meter.as_deref()).await {
         Relayed::Handoff(first_token, sampler, timing, usage) => {
             if let Err(e) = dconn.send(&ToWorker::Handoff { first_token, sampler }).await {
                 registry.mark_down(dconn.addr());
@@ -280,7 +290,9 @@ async fn pump_disaggregated(
         }
     });
     // Phase 2: the decode worker.
-    match relay(&mut dconn, tx, &mut first, registry).await {
+    let abort = report.abort_handle();
+    let _abort = AbortOnDrop(abort);
+    match relay(&mut dconn, tx, &mut first, registry, meter.as_deref()).await {
         Relayed::Finished(reason, usage, timing) => {
             let mut kv = ServerTiming::default();
             if let Ok(Ok(Some((ok, ms, bytes)))) = tokio::time::timeout(KV_REPORT_WAIT, report).await {
@@ -297,5 +309,15 @@ async fn pump_disaggregated(
         }
         Relayed::Handoff(..) => fail(tx, format!("decode worker {} tried to hand off", dconn.addr())),
         Relayed::Over => {}
+    }
+}
+
+/// Aborts a task when dropped: a report that never comes does not keep its task (and the
+/// prefill worker's connection) alive past the request.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }

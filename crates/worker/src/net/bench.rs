@@ -115,6 +115,7 @@ async fn one_transfer(
         arrived: now,
         admitted: now,
         mode: WorkMode::Decode(transfer),
+        meter: None,
     })?;
     // The reservation is queued before any chunk: the batcher's channel keeps order. The chunks
     // are copied, and their frames hashed, before the clock starts: on a prefill worker both

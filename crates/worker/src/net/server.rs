@@ -169,6 +169,7 @@ async fn generate(
         arrived: now,
         admitted: now,
         mode,
+        meter: None,
     };
     let mut stream = match handle.submit(req) {
         Ok(s) => s,
