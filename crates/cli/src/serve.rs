@@ -162,6 +162,16 @@ struct HttpArgs {
     /// The machine's peak GFLOP/s, exported in /metrics so achieved FLOP/s shows as a share of it.
     #[arg(long, env = "TOKENPATH_PEAK_GFLOPS")]
     peak_gflops: Option<f64>,
+    /// Seconds a client may take to send a request's headers (also the longest a keep-alive
+    /// connection stays idle).
+    #[arg(long, default_value_t = 20, env = "TOKENPATH_HEADER_TIMEOUT_S")]
+    header_timeout_s: u64,
+    /// Seconds a client may take to send a request's body.
+    #[arg(long, default_value_t = 60, env = "TOKENPATH_BODY_TIMEOUT_S")]
+    body_timeout_s: u64,
+    /// Most HTTP connections open at once; more are closed on arrival.
+    #[arg(long, default_value_t = 1024, env = "TOKENPATH_MAX_CONNECTIONS")]
+    max_connections: usize,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -212,6 +222,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .transpose()
             .map_err(anyhow::Error::msg)?,
         metrics_elsewhere: args.listen.metrics_listen.is_some(),
+        http: tokenpath_gateway::HttpLimits {
+            header_read: Duration::from_secs(args.http.header_timeout_s.max(1)),
+            body_read: Duration::from_secs(args.http.body_timeout_s.max(1)),
+            max_connections: args.http.max_connections.max(1),
+        },
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

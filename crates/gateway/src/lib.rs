@@ -18,17 +18,19 @@ mod guard;
 mod keyfile;
 pub mod metrics;
 mod ratelimit;
+mod server;
 mod stream;
 
 pub use auth::{AdminKey, ApiKeys, Tenant};
 pub use backend::Backend;
 pub use error::GatewayError;
 pub use ratelimit::RateLimits;
+pub use server::HttpLimits;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -61,6 +63,8 @@ pub struct GatewayConfig {
     /// `/metrics` has a listener of its own ([`Gateway::metrics_router`]) and is not served on
     /// the API's.
     pub metrics_elsewhere: bool,
+    /// Timeouts and the connection cap of the HTTP listener.
+    pub http: HttpLimits,
 }
 
 impl Default for GatewayConfig {
@@ -73,6 +77,7 @@ impl Default for GatewayConfig {
             api_keys: ApiKeys::default(),
             admin_key: None,
             metrics_elsewhere: false,
+            http: HttpLimits::default(),
         }
     }
 }
@@ -190,7 +195,11 @@ impl Gateway {
         listener: TcpListener,
     ) -> impl Future<Output = Result<(), GatewayError>> + Send + 'static {
         let router = self.metrics_router();
-        async move { axum::serve(listener, router).await.map_err(GatewayError::Serve) }
+        let limits = self.state.config.http;
+        async move {
+            server::serve(listener, router, limits, std::future::pending()).await;
+            Ok(())
+        }
     }
 
     /// Serves on `listener` until `shutdown` resolves, then drains (see the module docs).
@@ -204,22 +213,12 @@ impl Gateway {
         }
         let router = self.router();
         let grace = self.state.config.shutdown_grace;
-        let mut stop = self.drain.subscribe();
-        let server = axum::serve(listener, router).with_graceful_shutdown(async move {
-            // Resolves once draining is switched on below.
-            let _ = stop.wait_for(|d| *d).await;
-        });
-        let server = server.into_future();
-        tokio::pin!(server);
-        tokio::select! {
-            r = &mut server => return r.map_err(GatewayError::Serve),
-            () = shutdown => {}
-        }
+        let open = server::serve(listener, router, self.state.config.http, shutdown).await;
         let in_flight = self.state.backend.in_flight();
         tracing::info!(in_flight, grace_s = grace.as_secs_f64(), "shutting down: no new requests, draining");
         self.drain.send_replace(true);
-        match tokio::time::timeout(grace, server).await {
-            Ok(r) => r.map_err(GatewayError::Serve),
+        match tokio::time::timeout(grace, open.shutdown()).await {
+            Ok(()) => Ok(()),
             Err(_) => {
                 tracing::warn!(
                     in_flight = self.state.backend.in_flight(),

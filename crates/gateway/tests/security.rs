@@ -287,3 +287,79 @@ async fn a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized() -> anyhow:
     server.shutdown().await?;
     Ok(())
 }
+
+/// Reads until the server closes the connection (or answers): what it sent, or an error when
+/// it kept the connection open past `within` (a generous bound, not a timing assertion).
+fn read_until_closed(s: &mut std::net::TcpStream, within: Duration) -> Result<String, String> {
+    s.set_read_timeout(Some(within)).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return Ok(String::from_utf8_lossy(&out).into_owned()),
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Ok(String::from_utf8_lossy(&out).into_owned())
+            }
+            Err(e) => return Err(format!("still open: {e}")),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_idle_clients_are_cut_off_and_health_keeps_answering() -> anyhow::Result<()> {
+    let http = tokenpath_gateway::HttpLimits {
+        // Long enough that the idle connections below still hold their places when the ninth
+        // arrives on a loaded machine; short enough to watch the slowloris cut off.
+        header_read: Duration::from_secs(4),
+        body_read: Duration::from_secs(1),
+        max_connections: 8,
+    };
+    let server = start(WorkerConfig::default(), GatewayConfig { http, ..Default::default() }).await;
+    let port: u16 = server.base.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+    // Blocking sockets on a thread of their own: the runtime's threads stay free to serve.
+    tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+        let connect = || std::net::TcpStream::connect(("127.0.0.1", port));
+        let health = || raw(port, "GET /health HTTP/1.1\r\nhost: localhost\r\n", "").0;
+        // Slowloris: a request line and then nothing.
+        let mut slow = connect()?;
+        slow.write_all(b"POST /v1/chat/completions HTTP/1.1\r\n")?;
+        assert_eq!(health(), 200);
+        read_until_closed(&mut slow, Duration::from_secs(30)).map_err(anyhow::Error::msg)?;
+        // A body that trickles: announced 100 bytes, 10 sent.
+        let mut trickle = connect()?;
+        write!(
+            trickle,
+            "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+             content-length: 100\r\n\r\n{{\"model\":"
+        )?;
+        let answer = read_until_closed(&mut trickle, Duration::from_secs(30)).map_err(anyhow::Error::msg)?;
+        assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 4"), "{answer}");
+        // The connection cap: 8 places. 18 connections arrive and say nothing; then each asks
+        // for /health. Those holding a place answer (an open connection still gets /health);
+        // the rest were closed on arrival and get nothing.
+        let idle: Vec<_> = (0..18).map(|_| connect()).collect::<Result<_, _>>()?;
+        std::thread::sleep(Duration::from_millis(500));
+        let mut answered = 0;
+        for mut c in idle {
+            let _ = c.write_all(b"GET /health HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n");
+            let got = read_until_closed(&mut c, Duration::from_secs(30)).map_err(anyhow::Error::msg)?;
+            if got.starts_with("HTTP/1.1 200") {
+                answered += 1;
+            } else {
+                assert!(got.is_empty(), "{got}");
+            }
+        }
+        assert!((1..=8).contains(&answered), "{answered} of 18 connections were served with 8 places");
+        // Their places are free again.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while health() != 200 {
+            assert!(std::time::Instant::now() < deadline, "health never came back");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    })
+    .await??;
+    server.shutdown().await?;
+    Ok(())
+}

@@ -115,6 +115,7 @@ impl Registry {
             view: view_tx,
             tx: tx.clone(),
             secret: secret.clone(),
+            polling: std::collections::HashSet::new(),
         };
         tokio::spawn(state.run(rx));
         let reg = Self { tx, view, secret };
@@ -183,6 +184,9 @@ struct State {
     view: watch::Sender<Vec<WorkerView>>,
     tx: mpsc::UnboundedSender<Cmd>,
     secret: ClusterSecret,
+    /// Workers whose poll is still out: never polled twice at once, so a worker that hangs
+    /// (or an address that blackholes) holds one socket, not one per tick.
+    polling: std::collections::HashSet<String>,
 }
 
 impl State {
@@ -200,8 +204,11 @@ impl State {
         }
     }
 
-    fn poll_all(&self) {
+    fn poll_all(&mut self) {
         for w in &self.workers {
+            if !self.polling.insert(w.addr.clone()) {
+                continue;
+            }
             let addr = w.addr.clone();
             let tx = self.tx.clone();
             let secret = self.secret.clone();
@@ -238,6 +245,7 @@ impl State {
                 }
             }
             Cmd::Polled { addr, result } => {
+                self.polling.remove(&addr);
                 if let Some(w) = self.find(&addr) {
                     match result {
                         Ok(s) => {
