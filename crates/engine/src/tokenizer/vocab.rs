@@ -64,9 +64,10 @@ const WORD_CACHE_MAX_WORD: usize = 128;
 /// Words longer than this (in bytes) are merged in pieces of at most this many bytes. BPE on one
 /// word costs memory and time superlinear in its length (a symbol and heap entries per byte); a
 /// run of one letter or punctuation mark is one "word" to the GPT-2 pre-tokenizers, so a 4 MB
-/// prompt of `a` was one merge of 4 M symbols (~0.5 GB, seconds). No real word is this long, so
-/// ordinary text tokenizes exactly as before.
-const MAX_BPE_WORD: usize = 256;
+/// prompt of `a` was one merge of 4 M symbols (~0.5 GB, seconds). 16 KiB bounds one merge to a
+/// few MB; text tokenizes exactly as Hugging Face's tokenizer does unless one pre-token (a run
+/// of whitespace, say) is longer than that (the differential test holds runs of several KB).
+const MAX_BPE_WORD: usize = 16 * 1024;
 
 /// `word` in pieces of at most `max` bytes, cut at char boundaries (one piece when it is short).
 fn pieces_of(word: &str, max: usize) -> impl Iterator<Item = &str> {
