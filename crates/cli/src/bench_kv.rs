@@ -163,6 +163,7 @@ async fn live_handoff(decode: &WorkerHandle, tokens: usize) -> anyhow::Result<(f
                 fault_corrupt_kv: false,
                 kv_transport: KvTransport::Auto,
                 secret: secret.clone(),
+                draining: Default::default(),
             },
         ));
     }

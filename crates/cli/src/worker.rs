@@ -11,7 +11,9 @@ use crate::topology::{pin_to_cpus, CpuList, SecretArgs};
 use anyhow::Context as _;
 use clap::Args;
 use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_timeline::WorkerId;
 use tokenpath_worker::net::server::{serve, ServerConfig};
@@ -49,6 +51,9 @@ pub struct WorkerArgs {
     /// Testing only: corrupt every outgoing KV transfer (exercises the decode side's fallback).
     #[arg(long, hide = true, env = "TOKENPATH_FAULT_CORRUPT_KV")]
     fault_corrupt_kv: bool,
+    /// Seconds running requests get to finish after SIGTERM / Ctrl-C.
+    #[arg(long, default_value_t = 30, env = "TOKENPATH_SHUTDOWN_GRACE_S")]
+    shutdown_grace_s: u64,
     #[command(flatten)]
     secret: SecretArgs,
     #[command(flatten)]
@@ -111,29 +116,71 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
             writeln!(out, "tokenpath worker listening on {local}")?;
             out.flush()?;
         }
-        if let Some(gateway) = &args.register {
+        if let Some(gateway) = args.register.clone() {
+            // Registration is a heartbeat: a gateway that was down, or restarted and forgot its
+            // run-time workers, learns of this one again within one period.
             let advertise = args.advertise.clone().unwrap_or_else(|| local.to_string());
-            register(gateway, &advertise, args.role, args.admin_key.as_ref().map(|k| k.expose())).await?;
-            tracing::info!(%advertise, "registered with the gateway");
+            let (role, key) = (args.role, args.admin_key.clone());
+            tokio::spawn(async move {
+                let mut ok = false;
+                loop {
+                    match register(&gateway, &advertise, role, key.as_ref().map(|k| k.expose())).await {
+                        Ok(()) if !ok => {
+                            tracing::info!(%advertise, "registered with the gateway");
+                            ok = true;
+                        }
+                        Ok(()) => {}
+                        Err(e) => {
+                            if ok {
+                                tracing::warn!("registering with the gateway failed (retrying): {e:#}");
+                            } else {
+                                tracing::debug!("registering with the gateway failed (retrying): {e:#}");
+                            }
+                            ok = false;
+                        }
+                    }
+                    tokio::time::sleep(REGISTER_EVERY).await;
+                }
+            });
         }
+        let draining = Arc::new(AtomicBool::new(false));
         let server = ServerConfig {
             role: args.role,
             fault_corrupt_kv: args.fault_corrupt_kv,
             kv_transport: args.kv_transport,
             secret,
+            draining: Arc::clone(&draining),
         };
-        tokio::select! {
-            r = serve(listener, worker.handle(), server) => r.context("serving")?,
-            () = tokenpath_gateway::shutdown_signal() => tracing::info!("worker stopping"),
+        let handle = worker.handle();
+        let serving = tokio::spawn(serve(listener, handle.clone(), server));
+        tokenpath_gateway::shutdown_signal().await;
+        // Drain: new requests are refused (the gateway routes elsewhere), the running ones —
+        // streams, awaited handoffs, KV transfers — finish, within the grace period.
+        draining.store(true, Ordering::Release);
+        let grace = Duration::from_secs(args.shutdown_grace_s);
+        tracing::info!(in_flight = handle.in_flight(), grace_s = grace.as_secs(), "worker draining");
+        let deadline = tokio::time::Instant::now() + grace;
+        while handle.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        // The last events leave the sockets.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        serving.abort();
+        tracing::info!(left = handle.in_flight(), "worker stopping");
         anyhow::Ok(())
     })
 }
 
+/// How often a worker started with `--register` registers again.
+const REGISTER_EVERY: Duration = Duration::from_secs(10);
+
 /// `POST {gateway}/admin/workers` with this worker's address and role.
 async fn register(gateway: &str, addr: &str, role: Role, key: Option<&str>) -> anyhow::Result<()> {
     let url = format!("{}/admin/workers", gateway.trim_end_matches('/'));
-    let mut req = reqwest::Client::new()
+    let mut req = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .context("building the registration client")?
         .post(&url)
         .header("content-type", "application/json")
         .body(serde_json::json!({ "addr": addr, "role": role.to_string() }).to_string());

@@ -319,3 +319,59 @@ fn a_worker_without_the_cluster_secret_never_serves() {
     assert!(!stranger_up, "the stranger was never up");
     s.stop();
 }
+
+fn signal(sig: &str, pid: u32) {
+    std::process::Command::new("kill").args([sig, &pid.to_string()]).status().unwrap();
+}
+
+fn cluster_file(tag: &str, workers: &[(&str, &str)]) -> PathBuf {
+    let file = std::env::temp_dir().join(format!("tp-pd-{tag}-{}.toml", std::process::id()));
+    let toml: String =
+        workers.iter().map(|(a, r)| format!("[[worker]]\naddr = \"{a}\"\nrole = \"{r}\"\n")).collect();
+    std::fs::write(&file, toml).unwrap();
+    file
+}
+
+#[test]
+fn a_hung_decode_worker_ends_the_stream_with_an_error_in_bounded_time() {
+    let m = model("hung");
+    let p = worker(&m, "prefill", &[]);
+    let d = worker(&m, "decode", &[]);
+    let file = cluster_file("hung", &[(&p.addr, "prefill"), (&d.addr, "decode")]);
+    let s = serve(&m, &["--cluster", file.to_str().unwrap()]);
+    // Frozen, never killed: its sockets stay open and say nothing.
+    let mut stream = open_stream(s.port(), 4000, 1);
+    signal("-STOP", d.child.id());
+    let mut rest = String::new();
+    let t0 = Instant::now();
+    std::io::Read::read_to_string(&mut stream, &mut rest).unwrap();
+    // PEER_IDLE is 15 s; the bound is generous for a loaded machine, and far from "never".
+    assert!(t0.elapsed() < Duration::from_secs(60), "the stream hung for {:?}", t0.elapsed());
+    assert!(rest.contains("\"error\""), "no error event: {rest:.300}");
+    assert!(rest.contains("data: [DONE]"), "{rest:.300}");
+    signal("-CONT", d.child.id());
+    s.stop();
+    drop((p, d));
+}
+
+#[test]
+fn a_worker_drains_on_sigterm() {
+    let m = model("drain");
+    let mut w = worker(&m, "both", &[]);
+    let file = cluster_file("drain", &[(&w.addr, "both")]);
+    let s = serve(&m, &["--cluster", file.to_str().unwrap()]);
+    // A stream in flight when the worker is told to stop: it finishes, whole.
+    let mut stream = open_stream(s.port(), 3000, 1);
+    signal("-TERM", w.child.id());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stream, &mut rest).unwrap();
+    assert!(!rest.contains("\"error\""), "the drained stream failed: {rest:.300}");
+    assert!(rest.contains("\"finish_reason\":\"length\""), "{rest:.300}");
+    // Then the worker exits by itself.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while w.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the worker did not exit after draining");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    s.stop();
+}

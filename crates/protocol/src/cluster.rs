@@ -282,6 +282,9 @@ pub struct StatsMsg {
     pub generated_tokens: u64,
     /// KV transfers that failed and were recomputed (decode role).
     pub kv_fallbacks: u64,
+    /// The worker is draining (stopping): it finishes what it runs and takes nothing new.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// Messages from a worker.
@@ -344,6 +347,10 @@ pub enum FromWorker {
     },
     /// Answer to [`ToWorker::Stats`].
     Stats(StatsMsg),
+    /// Sent on a request connection when nothing else was for a while: the worker is alive and
+    /// the request still waits (the gateway gives up on a silent connection, see
+    /// `tokenpath_worker::net::PEER_IDLE`).
+    KeepAlive,
     /// Decode worker → prefill worker, answering a `KvBegin` that named a host: the shared
     /// ring to write blocks into, or none (the blocks come as `KvChunk` frames).
     KvRing {

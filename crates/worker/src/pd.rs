@@ -85,8 +85,9 @@ impl Drop for KvBlocks {
 
 /// How long a decode-mode request waits for its KV after the handoff before recomputing it.
 pub(crate) const KV_WAIT_AFTER_HANDOFF: Duration = Duration::from_secs(10);
-/// How long a decode-mode request waits for its handoff at all.
-pub(crate) const HANDOFF_WAIT: Duration = Duration::from_secs(600);
+/// How long a decode-mode request waits for its handoff at all (its prompt's KV blocks are
+/// reserved meanwhile): long enough for a long prompt's queue wait and prefill elsewhere.
+pub(crate) const HANDOFF_WAIT: Duration = Duration::from_secs(120);
 
 /// Whether `seq` waits for the transfer with id `id` (whatever its token: only for messages
 /// that come on the request's own connection or from inside the worker).

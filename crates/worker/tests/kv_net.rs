@@ -83,7 +83,13 @@ async fn listen_with(h: &WorkerHandle, role: Role, kv_transport: KvTransport) ->
     tokio::spawn(serve(
         l,
         h.clone(),
-        ServerConfig { role, fault_corrupt_kv: false, kv_transport, secret: secret() },
+        ServerConfig {
+            role,
+            fault_corrupt_kv: false,
+            kv_transport,
+            secret: secret(),
+            draining: Arc::default(),
+        },
     ));
     addr
 }
@@ -712,4 +718,73 @@ fn a_forged_or_second_kv_begin_never_disturbs_a_good_transfer() {
     assert_eq!(d.stats().kv_fallbacks, 0);
     drop(d);
     wd.join().unwrap();
+}
+
+#[test]
+fn a_stalled_sender_gives_the_blocks_back_while_its_socket_stays_open() {
+    let e = engine();
+    let (wd, d) = spawn(&e, "d0");
+    let l = d.kv_layout();
+    let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
+    let bb = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let good: Vec<u8> = (0..bb).map(|i| if i % 2 == 1 { 0x3c } else { i as u8 }).collect();
+    rt().block_on(async {
+        let addr = listen(&d, Role::Decode).await;
+        let stream = d.submit(decode_request(1, prompt(1, 40), 1)).unwrap();
+        let mut s = authed(&addr).await;
+        let begin =
+            ToWorker::KvBegin { transfer: TransferId(1), token: token(1), n_tokens: 40, layout, host: None };
+        write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
+        s.write_all(&chunk(1, 0, &good, bb)).await.unwrap();
+        // ...and then nothing, with the socket open: the receiver gives up after PEER_IDLE and
+        // says so on the same socket; the lent blocks are back with the request.
+        let t0 = Instant::now();
+        let ack = match read_frame(&mut s).await.unwrap() {
+            Some((FrameKind::Control, p)) => decode_control::<FromWorker>(&p).unwrap(),
+            other => panic!("expected an acknowledgement, got {other:?}"),
+        };
+        assert!(refused(&ack).contains("sent nothing"), "{ack:?}");
+        assert!(t0.elapsed() >= tokenpath_worker::net::PEER_IDLE / 2, "gave up early: {:?}", t0.elapsed());
+        drop(stream);
+        wait_free(&d).await;
+        drop(s);
+    });
+    drop(d);
+    wd.join().unwrap();
+}
+
+#[test]
+fn a_prefill_worker_gives_up_on_a_decode_peer_that_never_answers() {
+    let e = engine();
+    let (wp, p) = spawn(&e, "p0");
+    rt().block_on(async {
+        let pa = listen(&p, Role::Prefill).await;
+        // Accepts, never says a word (no challenge): the handshake's deadline ends it.
+        let mute = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mute_addr = mute.local_addr().unwrap().to_string();
+        let held = tokio::spawn(async move {
+            let (s, _) = mute.accept().await.unwrap();
+            tokio::time::sleep(Duration::from_secs(120)).await;
+            drop(s);
+        });
+        let mode = Mode::Prefill { transfer: TransferId(4), token: token(4), decode_addr: mute_addr };
+        let mut pre =
+            RemoteRequest::open(&pa, &secret(), msg(4, prompt(4, 40), mode), Duration::from_secs(30))
+                .await
+                .unwrap();
+        let t0 = Instant::now();
+        let ok = loop {
+            match pre.next().await.unwrap() {
+                Some(FromWorker::KvSent { ok, .. }) => break ok,
+                Some(_) => {}
+                None => panic!("closed without a transfer report"),
+            }
+        };
+        assert!(!ok);
+        assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
+        wait_free(&p).await;
+        held.abort();
+    });
+    drop(p);
+    wp.join().unwrap();
 }

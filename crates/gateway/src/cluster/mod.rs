@@ -61,8 +61,14 @@ impl Cluster {
                 Err((failed, e)) => {
                     release(&self.registry, &route);
                     match failed {
+                        // Full (no queue slot, no KV room for the prompt): another may not be.
+                        Some(addr) if matches!(e, WorkerError::Overloaded { .. }) => {
+                            tracing::debug!(addr = ?addr, "worker full, trying another");
+                            avoid.push(addr);
+                            last_err = e;
+                        }
                         Some(addr) => {
-                            tracing::warn!(%addr, "worker unreachable, trying another: {e}");
+                            tracing::warn!(addr = ?addr, "worker unreachable, trying another: {e}");
                             self.registry.mark_down(&addr);
                             avoid.push(addr);
                             last_err = e;
@@ -94,7 +100,7 @@ impl Cluster {
         let secret = self.registry.secret();
         let open = |addr: String, mode: Mode| async move {
             RemoteRequest::open(&addr, secret, msg(mode), OPEN_TIMEOUT).await.map_err(|e| match e {
-                WorkerError::Remote(_) => (Some(addr), e),
+                WorkerError::Remote(_) | WorkerError::Overloaded { .. } => (Some(addr), e),
                 other => (None, other),
             })
         };

@@ -286,7 +286,9 @@ impl State {
 
     fn route(&mut self, prompt: &[u32], avoid: &[String]) -> Result<Route, WorkerError> {
         let hashes = block_hashes(prompt, ROUTER_BLOCK).unwrap_or_default();
-        let usable = |w: &WorkerView, role: Role| w.up && w.role == role && !avoid.contains(&w.addr);
+        let usable = |w: &WorkerView, role: Role| {
+            w.up && w.role == role && !avoid.contains(&w.addr) && w.stats.as_ref().is_none_or(|s| !s.draining)
+        };
         let prefill = self.pick_prefill(&hashes, |w| usable(w, Role::Prefill));
         let decode = self.pick_decode(prompt.len(), |w| usable(w, Role::Decode));
         let route = match (prefill, decode) {

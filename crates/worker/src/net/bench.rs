@@ -175,6 +175,7 @@ pub async fn kv_transfer(
         fault_corrupt_kv: false,
         kv_transport: KvTransport::Auto,
         secret: secret.clone(),
+        draining: Arc::default(),
     };
     let server = decode_side.spawn(serve(listener, decode.clone(), config));
     let l = decode.kv_layout();

@@ -1,6 +1,6 @@
 //! The gateway's side of a worker connection: open a request and read its events, or poll stats.
 
-use super::{connect_authenticated, read_control, write_control};
+use super::{connect_authenticated, read_control, within, write_control};
 use crate::WorkerError;
 use std::time::Duration;
 use tokenpath_protocol::auth::ClusterSecret;
@@ -67,9 +67,15 @@ impl RemoteRequest {
         &self.addr
     }
 
-    /// The next event; `Ok(None)` when the worker closed the connection.
+    /// The next event; `Ok(None)` when the worker closed the connection. Keepalives are taken
+    /// here; a worker silent for [`super::PEER_IDLE`] (hung, stopped, partitioned) is an error.
     pub async fn next(&mut self) -> Result<Option<FromWorker>, WorkerError> {
-        read_control(&mut self.rd).await.map_err(|e| remote(&self.addr, e))
+        loop {
+            match within("waiting for the worker", read_control(&mut self.rd)).await {
+                Ok(Some(FromWorker::KeepAlive)) => continue,
+                other => return other.map_err(|e| remote(&self.addr, e)),
+            }
+        }
     }
 
     /// Sends a message on the request's connection (the handoff to a decode worker).

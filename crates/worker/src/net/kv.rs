@@ -13,7 +13,7 @@
 use super::kv_frames::{frame_target_bytes, FrameQueue};
 use super::server::KV_CONNECT_TIMEOUT;
 use super::shm::{host_id, PeerRing, PeerRings, RingSpace, RING_CHUNK_TARGET_BYTES};
-use super::{connect_authenticated, read_control, write_control};
+use super::{connect_authenticated, read_control, within, write_control};
 use crate::{Transfer, WorkerHandle};
 use std::sync::Arc;
 use tokenpath_protocol::auth::ClusterSecret;
@@ -166,7 +166,7 @@ async fn negotiate_ring(
     if !asked {
         return Ok(None);
     }
-    match read_control::<_, FromWorker>(rd).await? {
+    match within("waiting for a ring offer", read_control::<_, FromWorker>(rd)).await? {
         Some(FromWorker::KvRing { offer: Some(offer) }) => match job.peers.open(&offer).await {
             // A ring must hold at least one chunk of whole blocks.
             Ok(ring) if ring.len() >= job.block_bytes => {
@@ -256,16 +256,17 @@ async fn send_kv(
     let asked = host.is_some();
     let n = u32::try_from(job.n_tokens).unwrap_or(u32::MAX);
     let begin = ToWorker::KvBegin { transfer, token: job.token, n_tokens: n, layout: job.layout, host };
-    write_control(&mut wr, &begin).await?;
+    within("starting a KV transfer", write_control(&mut wr, &begin)).await?;
     let mut ring = negotiate_ring(job, &mut rd, asked).await?;
     tracing::debug!(transfer = transfer.0, ring = ring.is_some(), "KV transfer to {addr} starts");
     let (sent, bytes_sent) = match ring.as_mut() {
         Some((r, space)) => send_ring(job, &mut rd, &mut wr, r, space, &mut exports, spent).await?,
         None => send_frames(job, &mut wr, &mut exports, spent).await?,
     };
-    write_control(&mut wr, &ToWorker::KvEnd { transfer, chunks: sent }).await?;
+    within("ending a KV transfer", write_control(&mut wr, &ToWorker::KvEnd { transfer, chunks: sent }))
+        .await?;
     let ack = loop {
-        match read_control::<_, FromWorker>(&mut rd).await? {
+        match within("waiting for the KV acknowledgement", read_control::<_, FromWorker>(&mut rd)).await? {
             Some(FromWorker::KvRingFree { .. }) => {}
             Some(FromWorker::KvAck { ok, held_ms, message }) => break (ok, held_ms, message),
             other => return Err(conn_err(format!("expected an acknowledgement, got {other:?}"))),
@@ -352,7 +353,7 @@ async fn send_ring_chunk(
         if let Some(o) = space.place(part.len()) {
             break o;
         }
-        match read_control::<_, FromWorker>(rd).await? {
+        match within("waiting for ring space", read_control::<_, FromWorker>(rd)).await? {
             Some(FromWorker::KvRingFree { chunks }) => space.free_upto(chunks).map_err(conn_err)?,
             Some(FromWorker::KvAck { ok: false, message, .. }) => return Err(refused(message)),
             other => return Err(conn_err(format!("expected ring space, got {other:?}"))),
@@ -375,5 +376,5 @@ async fn send_ring_chunk(
         offset: offset as u64,
         checksum: sum.digest(),
     };
-    write_control(wr, &msg).await
+    within("announcing a ring chunk", write_control(wr, &msg)).await
 }

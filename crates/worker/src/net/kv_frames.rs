@@ -199,13 +199,16 @@ impl FrameQueue {
                             // Lets the runtime poll the socket's readiness before the next try.
                             tokio::task::yield_now().await;
                         }
-                        None => wr.writable().await.map_err(conn_err)?,
+                        None => {
+                            super::within("sending KV", async { wr.writable().await.map_err(conn_err) })
+                                .await?
+                        }
                     }
                 }
                 Err(e) => return Err(conn_err(e)),
             }
         }
-        wr.flush().await.map_err(conn_err)?;
+        super::within("sending KV", async { wr.flush().await.map_err(conn_err) }).await?;
         self.sent += 1;
         self.bytes += frame.range.len() as u64;
         if Arc::strong_count(&frame.export) == 1 {

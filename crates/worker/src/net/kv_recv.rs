@@ -12,7 +12,7 @@
 
 use super::kv::{KvTransport, COPY_PIECE};
 use super::shm::{host_id, OwnRing, RingPool, RING_BYTES};
-use super::write_control;
+use super::{within, write_control};
 use crate::{KvBlocks, Transfer, WorkerHandle};
 use tokenpath_protocol::cluster::{decode_control, FromWorker, KvChunk, ToWorker, TransferId, KV_TRAILER};
 use tokenpath_protocol::frame::{read_header, Checksum, FrameKind, PayloadReader};
@@ -120,7 +120,7 @@ pub(crate) async fn receive_chunks<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     let (mut chunks, mut ring_chunks, mut next) = (0u32, 0u32, 0usize);
     let block_bytes = blocks.block_bytes();
     loop {
-        let header = read_header(ends.rd)
+        let header = within("waiting for KV", read_header(ends.rd))
             .await
             .map_err(text)?
             .ok_or("the connection closed before the transfer ended")?;
@@ -132,17 +132,17 @@ pub(crate) async fn receive_chunks<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 check_place(next, n, blocks.blocks())?;
                 for i in next..next + n {
                     let dst = blocks.block_mut(i).ok_or("a lent block went missing")?;
-                    payload.read_into(ends.rd, dst).await.map_err(text)?;
+                    within("receiving KV", payload.read_into(ends.rd, dst)).await.map_err(text)?;
                 }
                 let mut trailer = [0u8; KV_TRAILER];
-                payload.read_into(ends.rd, &mut trailer).await.map_err(text)?;
+                within("receiving KV", payload.read_into(ends.rd, &mut trailer)).await.map_err(text)?;
                 payload.finish().map_err(text)?;
                 check_chunk(transfer, next, n, KvChunk::parse_trailer(&trailer))?;
                 n
             }
             FrameKind::Control => {
                 let mut bytes = vec![0u8; header.len as usize];
-                payload.read_into(ends.rd, &mut bytes).await.map_err(text)?;
+                within("receiving KV", payload.read_into(ends.rd, &mut bytes)).await.map_err(text)?;
                 payload.finish().map_err(text)?;
                 match decode_control::<ToWorker>(&bytes).map_err(text)? {
                     ToWorker::KvRingChunk { transfer: t, first_block, n_blocks, offset, checksum } => {
@@ -153,7 +153,7 @@ pub(crate) async fn receive_chunks<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                         copy_from_ring(ring, blocks, next, n, offset, checksum)?;
                         ring_chunks += 1;
                         let free = FromWorker::KvRingFree { chunks: ring_chunks };
-                        write_control(ends.wr, &free).await.map_err(text)?;
+                        within("freeing ring space", write_control(ends.wr, &free)).await.map_err(text)?;
                         n
                     }
                     ToWorker::KvEnd { transfer: t, chunks: said } if t == transfer => {

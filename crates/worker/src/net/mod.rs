@@ -27,6 +27,36 @@ use crate::{TokenUsage, WorkerStats};
 use tokenpath_engine::sampling::{SamplerState, SamplingParams};
 use tokenpath_protocol::cluster::SamplerPos;
 
+/// How long a peer may stay silent on a connection that waits for it (a request's events, a KV
+/// transfer's next chunk or acknowledgement) before the connection is given up: a worker sends
+/// [`tokenpath_protocol::cluster::FromWorker::KeepAlive`] every [`KEEPALIVE`] while a request
+/// waits, and a KV sender's chunks are one prefill step apart.
+pub const PEER_IDLE: Duration = Duration::from_secs(15);
+/// How often a worker says it is alive on a request connection with nothing else to send.
+pub const KEEPALIVE: Duration = Duration::from_secs(5);
+
+/// `fut`, or an error once it made no progress for [`PEER_IDLE`].
+pub(crate) async fn within<T>(
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, ProtocolError>>,
+) -> Result<T, ProtocolError> {
+    tokio::time::timeout(PEER_IDLE, fut).await.map_err(|_| ProtocolError::Connection {
+        message: format!("the peer sent nothing for {} s while {what}", PEER_IDLE.as_secs()),
+    })?
+}
+
+/// Turns on TCP keepalive, so a peer whose host vanished without a reset is noticed by the
+/// kernel even on a connection nobody writes to.
+pub(crate) fn tcp_keepalive(s: &TcpStream) {
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(10))
+        .with_interval(Duration::from_secs(5))
+        .with_retries(3);
+    if let Err(e) = socket2::SockRef::from(s).set_tcp_keepalive(&ka) {
+        tracing::debug!("cannot set TCP keepalive: {e}");
+    }
+}
+
 /// Reads one control message; `Ok(None)` at a clean end of stream.
 pub(crate) async fn read_control<R: AsyncRead + Unpin, T: for<'de> serde::Deserialize<'de>>(
     r: &mut R,
@@ -49,6 +79,7 @@ pub(crate) async fn connect_authenticated(
             .await
             .map_err(|e| ProtocolError::Connection { message: format!("{addr}: {e}") })?;
         let _ = s.set_nodelay(true);
+        tcp_keepalive(&s);
         let (mut rd, mut wr) = s.split();
         tokenpath_protocol::auth::connect(&mut rd, &mut wr, secret).await?;
         Ok(s)
@@ -139,6 +170,7 @@ pub(crate) fn stats_msg(
         prompt_tokens_cached: s.prompt_tokens_cached,
         generated_tokens: s.generated_tokens,
         kv_fallbacks: s.kv_fallbacks,
+        draining: false,
     }
 }
 

@@ -13,8 +13,13 @@
 use super::kv::{KvSender, KvTransport, SendOptions};
 use super::kv_recv::{receive_kv, ring_len, Begin};
 use super::shm::{host_id, PeerRings, RingPool};
-use super::{read_control, sampler_pos, sampler_state, sampling_params, stats_msg, usage_msg, write_control};
+use super::{
+    read_control, sampler_pos, sampler_state, sampling_params, stats_msg, tcp_keepalive, usage_msg,
+    write_control, KEEPALIVE,
+};
 use crate::{Role, Transfer, WorkEvent, WorkMode, WorkRequest, WorkerError, WorkerHandle};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, Mode, RejectKind, ToWorker};
@@ -42,9 +47,13 @@ pub struct ServerConfig {
     /// The cluster secret every connection must prove, and this worker proves to the decode
     /// workers it sends KV to.
     pub secret: ClusterSecret,
+    /// Set when the worker drains: new requests are refused (the gateway goes elsewhere), the
+    /// running ones finish.
+    pub draining: Arc<AtomicBool>,
 }
 
-/// Serves `handle` on `listener` until the listener fails.
+/// Serves `handle` on `listener` for ever (accept errors — out of descriptors, a connection
+/// reset before it was accepted — are logged and retried, never fatal).
 pub async fn serve(
     listener: TcpListener,
     handle: WorkerHandle,
@@ -57,11 +66,19 @@ pub async fn serve(
         .then(|| ring_len(l.n_layer * 2 * l.kv_dim * l.block_size * 2));
     let rings = Rings { own: RingPool::start(warm), peers: PeerRings::start() };
     loop {
-        let (stream, peer) = listener.accept().await.map_err(WorkerError::Spawn)?;
+        let (stream, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!("accept failed, retrying: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         // A request's clock on this worker starts when its connection arrives, not when a busy
         // core got round to reading it.
         let accepted = Instant::now();
         let _ = stream.set_nodelay(true);
+        tcp_keepalive(&stream);
         let handle = handle.clone();
         let config = config.clone();
         let rings = rings.clone();
@@ -106,6 +123,11 @@ async fn connection(
     match first {
         None => Ok(()),
         Some(ToWorker::Stats) => {
+            if !handle.is_alive() {
+                // The batcher thread is gone: no answer, so the gateway marks this worker down
+                // instead of routing to a worker that cannot run anything.
+                return Err(ProtocolError::Connection { message: "the batcher thread died".into() });
+            }
             let s = handle.stats();
             let bs = handle.kv_layout().block_size;
             let msg = stats_msg(
@@ -116,6 +138,10 @@ async fn connection(
                 bs,
                 handle.in_flight(),
             );
+            let msg = tokenpath_protocol::cluster::StatsMsg {
+                draining: config.draining.load(Ordering::Acquire),
+                ..msg
+            };
             write_control(&mut wr, &FromWorker::Stats(msg)).await
         }
         Some(ToWorker::Generate(msg)) => generate(msg, accepted, rd, wr, handle, config, &rings.peers).await,
@@ -151,6 +177,22 @@ async fn generate(
     if !accepts(config.role, &msg.mode) {
         let message = format!("a {} worker does not run {:?} requests", config.role, msg.mode);
         return write_control(&mut wr, &FromWorker::Rejected { kind: RejectKind::Invalid, message }).await;
+    }
+    if config.draining.load(Ordering::Acquire) {
+        let message = "the worker is draining".to_owned();
+        return write_control(&mut wr, &FromWorker::Rejected { kind: RejectKind::Unavailable, message })
+            .await;
+    }
+    if let Mode::Decode { .. } = msg.mode {
+        // A decode request reserves its whole prompt's KV at once: refused now (so the gateway
+        // picks another decode worker before any prefill runs) rather than failed later.
+        let s = handle.stats();
+        let room = s.kv_blocks_free.saturating_mul(handle.kv_layout().block_size);
+        if room < msg.prompt.len() {
+            let message = format!("no KV room for {} prompt tokens ({room} free)", msg.prompt.len());
+            return write_control(&mut wr, &FromWorker::Rejected { kind: RejectKind::Overloaded, message })
+                .await;
+        }
     }
     let now = accepted;
     let mode = match &msg.mode {
@@ -191,9 +233,26 @@ async fn generate(
         }
         _ => None,
     };
+    // The gateway's messages are read by a task of their own: a frame is never half-read when
+    // another branch of the loop below wins (the keepalive tick, an event), which would lose its
+    // first bytes and misread the rest.
+    let (in_tx, mut incoming) = tokio::sync::mpsc::channel(2);
+    let reader = tokio::spawn(async move {
+        loop {
+            let m = read_control::<_, ToWorker>(&mut rd).await;
+            let more = matches!(m, Ok(Some(_)));
+            if in_tx.send(m).await.is_err() || !more {
+                return;
+            }
+        }
+    });
+    let _reader = AbortOnDrop(reader.abort_handle());
+    let mut alive = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
     loop {
         tokio::select! {
+            _ = alive.tick() => write_control(&mut wr, &FromWorker::KeepAlive).await?,
             event = stream.next() => {
+                alive.reset();
                 let Some(event) = event else {
                     return write_control(&mut wr, &FromWorker::Failed { message: "the worker stopped".into() }).await;
                 };
@@ -229,8 +288,8 @@ async fn generate(
                     }
                 }
             }
-            incoming = read_control::<_, ToWorker>(&mut rd) => {
-                match incoming {
+            incoming = incoming.recv() => {
+                match incoming.unwrap_or(Ok(None)) {
                     Ok(Some(ToWorker::Handoff { first_token, sampler })) => {
                         if let WorkMode::Decode(t) = mode {
                             if handle.handoff(t.id, first_token, sampler_state(sampler)).is_err() {
@@ -250,5 +309,14 @@ async fn generate(
                 }
             }
         }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
