@@ -10,6 +10,7 @@ use std::io::{BufRead as _, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_worker::Role;
@@ -128,37 +129,62 @@ pub fn load_cluster_file(path: &Path) -> anyhow::Result<Vec<(String, Role)>> {
         .collect()
 }
 
-/// Worker processes started by this one; killed and reaped on drop.
+/// Worker processes started by this one, each watched by a supervisor thread that restarts it
+/// (same address, so the gateway's registry finds it again) with exponential backoff when it
+/// dies; killed and reaped on drop.
 #[derive(Debug, Default)]
-pub struct Children(Vec<(String, Child)>);
+pub struct Children(Vec<Supervised>);
 
-impl Children {
-    /// Starts `tokenpath worker --role ROLE --listen 127.0.0.1:0 …extra` with the cluster
-    /// `secret` in its environment, and returns its address.
-    pub fn spawn(
-        &mut self,
-        name: &str,
-        role: Role,
-        cpus: Option<&CpuList>,
-        extra: &[String],
-        secret: &str,
-    ) -> anyhow::Result<String> {
+#[derive(Debug)]
+struct Supervised {
+    name: String,
+    state: Arc<Mutex<Watch>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Debug)]
+struct Watch {
+    child: Option<Child>,
+    stopping: bool,
+    restarts: u32,
+}
+
+/// What it takes to start one worker again.
+#[derive(Clone, Debug)]
+struct Launch {
+    name: String,
+    role: Role,
+    cpus: Option<String>,
+    extra: Vec<String>,
+    secret: String,
+}
+
+/// Longest pause between two restarts of a worker that keeps dying.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+fn lock(m: &Mutex<Watch>) -> std::sync::MutexGuard<'_, Watch> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Launch {
+    /// Starts `tokenpath worker --role ROLE --listen LISTEN …` and reads the address it bound.
+    fn start(&self, listen: &str) -> anyhow::Result<(Child, String)> {
+        let name = &self.name;
         let exe = std::env::current_exe().context("finding the tokenpath executable")?;
         let mut cmd = Command::new(exe);
-        if secret.is_empty() {
+        if self.secret.is_empty() {
             // No secret (loopback only): the child runs without one too.
             cmd.env_remove(CLUSTER_SECRET_ENV);
         } else {
-            cmd.env(CLUSTER_SECRET_ENV, secret);
+            cmd.env(CLUSTER_SECRET_ENV, &self.secret);
         }
-        cmd.args(["worker", "--role", &role.to_string(), "--listen", "127.0.0.1:0", "--id", name]);
-        if let Some(c) = cpus {
-            cmd.args(["--cpus", &c.to_string()]);
+        cmd.args(["worker", "--role", &self.role.to_string(), "--listen", listen, "--id", name]);
+        if let Some(c) = &self.cpus {
+            cmd.args(["--cpus", c]);
         }
-        cmd.args(extra).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        cmd.args(&self.extra).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         let mut child = cmd.spawn().with_context(|| format!("starting worker {name}"))?;
         let stdout = child.stdout.take().context("worker stdout")?;
-        self.0.push((name.to_owned(), child));
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut lines = BufReader::new(stdout).lines();
@@ -169,34 +195,133 @@ impl Children {
         });
         let line = rx
             .recv_timeout(Duration::from_secs(300))
-            .map_err(|_| anyhow::anyhow!("worker {name} did not start in time"))?
-            .with_context(|| format!("worker {name} exited before listening"))?
-            .with_context(|| format!("reading worker {name}'s address"))?;
+            .map_err(|_| anyhow::anyhow!("worker {name} did not start in time"))
+            .and_then(|l| l.with_context(|| format!("worker {name} exited before listening")))
+            .and_then(|l| l.with_context(|| format!("reading worker {name}'s address")));
+        let line = match line {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e);
+            }
+        };
         let addr = line
             .strip_prefix("tokenpath worker listening on ")
             .with_context(|| format!("worker {name} said {line:?} instead of its address"))?
             .trim()
             .to_owned();
+        Ok((child, addr))
+    }
+}
+
+/// Restarts the worker in `state` whenever it exits, until told to stop.
+fn supervise(launch: Launch, addr: String, state: Arc<Mutex<Watch>>) {
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let exited = {
+            let mut w = lock(&state);
+            if w.stopping {
+                return;
+            }
+            match w.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) => Some(status.to_string()),
+                Some(Ok(None)) => None,
+                Some(Err(e)) => Some(e.to_string()),
+                None => Some("not running".into()),
+            }
+        };
+        let Some(why) = exited else {
+            backoff = Duration::from_secs(1);
+            continue;
+        };
+        tracing::warn!(worker = %launch.name, %addr, "worker exited ({why}); restarting in {backoff:?}");
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+        if lock(&state).stopping {
+            return;
+        }
+        match launch.start(&addr) {
+            Ok((child, got)) => {
+                let mut w = lock(&state);
+                w.restarts += 1;
+                tracing::info!(worker = %launch.name, addr = %got, restarts = w.restarts, "worker restarted");
+                if w.stopping {
+                    let mut c = child;
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    return;
+                }
+                if let Some(mut old) = w.child.replace(child) {
+                    let _ = old.wait();
+                }
+            }
+            Err(e) => tracing::error!(worker = %launch.name, "restarting the worker failed: {e:#}"),
+        }
+    }
+}
+
+impl Children {
+    /// Starts `tokenpath worker --role ROLE --listen 127.0.0.1:0 …extra` with the cluster
+    /// `secret` in its environment, returns its address, and keeps it running.
+    pub fn spawn(
+        &mut self,
+        name: &str,
+        role: Role,
+        cpus: Option<&CpuList>,
+        extra: &[String],
+        secret: &str,
+    ) -> anyhow::Result<String> {
+        let launch = Launch {
+            name: name.to_owned(),
+            role,
+            cpus: cpus.map(ToString::to_string),
+            extra: extra.to_vec(),
+            secret: secret.to_owned(),
+        };
+        let (child, addr) = launch.start("127.0.0.1:0")?;
+        let state = Arc::new(Mutex::new(Watch { child: Some(child), stopping: false, restarts: 0 }));
+        let (st, a) = (Arc::clone(&state), addr.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("supervise-{name}"))
+            .spawn(move || supervise(launch, a, st))
+            .context("starting a supervisor thread")?;
+        self.0.push(Supervised { name: name.to_owned(), state, thread: Some(thread) });
         Ok(addr)
     }
 
-    /// Names of children that have exited.
+    /// Names of children whose process has exited (and not been restarted yet).
     pub fn exited(&mut self) -> Vec<String> {
         self.0
-            .iter_mut()
-            .filter_map(|(n, c)| matches!(c.try_wait(), Ok(Some(_))).then(|| n.clone()))
+            .iter()
+            .filter(|s| {
+                let mut w = lock(&s.state);
+                w.child.as_mut().is_none_or(|c| matches!(c.try_wait(), Ok(Some(_))))
+            })
+            .map(|s| s.name.clone())
             .collect()
     }
 }
 
 impl Drop for Children {
     fn drop(&mut self) {
-        for (name, child) in &mut self.0 {
-            if let Ok(None) = child.try_wait() {
-                tracing::debug!(worker = %name, "stopping worker");
-                let _ = child.kill();
+        for s in &mut self.0 {
+            let child = {
+                let mut w = lock(&s.state);
+                w.stopping = true;
+                w.child.take()
+            };
+            if let Some(mut c) = child {
+                if let Ok(None) = c.try_wait() {
+                    tracing::debug!(worker = %s.name, "stopping worker");
+                    let _ = c.kill();
+                }
+                let _ = c.wait();
             }
-            let _ = child.wait();
+            if let Some(t) = s.thread.take() {
+                let _ = t.join();
+            }
         }
     }
 }

@@ -375,3 +375,46 @@ fn a_worker_drains_on_sigterm() {
     }
     s.stop();
 }
+
+/// The pids of `parent`'s children (from /proc).
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // pid (comm) state ppid ...: comm may hold spaces, so split after the last ')'.
+        let ppid = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid == Some(parent) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+#[test]
+fn serve_restarts_a_worker_that_died() {
+    let m = model("restart");
+    let s = serve(&m, &["--prefill", "1", "--decode", "1"]);
+    assert_eq!(ask(s.port(), "before the crash", "")["usage"]["completion_tokens"], 24);
+    let server_pid = s.0.as_ref().map(|x| x.child.id()).unwrap();
+    let kids = children_of(server_pid);
+    assert_eq!(kids.len(), 2, "two worker processes: {kids:?}");
+    for k in &kids {
+        signal("-KILL", *k);
+    }
+    // Both come back on their addresses; requests are served again.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let body = r#"{"model":"tiny","prompt":"after the crash","max_tokens":24,"ignore_eos":true,"temperature":0}"#;
+        let (status, _) = http(s.port(), "POST", "/v1/completions", body);
+        if status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the workers never came back (last status {status})");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let now = children_of(server_pid);
+    assert_eq!(now.len(), 2, "{now:?}");
+    assert!(now.iter().all(|p| !kids.contains(p)), "new processes");
+    s.stop();
+}
