@@ -187,6 +187,7 @@ async fn live_handoff(decode: &WorkerHandle, tokens: usize) -> anyhow::Result<(f
             admitted: now,
             mode: WorkMode::Full,
             meter: None,
+            cache_scope: None,
         })
         .await?;
     while let Some(ev) = stream.next().await {

@@ -115,6 +115,10 @@ pub(crate) struct BatchingArgs {
     /// Do not reuse the KV of prompt prefixes seen before.
     #[arg(long, env = "TOKENPATH_NO_PREFIX_CACHE")]
     no_prefix_cache: bool,
+    /// Who shares prefix-cache blocks: `tenant` (the default with API keys: no tenant can plant
+    /// KV for another or probe what another sent) or `global`.
+    #[arg(long, env = "TOKENPATH_PREFIX_CACHE_SCOPE", value_name = "global|tenant")]
+    prefix_cache_scope: Option<tokenpath_gateway::PrefixScope>,
 }
 
 impl BatchingArgs {
@@ -227,6 +231,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             body_read: Duration::from_secs(args.http.body_timeout_s.max(1)),
             max_connections: args.http.max_connections.max(1),
         },
+        prefix_cache_scope: args.batching.prefix_cache_scope,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -174,6 +174,10 @@ fn admit(
         admitted: Instant::now(),
         mode: tokenpath_worker::WorkMode::Full,
         meter: Some(Arc::clone(&meter) as Arc<dyn tokenpath_worker::TokenMeter>),
+        cache_scope: match app.config.prefix_cache_scope {
+            Some(crate::PrefixScope::Global) => None,
+            Some(crate::PrefixScope::Tenant) | None => tenant.map(|t| t.0.clone()),
+        },
     };
     Ok(Admitted { id, req, work, meter })
 }

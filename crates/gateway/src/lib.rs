@@ -65,6 +65,29 @@ pub struct GatewayConfig {
     pub metrics_elsewhere: bool,
     /// Timeouts and the connection cap of the HTTP listener.
     pub http: HttpLimits,
+    /// Who shares prefix-cache blocks; `None`: per tenant when API keys are configured.
+    pub prefix_cache_scope: Option<PrefixScope>,
+}
+
+/// Who may reuse whose prompt KV (`--prefix-cache-scope`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefixScope {
+    /// Every request on a worker shares one cache: the most reuse, and a tenant can learn from
+    /// `cached_tokens` or TTFT whether another recently sent a prefix.
+    Global,
+    /// Each tenant has its own namespace: no cross-tenant hit, plant or probe.
+    Tenant,
+}
+
+impl std::str::FromStr for PrefixScope {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "global" => Ok(Self::Global),
+            "tenant" => Ok(Self::Tenant),
+            other => Err(format!("unknown prefix cache scope {other:?}: expected global or tenant")),
+        }
+    }
 }
 
 impl Default for GatewayConfig {
@@ -78,6 +101,7 @@ impl Default for GatewayConfig {
             admin_key: None,
             metrics_elsewhere: false,
             http: HttpLimits::default(),
+            prefix_cache_scope: None,
         }
     }
 }

@@ -363,3 +363,43 @@ async fn slow_and_idle_clients_are_cut_off_and_health_keeps_answering() -> anyho
     server.shutdown().await?;
     Ok(())
 }
+
+async fn cached_tokens(server: &common::Server, key: &str, prompt: &[u32]) -> anyhow::Result<u64> {
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0});
+    let resp = server
+        .client
+        .post(server.url("/v1/completions"))
+        .bearer_auth(key)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await?;
+    anyhow::ensure!(resp.status().as_u16() == 200, "status {}", resp.status());
+    let v: Value = serde_json::from_slice(&resp.bytes().await?)?;
+    Ok(v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_cannot_hit_or_probe_another_tenants_prefix() -> anyhow::Result<()> {
+    let two = || ApiKeys::parse("alice:sk-alice-0001,bob:sk-bob-00002").expect("keys");
+    let prompt: Vec<u32> = (0..64).map(|i| 40 + i).collect();
+    // Default with keys: per tenant.
+    let server =
+        start(WorkerConfig::default(), GatewayConfig { api_keys: two(), ..Default::default() }).await;
+    assert_eq!(cached_tokens(&server, "sk-alice-0001", &prompt).await?, 0);
+    assert!(cached_tokens(&server, "sk-alice-0001", &prompt).await? >= 48, "alice reuses her own prefix");
+    assert_eq!(cached_tokens(&server, "sk-bob-00002", &prompt).await?, 0, "bob learns nothing of alice's");
+    assert!(cached_tokens(&server, "sk-bob-00002", &prompt).await? >= 48, "bob reuses his own");
+    server.shutdown().await?;
+    // Global, as configured: shared (and this test would see the leak).
+    let config = GatewayConfig {
+        api_keys: two(),
+        prefix_cache_scope: Some(tokenpath_gateway::PrefixScope::Global),
+        ..Default::default()
+    };
+    let server = start(WorkerConfig::default(), config).await;
+    assert_eq!(cached_tokens(&server, "sk-alice-0001", &prompt).await?, 0);
+    assert!(cached_tokens(&server, "sk-bob-00002", &prompt).await? >= 48);
+    server.shutdown().await?;
+    Ok(())
+}

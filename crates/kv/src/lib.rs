@@ -20,47 +20,71 @@ pub enum KvError {
     ZeroBlockSize,
 }
 
-/// Identity of one full KV block: a hash chained over every token from the start of the sequence
-/// to the end of this block, so equal hashes mean an equal prefix, not just an equal block.
+/// Identity of one full KV block: BLAKE3 chained over a namespace and every token from the
+/// start of the sequence to the end of this block, so equal hashes mean an equal prefix *in the
+/// same namespace* (model, KV layout, numerics, and — when the cache is scoped — tenant). The
+/// hash is collision-resistant: nobody can craft a prompt whose blocks collide with another's
+/// (the FNV-1a it replaces could be steered), so a hit can neither be planted nor probed for.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BlockHash(pub u64);
+pub struct BlockHash(pub [u8; 32]);
 
 impl fmt::Debug for BlockHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "BlockHash({:016x})", self.0)
+        write!(f, "BlockHash(")?;
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, "..)")
     }
 }
 
-/// Chained hashes of the full blocks of `tokens` (a trailing partial block has no hash: it cannot
-/// be shared until it is full). FNV-1a over the previous hash and the block's tokens; stable across
-/// processes and builds, which `std`'s randomly keyed hasher is not.
-pub fn block_hashes(tokens: &[u32], block_size: usize) -> Result<Vec<BlockHash>, KvError> {
+impl BlockHash {
+    /// The root a namespace's chains start from: everything that makes KV valid or private,
+    /// each part length-prefixed (so no two different lists of parts give the same bytes).
+    pub fn namespace(parts: &[&[u8]]) -> Self {
+        let mut h = blake3::Hasher::new_derive_key("tokenpath 2026-12-01 prefix namespace v1");
+        for p in parts {
+            h.update(&(p.len() as u64).to_le_bytes());
+            h.update(p);
+        }
+        Self(*h.finalize().as_bytes())
+    }
+
+    /// The same namespace narrowed to `scope` (a tenant): chains under it never meet the
+    /// parent's or another scope's.
+    pub fn scoped(self, scope: Option<&str>) -> Self {
+        match scope {
+            None => self,
+            Some(s) => Self::namespace(&[&self.0, b"scope", s.as_bytes()]),
+        }
+    }
+}
+
+/// Chained hashes of the full blocks of `tokens` under `root` (a trailing partial block has no
+/// hash: it cannot be shared until it is full).
+pub fn block_hashes(root: BlockHash, tokens: &[u32], block_size: usize) -> Result<Vec<BlockHash>, KvError> {
     if block_size == 0 {
         return Err(KvError::ZeroBlockSize);
     }
-    let mut prev = None;
+    let mut prev = root;
     Ok(tokens
         .chunks_exact(block_size)
         .map(|block| {
-            let h = chain_hash(prev, block);
-            prev = Some(h);
-            h
+            prev = chain_hash(prev, block);
+            prev
         })
         .collect())
 }
 
-/// The hash of one block given the hash of the block before it (`None` for the first block):
+/// The hash of one block given the hash before it (the namespace root for the first block):
 /// the incremental form of [`block_hashes`], for a sequence whose blocks fill one at a time.
-pub fn chain_hash(prev: Option<BlockHash>, block: &[u32]) -> BlockHash {
-    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-    const PRIME: u64 = 0x0100_0000_01b3;
-    let prev = prev.map_or(OFFSET, |p| p.0);
-    let mut h = OFFSET;
-    for b in prev.to_le_bytes().into_iter().chain(block.iter().flat_map(|t| t.to_le_bytes())) {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(PRIME);
+pub fn chain_hash(prev: BlockHash, block: &[u32]) -> BlockHash {
+    let mut h = blake3::Hasher::new();
+    h.update(&prev.0);
+    for t in block {
+        h.update(&t.to_le_bytes());
     }
-    BlockHash(h)
+    BlockHash(*h.finalize().as_bytes())
 }
 
 #[cfg(test)]
@@ -69,8 +93,9 @@ mod tests {
 
     #[test]
     fn equal_prefixes_share_hashes_and_diverge_after() {
-        let a = block_hashes(&[1, 2, 3, 4, 5, 6, 7], 2).unwrap();
-        let b = block_hashes(&[1, 2, 3, 4, 9, 6], 2).unwrap();
+        let root = BlockHash::namespace(&[b"model"]);
+        let a = block_hashes(root, &[1, 2, 3, 4, 5, 6, 7], 2).unwrap();
+        let b = block_hashes(root, &[1, 2, 3, 4, 9, 6], 2).unwrap();
         assert_eq!(a.len(), 3);
         assert_eq!(b.len(), 3);
         assert_eq!(a[..2], b[..2]);
@@ -79,12 +104,28 @@ mod tests {
 
     #[test]
     fn same_block_at_another_position_hashes_differently() {
-        let h = block_hashes(&[7, 7, 7, 7], 2).unwrap();
+        let h = block_hashes(BlockHash::namespace(&[]), &[7, 7, 7, 7], 2).unwrap();
         assert_ne!(h[0], h[1]);
     }
 
     #[test]
+    fn namespaces_and_scopes_never_share_a_chain() {
+        let model = BlockHash::namespace(&[b"model-a", b"f16"]);
+        let other = BlockHash::namespace(&[b"model-b", b"f16"]);
+        let t = [1, 2, 3, 4];
+        let base = block_hashes(model, &t, 2).unwrap();
+        assert_ne!(base, block_hashes(other, &t, 2).unwrap());
+        let alice = block_hashes(model.scoped(Some("alice")), &t, 2).unwrap();
+        let bob = block_hashes(model.scoped(Some("bob")), &t, 2).unwrap();
+        assert!(alice.iter().chain(&bob).all(|h| !base.contains(h)));
+        assert!(alice.iter().all(|h| !bob.contains(h)));
+        assert_eq!(model.scoped(None), model);
+        // Length-prefixed parts: ("ab", "c") is not ("a", "bc").
+        assert_ne!(BlockHash::namespace(&[b"ab", b"c"]), BlockHash::namespace(&[b"a", b"bc"]));
+    }
+
+    #[test]
     fn zero_block_size_is_an_error() {
-        assert!(matches!(block_hashes(&[1], 0), Err(KvError::ZeroBlockSize)));
+        assert!(matches!(block_hashes(BlockHash::namespace(&[]), &[1], 0), Err(KvError::ZeroBlockSize)));
     }
 }

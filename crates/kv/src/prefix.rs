@@ -158,7 +158,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn chain(tokens: &[u32]) -> Vec<BlockHash> {
-        block_hashes(tokens, 2).unwrap()
+        block_hashes(crate::BlockHash::namespace(&[]), tokens, 2).unwrap()
     }
 
     fn insert_chain(c: &mut PrefixCache<u32>, hashes: &[BlockHash], first_block: u32) {

@@ -167,6 +167,9 @@ pub struct GenerateMsg {
     pub ignore_eos: bool,
     /// Which part of the path.
     pub mode: Mode,
+    /// The prefix-cache scope (a tenant): KV is shared only within it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_scope: Option<String>,
 }
 
 /// Messages to a worker.
@@ -514,6 +517,7 @@ mod tests {
                 token: TransferToken([7; 16]),
                 decode_addr: "127.0.0.1:1".into(),
             },
+            cache_scope: Some("alice".into()),
         });
         let back: ToWorker = decode_control(&encode_control(&msg).unwrap()).unwrap();
         assert_eq!(back, msg);

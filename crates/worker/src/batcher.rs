@@ -27,7 +27,7 @@ use tokenpath_engine::model::BatchItem;
 use tokenpath_engine::sampling::{Sampler, SamplerState};
 
 use tokenpath_engine::Engine;
-use tokenpath_kv::{block_hashes, chain_hash, PrefixCache};
+use tokenpath_kv::{block_hashes, chain_hash, BlockHash, PrefixCache};
 use tokenpath_timeline::Mark;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::{oneshot, watch, OwnedSemaphorePermit};
@@ -82,6 +82,12 @@ pub(crate) struct Batcher {
     /// Decode mode: sequences waiting for their KV and first token.
     pub(crate) awaiting: Vec<Seq>,
     prefix: Option<PrefixCache<BlockId>>,
+    /// The token ids of every block in the prefix cache, checked on every hit (a hit is served
+    /// only for the very tokens it was computed from).
+    prefix_tokens: std::collections::HashMap<BlockId, Box<[u32]>>,
+    /// The namespace every chain of this worker starts from: the model, its KV layout and
+    /// numerics (sequences narrow it to their scope).
+    root: BlockHash,
     started: Instant,
     busy: Duration,
     pub(crate) stats: WorkerStats,
@@ -99,7 +105,13 @@ impl Batcher {
     ) -> Self {
         let flops_per_token = engine.model().config().flops_per_token() as f64;
         let prefix = cfg.prefix_cache.then(PrefixCache::new);
+        let model = format!("{:?}", engine.model().config());
+        let numerics = format!("{:?}", engine.model().numerics());
+        let layout = format!("{:?}", cache.layout());
+        let root = BlockHash::namespace(&[model.as_bytes(), numerics.as_bytes(), layout.as_bytes(), b"f16"]);
         Self {
+            prefix_tokens: std::collections::HashMap::new(),
+            root,
             engine,
             cache,
             cfg,
@@ -163,7 +175,8 @@ impl Batcher {
     fn accept(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(sub) => {
-                let seq = Seq::new(*sub);
+                let mut seq = Seq::new(*sub);
+                seq.root = self.root.scoped(seq.cache_scope.as_deref());
                 if let WorkMode::Decode(_) = seq.mode {
                     self.await_kv(seq);
                 } else {
@@ -263,6 +276,7 @@ impl Batcher {
         while self.cache.free_blocks() < need {
             let cache = &self.cache;
             let Some(b) = prefix.evict(|b| cache.refcount(b) == 1) else { break };
+            self.prefix_tokens.remove(&b);
             if let Err(e) = self.cache.release(b) {
                 tracing::error!("releasing an evicted prefix block failed: {e}");
             }
@@ -278,8 +292,21 @@ impl Batcher {
         }
         let bs = self.cfg.block_size;
         let usable = (seq.tokens.len() - 1) / bs;
-        let Ok(hashes) = block_hashes(&seq.tokens[..usable * bs], bs) else { return };
-        let blocks = prefix.lookup(&hashes);
+        let Ok(hashes) = block_hashes(seq.root, &seq.tokens[..usable * bs], bs) else { return };
+        let mut blocks = prefix.lookup(&hashes);
+        // Served only for the tokens it holds (a collision is infeasible; a bug must not become
+        // another sequence's attention state).
+        let verified = blocks
+            .iter()
+            .enumerate()
+            .take_while(|(i, b)| {
+                self.prefix_tokens.get(b).is_some_and(|t| **t == seq.tokens[i * bs..(i + 1) * bs])
+            })
+            .count();
+        if verified < blocks.len() {
+            tracing::error!(request = %seq.id, verified, hits = blocks.len(), "prefix cache hit with other tokens");
+            blocks.truncate(verified);
+        }
         if blocks.is_empty() {
             return;
         }
@@ -307,9 +334,11 @@ impl Batcher {
         while seq.hashes.len() < full {
             let i = seq.hashes.len();
             let parent = seq.hashes.last().copied();
-            let h = chain_hash(parent, &seq.tokens[i * bs..(i + 1) * bs]);
+            let block = &seq.tokens[i * bs..(i + 1) * bs];
+            let h = chain_hash(parent.unwrap_or(seq.root), block);
             let b = seq.table.blocks()[i];
             if prefix.insert(parent, h, b) {
+                self.prefix_tokens.insert(b, block.into());
                 if let Err(e) = self.cache.retain(b) {
                     tracing::error!("retaining a prefix block failed: {e}");
                 }

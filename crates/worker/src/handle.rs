@@ -128,6 +128,10 @@ pub struct WorkRequest {
     pub mode: WorkMode,
     /// Charged with every generated token, if any.
     pub meter: Option<Arc<dyn TokenMeter>>,
+    /// The prefix-cache scope (a tenant): blocks are shared only between requests of the same
+    /// scope, so one tenant can neither plant KV for another nor learn from `cached_tokens` or
+    /// TTFT what another sent. `None`: the worker-wide namespace.
+    pub cache_scope: Option<String>,
 }
 
 /// Token counts of a finished request.

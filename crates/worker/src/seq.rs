@@ -79,12 +79,17 @@ pub(crate) struct Seq {
     pub(crate) recomputed: bool,
     /// Charged with each generated token.
     meter: Option<std::sync::Arc<dyn crate::TokenMeter>>,
+    /// Whose prefix-cache namespace the sequence's blocks belong to (a tenant), if scoped.
+    pub(crate) cache_scope: Option<String>,
+    /// The root of the sequence's block-hash chain (the worker's namespace, scoped).
+    pub(crate) root: BlockHash,
 }
 
 impl Seq {
     pub(crate) fn new(sub: Submission) -> Self {
         let Submission { req, max_tokens, sampler, events, permit } = sub;
-        let WorkRequest { id, prompt, mode, stop, ignore_eos, arrived, admitted, meter, .. } = req;
+        let WorkRequest { id, prompt, mode, stop, ignore_eos, arrived, admitted, meter, cache_scope, .. } =
+            req;
         let mut seq = Seq {
             id,
             mode,
@@ -115,6 +120,8 @@ impl Seq {
             handoff: None,
             recomputed: false,
             meter,
+            cache_scope,
+            root: BlockHash::namespace(&[]),
         };
         seq.stamp(Mark::Admitted, admitted);
         seq

@@ -116,6 +116,7 @@ fn decode_request(id: u64, prompt: Vec<u32>, transfer: u64) -> WorkRequest {
         admitted: now,
         mode: WorkMode::Decode(tr(transfer)),
         meter: None,
+        cache_scope: None,
     }
 }
 
@@ -143,6 +144,7 @@ fn msg(id: u64, prompt: Vec<u32>, mode: Mode) -> GenerateMsg {
         stop: Vec::new(),
         ignore_eos: true,
         mode,
+        cache_scope: None,
     }
 }
 

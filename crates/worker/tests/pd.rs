@@ -44,6 +44,7 @@ fn request(id: u64, prompt: Vec<u32>, sampling: SamplingParams, mode: WorkMode) 
         admitted: now,
         mode,
         meter: None,
+        cache_scope: None,
     }
 }
 

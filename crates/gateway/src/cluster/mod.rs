@@ -55,7 +55,7 @@ impl Cluster {
         let mut avoid = Vec::new();
         let mut last_err = WorkerError::Overloaded { max: 0 };
         for _ in 0..MAX_ATTEMPTS {
-            let route = self.registry.route(&work.prompt, avoid.clone()).await?;
+            let route = self.registry.route(&work.prompt, work.cache_scope.as_deref(), avoid.clone()).await?;
             match self.start(&work, &route).await {
                 Ok(stream) => return Ok(stream),
                 Err((failed, e)) => {
@@ -96,6 +96,7 @@ impl Cluster {
             stop: work.stop.clone(),
             ignore_eos: work.ignore_eos,
             mode,
+            cache_scope: work.cache_scope.clone(),
         };
         let secret = self.registry.secret();
         let open = |addr: String, mode: Mode| async move {

@@ -82,11 +82,27 @@ pub enum Registered {
 }
 
 enum Cmd {
-    Register { addr: String, role: Role, reply: Option<oneshot::Sender<Registered>> },
-    Polled { addr: String, result: Result<StatsMsg, String> },
-    MarkDown { addr: String },
-    Done { addr: String },
-    Route { prompt: Vec<u32>, avoid: Vec<String>, reply: oneshot::Sender<Result<Route, WorkerError>> },
+    Register {
+        addr: String,
+        role: Role,
+        reply: Option<oneshot::Sender<Registered>>,
+    },
+    Polled {
+        addr: String,
+        result: Result<StatsMsg, String>,
+    },
+    MarkDown {
+        addr: String,
+    },
+    Done {
+        addr: String,
+    },
+    Route {
+        prompt: Vec<u32>,
+        scope: Option<String>,
+        avoid: Vec<String>,
+        reply: oneshot::Sender<Result<Route, WorkerError>>,
+    },
 }
 
 /// A handle to the registry task.
@@ -147,11 +163,17 @@ impl Registry {
         let _ = self.tx.send(Cmd::Done { addr: addr.to_owned() });
     }
 
-    /// Picks the workers for `prompt`, never one of `avoid`.
-    pub async fn route(&self, prompt: &[u32], avoid: Vec<String>) -> Result<Route, WorkerError> {
+    /// Picks the workers for `prompt`, never one of `avoid`. Prefix affinity is kept within
+    /// `scope` (a tenant's prompts never steer another tenant's routing).
+    pub async fn route(
+        &self,
+        prompt: &[u32],
+        scope: Option<&str>,
+        avoid: Vec<String>,
+    ) -> Result<Route, WorkerError> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Cmd::Route { prompt: prompt.to_vec(), avoid, reply })
+            .send(Cmd::Route { prompt: prompt.to_vec(), scope: scope.map(str::to_owned), avoid, reply })
             .map_err(|_| WorkerError::Stopped)?;
         rx.await.map_err(|_| WorkerError::Stopped)?
     }
@@ -278,14 +300,15 @@ impl State {
                     w.in_flight = w.in_flight.saturating_sub(1);
                 }
             }
-            Cmd::Route { prompt, avoid, reply } => {
-                let _ = reply.send(self.route(&prompt, &avoid));
+            Cmd::Route { prompt, scope, avoid, reply } => {
+                let _ = reply.send(self.route(&prompt, scope.as_deref(), &avoid));
             }
         }
     }
 
-    fn route(&mut self, prompt: &[u32], avoid: &[String]) -> Result<Route, WorkerError> {
-        let hashes = block_hashes(prompt, ROUTER_BLOCK).unwrap_or_default();
+    fn route(&mut self, prompt: &[u32], scope: Option<&str>, avoid: &[String]) -> Result<Route, WorkerError> {
+        let root = BlockHash::namespace(&[b"router"]).scoped(scope);
+        let hashes = block_hashes(root, prompt, ROUTER_BLOCK).unwrap_or_default();
         let usable = |w: &WorkerView, role: Role| {
             w.up && w.role == role && !avoid.contains(&w.addr) && w.stats.as_ref().is_none_or(|s| !s.draining)
         };
@@ -423,7 +446,7 @@ mod tests {
             // The rogue: every count at the maximum, huge free KV, NaN time.
             polled("127.0.0.1:2", stats(u64::MAX, u64::MAX, u64::MAX, u64::MAX));
             polled("127.0.0.1:3", stats(1, 1, 1000, 16));
-            if let Ok(route) = reg.route(&[1; 40], Vec::new()).await {
+            if let Ok(route) = reg.route(&[1; 40], None, Vec::new()).await {
                 assert_eq!(
                     route,
                     Route::Disaggregated { prefill: "127.0.0.1:1".into(), decode: "127.0.0.1:3".into() }

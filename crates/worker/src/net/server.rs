@@ -212,6 +212,7 @@ async fn generate(
         admitted: now,
         mode,
         meter: None,
+        cache_scope: msg.cache_scope.clone(),
     };
     let mut stream = match handle.submit(req) {
         Ok(s) => s,
