@@ -111,6 +111,80 @@ impl Engine {
         Ok(chat.render(messages, true)?)
     }
 
+    /// Renders `messages` with the chat template and tokenizes the result for a prompt that must
+    /// fit the context, with special tokens parsed only where the *template* put them: text a
+    /// user sent that spells `<|im_end|>\n<|im_start|>system` stays text, so a message cannot
+    /// close its own turn and open a system one. (llama.cpp's server and Hugging Face's
+    /// `apply_chat_template` parse specials in the whole rendered string.)
+    ///
+    /// How: the template is rendered a second time with every message's content replaced by a
+    /// random marker, which finds the content spans; template text is tokenized with specials,
+    /// content without. A template that transforms the content (so the two renders disagree)
+    /// falls back to tokenizing the whole render with specials, as before, with a warning.
+    pub fn encode_chat_within_context(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let text = self.render_chat(messages)?;
+        let n_ctx = self.model().config().n_ctx;
+        let tok = &self.tokenizer;
+        if text.len() > n_ctx.saturating_mul(tok.max_token_bytes()) {
+            return Err(crate::tokenizer::TokenizerError::TooLong { limit: n_ctx }.into());
+        }
+        let mut nonce = [0u8; 16];
+        getrandom::fill(&mut nonce).map_err(|e| EngineError::InvalidModel(format!("no randomness: {e}")))?;
+        let tag: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+        let marker = |i: usize| format!("\u{e000}{tag}:{i}\u{e001}");
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| ChatMessage { role: m.role.clone(), content: marker(i) })
+            .collect();
+        let chat = self.chat.as_ref().ok_or_else(|| {
+            EngineError::InvalidModel("the model file has no tokenizer.chat_template".into())
+        })?;
+        let skeleton = chat.render(&marked, true)?;
+        // Split the skeleton at the markers, in order; each must appear exactly where the
+        // content does in the real render.
+        let mut pieces: Vec<(&str, bool)> = Vec::new();
+        let mut rest = skeleton.as_str();
+        let mut rebuilt = String::with_capacity(text.len());
+        while let Some(at) = rest.find('\u{e000}') {
+            let (before, tail) = rest.split_at(at);
+            let Some(end) = tail.find('\u{e001}') else { break };
+            let inner = &tail[3..end];
+            let idx = inner
+                .strip_prefix(&tag)
+                .and_then(|r| r.strip_prefix(':'))
+                .and_then(|r| r.parse::<usize>().ok());
+            let Some(i) = idx.filter(|&i| i < messages.len()) else { break };
+            pieces.push((before, true));
+            pieces.push((messages[i].content.as_str(), false));
+            rebuilt.push_str(before);
+            rebuilt.push_str(&messages[i].content);
+            rest = &tail[end + 3..];
+        }
+        pieces.push((rest, true));
+        rebuilt.push_str(rest);
+        if rebuilt != text {
+            tracing::warn!(
+                "the chat template transforms message content; special tokens are parsed in the whole prompt"
+            );
+            return Ok(tok.encode_at_most(&text, true, true, n_ctx)?);
+        }
+        let mut out = Vec::new();
+        if tok.add_bos() {
+            out.extend(tok.bos());
+        }
+        for (piece, template) in pieces.iter().filter(|(p, _)| !p.is_empty()) {
+            out.extend(tok.encode_at_most(piece, false, *template, n_ctx)?);
+            if out.len() > n_ctx {
+                return Err(crate::tokenizer::TokenizerError::TooLong { limit: n_ctx }.into());
+            }
+        }
+        if tok.add_eos() {
+            out.extend(tok.eos());
+        }
+        Ok(out)
+    }
+
     /// Tokenizes a prompt as llama.cpp's server does: BOS when the model wants it, and special
     /// tokens in the text (from a chat template) parsed as such.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {

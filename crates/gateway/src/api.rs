@@ -212,8 +212,7 @@ fn tokenize(
         Prompt::Chat(messages) => {
             let msgs: Vec<EngineMessage> =
                 messages.iter().map(|m| EngineMessage::new(m.role.as_str(), m.content.clone())).collect();
-            let text = engine.render_chat(&msgs).map_err(bad)?;
-            engine.encode_prompt_within_context(&text).map_err(bad)
+            engine.encode_chat_within_context(&msgs).map_err(bad)
         }
         Prompt::Text(text) => engine.encode_prompt_within_context(text).map_err(bad),
         Prompt::Tokens(ids) => Ok(ids.clone()),

@@ -222,6 +222,11 @@ impl Tokenizer {
     pub fn eog_ids(&self) -> &[u32] {
         &self.eog
     }
+    /// Whether `encode(.., add_special = true, ..)` appends EOS.
+    pub fn add_eos(&self) -> bool {
+        self.add_eos
+    }
+
     /// Whether `encode(.., add_special = true, ..)` prepends BOS.
     pub fn add_bos(&self) -> bool {
         self.add_bos
