@@ -8,6 +8,9 @@ use crate::gguf::GgufIndex;
 /// Architectures the forward pass implements.
 pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
 
+/// Longest context a model file may declare (tokens).
+pub const MAX_CONTEXT: usize = 1 << 20;
+
 /// Model hyper-parameters.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -93,6 +96,14 @@ impl ModelConfig {
         };
         if cfg.n_layer == 0 || cfg.n_ff == 0 || cfg.n_vocab == 0 || cfg.n_ctx == 0 {
             return Err(bad(format!("a zero dimension in {cfg:?}")));
+        }
+        if cfg.n_ctx > MAX_CONTEXT {
+            // The KV cache is sized from it: a file claiming 4 G tokens would ask for terabytes
+            // and abort the process instead of failing to load.
+            return Err(bad(format!(
+                "context_length {} is above the {MAX_CONTEXT} this engine serves",
+                cfg.n_ctx
+            )));
         }
         Ok(cfg)
     }

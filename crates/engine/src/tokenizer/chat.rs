@@ -33,6 +33,9 @@ impl ChatMessage {
     }
 }
 
+/// Most template instructions one render may run (minijinja's fuel).
+pub const TEMPLATE_FUEL: u64 = 2_000_000;
+
 /// A compiled chat template plus the BOS/EOS texts it may refer to.
 #[derive(Debug)]
 pub struct ChatTemplate {
@@ -53,6 +56,9 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.set_unknown_method_callback(python_method);
         env.add_filter("tojson", tojson);
+        // A render is a few instructions per message; a template with nested loops over
+        // `range(100000)` runs out instead of pinning a core (the error names the fuel).
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| TokenizerError::TemplateSyntax(describe(&e)))?;
         Ok(Self { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
