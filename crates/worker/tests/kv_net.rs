@@ -640,6 +640,21 @@ fn unauthenticated_connections_get_nothing_but_a_close() {
     }
 }
 
+/// Runs a prefill of transfer `id` on the worker at `pa` that pushes its KV to `decode_addr`;
+/// whether the transfer succeeded, by the worker's own report.
+async fn prefill_to(pa: &str, id: u64, decode_addr: String) -> bool {
+    let mode = Mode::Prefill { transfer: TransferId(id), token: token(id), decode_addr };
+    let t = Duration::from_secs(30);
+    let mut pre = RemoteRequest::open(pa, &secret(), msg(id, prompt(id as u32, 40), mode), t).await.unwrap();
+    loop {
+        match pre.next().await.unwrap() {
+            Some(FromWorker::KvSent { ok, .. }) => return ok,
+            Some(_) => {}
+            None => panic!("the prefill worker closed without a transfer report"),
+        }
+    }
+}
+
 #[test]
 fn a_prefill_worker_sends_no_kv_to_a_peer_without_the_secret() {
     let e = engine();
@@ -659,16 +674,7 @@ fn a_prefill_worker_sends_no_kv_to_a_peer_without_the_secret() {
             s.write_all(&frame(FrameKind::Control, welcome)).await.unwrap();
             read_to_close(&mut s).await
         });
-        let mode = Mode::Prefill { transfer: TransferId(3), token: token(3), decode_addr: rogue_addr };
-        let mut pre =
-            RemoteRequest::open(&pa, &secret(), msg(3, prompt(3, 40), mode), Duration::from_secs(30)).await.unwrap();
-        let sent = loop {
-            match pre.next().await.unwrap() {
-                Some(FromWorker::KvSent { ok, .. }) => break ok,
-                Some(_) => {}
-                None => panic!("the prefill worker closed without a transfer report"),
-            }
-        };
+        let sent = prefill_to(&pa, 3, rogue_addr).await;
         assert!(!sent, "a transfer to a peer without the secret cannot succeed");
         assert!(seen.await.unwrap().is_empty(), "the rogue peer received nothing after the handshake");
         wait_free(&p).await;
@@ -769,20 +775,8 @@ fn a_prefill_worker_gives_up_on_a_decode_peer_that_never_answers() {
             tokio::time::sleep(Duration::from_secs(120)).await;
             drop(s);
         });
-        let mode = Mode::Prefill { transfer: TransferId(4), token: token(4), decode_addr: mute_addr };
-        let mut pre =
-            RemoteRequest::open(&pa, &secret(), msg(4, prompt(4, 40), mode), Duration::from_secs(30))
-                .await
-                .unwrap();
         let t0 = Instant::now();
-        let ok = loop {
-            match pre.next().await.unwrap() {
-                Some(FromWorker::KvSent { ok, .. }) => break ok,
-                Some(_) => {}
-                None => panic!("closed without a transfer report"),
-            }
-        };
-        assert!(!ok);
+        assert!(!prefill_to(&pa, 4, mute_addr).await);
         assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
         wait_free(&p).await;
         held.abort();
