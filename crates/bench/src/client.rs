@@ -120,11 +120,12 @@ async fn exchange(
     let resp = req.send().await.map_err(|e| ("connect".to_owned(), e.to_string()))?;
     let status = resp.status();
     if !status.is_success() {
-        let body = resp.text().await.unwrap_or_default();
+        let body = read_bounded(resp, MAX_ERROR_BODY).await.unwrap_or_default();
+        let body = String::from_utf8_lossy(&body);
         return Err((format!("http_{}", status.as_u16()), body.chars().take(300).collect()));
     }
     if !target.stream {
-        let bytes = resp.bytes().await.map_err(|e| ("read".to_owned(), e.to_string()))?;
+        let bytes = read_bounded(resp, MAX_RESPONSE_BODY).await?;
         let at = since(t0);
         let view = parse_response_body(&bytes).map_err(|e| ("bad_response".to_owned(), e.to_string()))?;
         if let Some(err) = view.error {
@@ -158,6 +159,12 @@ async fn exchange(
             // Without the model's tokenizer a content-bearing event counts as one token; the
             // server's `usage` stays the truth for N_out.
             rec.events.push(StreamEvent { at_ns: at, tokens: u32::from(view.carries_tokens()) });
+            if text.len() + view.text.len() > MAX_RESPONSE_BODY {
+                return Err((
+                    "too_large".into(),
+                    format!("the streamed text passed {MAX_RESPONSE_BODY} bytes"),
+                ));
+            }
             text.push_str(&view.text);
             if let Some(u) = &view.usage {
                 rec.usage = Some(u.to_timeline());
@@ -176,6 +183,26 @@ async fn exchange(
         return Err(("stream_cut".into(), "the stream ended without [DONE]".into()));
     }
     finish_reason(rec, finish)
+}
+
+/// Most bytes of an error body the bench reads (the rest is never wanted).
+const MAX_ERROR_BODY: usize = 64 << 10;
+/// Most bytes of one response's body or streamed text: a server (buggy or hostile) that sends
+/// more fails that request instead of growing the bench without bound.
+const MAX_RESPONSE_BODY: usize = 64 << 20;
+
+/// A response body, read chunk by chunk up to `max` bytes.
+async fn read_bounded(resp: reqwest::Response, max: usize) -> Result<Vec<u8>, Failure> {
+    let mut out = Vec::new();
+    let mut stream = resp.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ("read".to_owned(), e.to_string()))?;
+        if out.len() + chunk.len() > max {
+            return Err(("too_large".into(), format!("the response body passed {max} bytes")));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out)
 }
 
 fn finish_reason(

@@ -124,3 +124,88 @@ async fn records_follow_the_definitions_over_a_real_socket() {
         assert!(overlapping <= 2, "{overlapping} in flight at once");
     }
 }
+
+/// A server that answers every request with a body far larger than any real answer.
+async fn flood(stream: bool) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(4);
+    tokio::spawn(async move {
+        if stream {
+            let piece = format!(
+                "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":0,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{}\"}},\"finish_reason\":null}}]}}\n\n",
+                "x".repeat(60_000)
+            );
+            for _ in 0..2_000 {
+                if tx.send(Ok(piece.clone())).await.is_err() {
+                    return;
+                }
+            }
+        } else {
+            let _ = tx
+                .send(Ok(
+                    "{\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"".into()
+                ))
+                .await;
+            let piece = "x".repeat(1 << 20);
+            for _ in 0..200 {
+                if tx.send(Ok(piece.clone())).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    let ct = if stream { "text/event-stream" } else { "application/json" };
+    Response::builder()
+        .header("content-type", ct)
+        .body(axum::body::Body::from_stream(tokio_stream_from(rx)))
+        .unwrap()
+}
+
+fn vm_hwm_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_sends_too_much_fails_the_request_not_the_bench() {
+    for stream in [false, true] {
+        let app = axum::Router::new().route("/v1/chat/completions", post(move || flood(stream)));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let cfg = RunConfig {
+            target: Target {
+                url: format!("http://{addr}"),
+                model: "m".into(),
+                api_key: None,
+                stream,
+                ignore_eos: false,
+                timeout: Duration::from_secs(60),
+            },
+            workload: Workload::Fixed { input: 16, output: 4 },
+            arrival: Arrival::Constant { rate: 50.0 },
+            concurrency: None,
+            num_requests: 2,
+            seed: 1,
+            duration: None,
+            ramp: None,
+            tokenizer: None,
+            send_counter: None,
+        };
+        let before = vm_hwm_kb();
+        let records = run(&cfg, &mut |_, _, _| {}).await.unwrap();
+        assert!(
+            records.iter().all(|r| matches!(&r.outcome, Outcome::Failed { kind, .. } if kind == "too_large")),
+            "stream {stream}: {:?}",
+            records.iter().map(|r| &r.outcome).collect::<Vec<_>>()
+        );
+        // 120-200 MB offered per request; the bench holds at most its 64 MB bound of each.
+        let grew_mb = vm_hwm_kb().saturating_sub(before) / 1024;
+        assert!(grew_mb < 400, "stream {stream}: peak RSS grew by {grew_mb} MB");
+    }
+}
