@@ -403,3 +403,106 @@ async fn one_tenant_cannot_hit_or_probe_another_tenants_prefix() -> anyhow::Resu
     server.shutdown().await?;
     Ok(())
 }
+
+/// Hostile and malformed requests, one after another against one server: each gets a 4xx with
+/// an OpenAI error body (or a well-formed answer), and the server answers `/ready` after each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_inputs_get_4xx_json_and_the_server_stays_ready() -> anyhow::Result<()> {
+    let server = start(WorkerConfig::default(), GatewayConfig::default()).await;
+    let port: u16 = server.base.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+    let deep = "[".repeat(10_000) + &"]".repeat(10_000);
+    let many_msgs: Vec<Value> = (0..5000).map(|_| json!({"role": "user", "content": "x"})).collect();
+    let tools =
+        json!({"model": MODEL, "messages": [{"role":"user","content":"hi"}], "tools": vec![0; 200_000]});
+    let chat = |extra: Value| {
+        let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        if let (Some(o), Some(e)) = (b.as_object_mut(), extra.as_object()) {
+            o.extend(e.clone());
+        }
+        b.to_string()
+    };
+    let bodies: Vec<(&str, String)> = vec![
+        ("not json", "{".into()),
+        ("deep nesting", deep),
+        ("array body", "[]".into()),
+        ("null body", "null".into()),
+        ("wrong model", chat(json!({"model": "other"}))),
+        ("unknown field", chat(json!({"frobnicate": 1}))),
+        ("max_tokens 0", chat(json!({"max_tokens": 0}))),
+        ("max_tokens huge", chat(json!({"max_tokens": u64::MAX}))),
+        ("negative temperature", chat(json!({"temperature": -1}))),
+        (
+            "overflowing temperature",
+            chat(json!({})).replacen("\"max_tokens\":2", "\"max_tokens\":2,\"temperature\":1e309", 1),
+        ),
+        ("top_p 2", chat(json!({"top_p": 2}))),
+        ("n 5", chat(json!({"n": 5}))),
+        ("5 stops", chat(json!({"stop": ["a", "b", "c", "d", "e"]}))),
+        ("empty stop", chat(json!({"stop": [""]}))),
+        ("long stop", chat(json!({"stop": ["s".repeat(5000)]}))),
+        ("stop of wrong type", chat(json!({"stop": 7}))),
+        ("empty messages", json!({"model": MODEL, "messages": []}).to_string()),
+        ("bad role", json!({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).to_string()),
+        (
+            "content of wrong type",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": 5}]}).to_string(),
+        ),
+        ("5000 messages", json!({"model": MODEL, "messages": many_msgs, "max_tokens": 1}).to_string()),
+        ("200k-element tools", tools.to_string()),
+        ("invalid utf-8", String::from_utf8_lossy(b"{\"model\":\"\xff\xfe\"}").into_owned()),
+        ("seed out of range", chat(json!({"seed": -5}))),
+        ("logprobs", chat(json!({"logprobs": true, "top_logprobs": 50}))),
+    ];
+    for (what, body) in &bodies {
+        let (status, text) = raw(
+            port,
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n",
+            body,
+        );
+        let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        let well_formed = status == 200 && v["choices"].is_array();
+        assert!(
+            well_formed || ((400..500).contains(&status) && v["error"]["message"].is_string()),
+            "{what}: {status} {text:.300}"
+        );
+        assert_eq!(
+            raw(port, "GET /ready HTTP/1.1\r\nhost: localhost\r\n", "").0,
+            200,
+            "not ready after {what}"
+        );
+    }
+    // Completions: prompts of every wrong shape.
+    for (what, prompt) in [
+        ("token ids out of vocabulary", json!([99_999_999])),
+        ("negative token id", json!([-1])),
+        ("empty prompt list", json!([])),
+        ("nested lists", json!([[1, 2], [3]])),
+        ("object prompt", json!({"a": 1})),
+    ] {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string();
+        let (status, text) = raw(
+            port,
+            "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n",
+            &body,
+        );
+        let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        let well_formed = status == 200 && v["choices"].is_array();
+        assert!(
+            well_formed || ((400..500).contains(&status) && v["error"]["message"].is_string()),
+            "{what}: {status} {text:.300}"
+        );
+    }
+    // Malformed HTTP itself: the connection is answered or closed, and the server goes on.
+    for garbage in [
+        "GARBAGE\r\n\r\n",
+        "POST /v1/completions HTTP/1.1\r\ncontent-length: -1\r\n\r\n",
+        "GET / HTTP/9.9\r\n\r\n",
+    ] {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        s.write_all(garbage.as_bytes())?;
+        let _ = read_until_closed(&mut s, Duration::from_secs(30));
+        assert_eq!(raw(port, "GET /ready HTTP/1.1\r\nhost: localhost\r\n", "").0, 200, "{garbage:?}");
+    }
+    server.shutdown().await?;
+    Ok(())
+}
