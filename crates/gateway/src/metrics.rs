@@ -38,7 +38,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use tokenpath_timeline::{ClientRecord, ServerTiming, Stage};
 use tokenpath_worker::{TokenUsage, WorkerStats};
 
@@ -134,6 +134,26 @@ pub struct Metrics {
     preemptions: Counter,
     busy_seconds: FloatCounter,
     flops: FloatCounter,
+    /// The highest worker totals mirrored so far (`f64` bits for the float ones): a scrape adds
+    /// only what it raised the mark by, so concurrent scrapes never both add the same delta, and
+    /// a cluster total that dips (a worker marked down) and comes back adds nothing twice.
+    seen_preempted: AtomicU64,
+    seen_busy: AtomicU64,
+    seen_flops: AtomicU64,
+}
+
+/// Raises `mark` to `v` and returns by how much it rose (0 when it was already there).
+fn raise(mark: &AtomicU64, v: u64) -> u64 {
+    v.saturating_sub(mark.fetch_max(v, Ordering::AcqRel))
+}
+
+/// [`raise`] for a non-negative `f64` kept as bits (their order is the numbers' order).
+fn raise_f64(mark: &AtomicU64, v: f64) -> f64 {
+    if !(v.is_finite() && v >= 0.0) {
+        return 0.0;
+    }
+    let prev = f64::from_bits(mark.fetch_max(v.to_bits(), Ordering::AcqRel));
+    (v - prev).max(0.0)
 }
 
 fn latency_histogram() -> Histogram {
@@ -185,6 +205,9 @@ impl Metrics {
             preemptions: Counter::default(),
             busy_seconds: FloatCounter::default(),
             flops: FloatCounter::default(),
+            seen_preempted: AtomicU64::new(0),
+            seen_busy: AtomicU64::new(0f64.to_bits()),
+            seen_flops: AtomicU64::new(0f64.to_bits()),
         };
         registry.register(
             REQUEST_STAGE_SECONDS,
@@ -291,13 +314,13 @@ impl Metrics {
         self.running.set(as_i64(stats.running));
         self.kv_used.set(as_i64(stats.kv_blocks_used));
         self.kv_free.set(as_i64(stats.kv_blocks_free));
-        // Counters mirror the worker's monotonic totals.
-        self.preemptions.inc_by(stats.preempted.saturating_sub(self.preemptions.get()));
-        let busy = stats.busy_seconds - self.busy_seconds.get();
+        // Counters mirror the worker's monotonic totals, through high-water marks (see them).
+        self.preemptions.inc_by(raise(&self.seen_preempted, stats.preempted));
+        let busy = raise_f64(&self.seen_busy, stats.busy_seconds);
         if busy > 0.0 {
             self.busy_seconds.inc_by(busy);
         }
-        let flops = stats.flops - self.flops.get();
+        let flops = raise_f64(&self.seen_flops, stats.flops);
         if flops > 0.0 {
             self.flops.inc_by(flops);
         }
@@ -312,6 +335,29 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn concurrent_scrapes_and_dipping_totals_never_count_twice() {
+        let m = std::sync::Arc::new(Metrics::new());
+        let stats = WorkerStats { busy_seconds: 10.0, preempted: 7, flops: 1e9, ..WorkerStats::default() };
+        let threads: Vec<_> = (0..16)
+            .map(|_| {
+                let (m, s) = (std::sync::Arc::clone(&m), stats.clone());
+                std::thread::spawn(move || m.render(&s))
+            })
+            .collect();
+        for t in threads {
+            let _ = t.join();
+        }
+        assert_eq!(m.busy_seconds.get(), 10.0);
+        assert_eq!(m.preemptions.get(), 7);
+        // A cluster total that dips (a worker marked down) and returns adds nothing.
+        m.render(&WorkerStats { busy_seconds: 4.0, preempted: 2, ..WorkerStats::default() });
+        m.render(&stats);
+        assert_eq!((m.busy_seconds.get(), m.preemptions.get()), (10.0, 7));
+        m.render(&WorkerStats { busy_seconds: 12.5, preempted: 9, flops: 2e9, ..WorkerStats::default() });
+        assert_eq!((m.busy_seconds.get(), m.preemptions.get(), m.flops.get()), (12.5, 9, 2e9));
+    }
 
     #[test]
     fn every_named_metric_is_exported() {
