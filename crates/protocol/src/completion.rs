@@ -10,7 +10,7 @@
 use crate::params::{
     check_sampling, integer_min, require_model, sampling_of, unsupported, COMPLETIONS_DEFAULT_MAX_TOKENS,
 };
-use crate::wire::{opt_string_or_strings, request_json_error};
+use crate::wire::{opt_finite_f32, opt_string_or_strings, request_json_error};
 use crate::{GenerationRequest, Limits, Prompt, ProtocolError, StreamOptions};
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -106,9 +106,9 @@ pub struct CompletionRequest {
     pub prompt: Option<PromptInput>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<i64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "opt_finite_f32", skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "opt_finite_f32", skip_serializing_if = "Option::is_none")]
     pub top_p: Option<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n: Option<i64>,
@@ -116,9 +116,9 @@ pub struct CompletionRequest {
     pub seed: Option<i64>,
     #[serde(default, deserialize_with = "opt_string_or_strings", skip_serializing_if = "Option::is_none")]
     pub stop: Option<Vec<String>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "opt_finite_f32", skip_serializing_if = "Option::is_none")]
     pub presence_penalty: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "opt_finite_f32", skip_serializing_if = "Option::is_none")]
     pub frequency_penalty: Option<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,

@@ -108,3 +108,22 @@ proptest! {
         let _ = parse_completion_request(&bytes).map(|r| r.validate(&Limits::default()));
     }
 }
+
+/// Regression (found by the `chat_request` / `completion_request` fuzz targets): a number past
+/// the f32 range became infinity, which re-serialized as `null` (so an accepted request did not
+/// round-trip). Now it is refused as the out-of-range number it is.
+#[test]
+fn numbers_past_the_f32_range_are_refused_not_made_infinite() {
+    use tokenpath_protocol::{parse_chat_request, parse_completion_request, ProtocolError};
+    let chat = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"top_p":-1e39}"#;
+    assert!(matches!(parse_chat_request(chat), Err(ProtocolError::InvalidRequest { .. })));
+    for field in ["temperature", "top_p", "presence_penalty", "frequency_penalty"] {
+        let body = format!(r#"{{"model":"m","prompt":"x","{field}":1e39}}"#);
+        assert!(
+            matches!(parse_completion_request(body.as_bytes()), Err(ProtocolError::InvalidRequest { .. })),
+            "{field}"
+        );
+        let ok = format!(r#"{{"model":"m","prompt":"x","{field}":0.5}}"#);
+        assert!(parse_completion_request(ok.as_bytes()).is_ok(), "{field}");
+    }
+}
