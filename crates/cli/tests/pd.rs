@@ -418,3 +418,28 @@ fn serve_restarts_a_worker_that_died() {
     assert!(now.iter().all(|p| !kids.contains(p)), "new processes");
     s.stop();
 }
+
+#[test]
+fn a_registered_worker_comes_back_after_the_gateway_restarts() {
+    let m = model("reregister");
+    // A port that was free a moment ago, so the gateway can come back on it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let first =
+        Server(Some(support::serve_on(port, &m, &["--served-model-name", "tiny", "--accept-workers"])));
+    let _w = worker(&m, "both", &["--register", &format!("http://127.0.0.1:{port}")]);
+    let wait_ready = |what: &str| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while http(port, "GET", "/ready", "").0 != 200 {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    wait_ready("the worker never registered");
+    first.stop();
+    // A new gateway knows nothing of it; the worker's heartbeat registers it again.
+    let again =
+        Server(Some(support::serve_on(port, &m, &["--served-model-name", "tiny", "--accept-workers"])));
+    wait_ready("the worker did not register with the restarted gateway");
+    assert_eq!(ask(port, "after the restart", "")["usage"]["completion_tokens"], 24);
+    again.stop();
+}

@@ -39,8 +39,13 @@ pub struct Served {
 
 /// Starts `tokenpath serve --port 0 --model MODEL EXTRA...`.
 pub fn serve(model: &Path, extra: &[&str]) -> Served {
+    serve_on(0, model, extra)
+}
+
+/// [`serve`] on `port` (0: any free one).
+pub fn serve_on(port: u16, model: &Path, extra: &[&str]) -> Served {
     let mut child = Command::new(env!("CARGO_BIN_EXE_tokenpath"))
-        .args(["serve", "--port", "0"])
+        .args(["serve", "--port", &port.to_string()])
         .args(extra)
         .arg("--model")
         .arg(model)
