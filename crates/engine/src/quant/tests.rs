@@ -54,6 +54,21 @@ fn dot64(a: &[f32], b: &[f32]) -> (f64, f64) {
     (dot, mag)
 }
 
+/// Σ over Q4_1 blocks of |m|·|s|·2^-10: the largest error the minimum term can carry. `s` is
+/// `d·Σq` from the unrounded `d` (the dequantized activation uses the f16 `d`: up to 2^-11
+/// apart) and is then rounded to f16 (another 2^-11). A Q4_1 block is d, m (f16), 16 nibbles.
+fn q4_1_min_term_bound(row: &[u8], xq: &[f32]) -> f64 {
+    let ts = GgmlType::Q4_1.type_size();
+    row.chunks_exact(ts)
+        .zip(xq.chunks(GgmlType::Q4_1.block_size()))
+        .map(|(blk, xb)| {
+            let m = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32() as f64;
+            let s: f64 = xb.iter().map(|&v| v as f64).sum();
+            m.abs() * s.abs() * f64::powi(2.0, -10)
+        })
+        .sum()
+}
+
 fn types() -> impl Strategy<Value = GgmlType> {
     prop::sample::select(GgmlType::SUPPORTED.to_vec())
 }
@@ -83,9 +98,13 @@ proptest! {
         // 1. Scalar kernel == dequantized row · dequantized activation (float rounding only).
         let scalar = vec_dot_with(Kernel::Scalar, ty, &row, &act).unwrap() as f64;
         let (exact_q, mag_q) = dot64(&w, &xq);
-        // Q4_1's minimum term uses `s`, which ggml's Q8_1 rounds to f16 (relative 2^-11).
-        let tol = if ty == GgmlType::Q4_1 { 6e-4 } else { 1e-5 };
-        prop_assert!((scalar - exact_q).abs() <= tol * mag_q + 1e-6, "{ty}: scalar {scalar} vs {exact_q}");
+        // Q4_1's minimum term is `m · s`, and ggml's Q8_1 `s` is off `d_f16·Σq` by up to 2^-10
+        // relative. That error scales with |m|·|s| per block, not with Σ|w·x|: a block whose
+        // weights sit near zero (m ≈ −d·q) beside a large activation makes Σ|w·x| small while
+        // |m·s| stays large (the CI failure of 2026-12-01, kept in proptest-regressions).
+        let min_term = if ty == GgmlType::Q4_1 { q4_1_min_term_bound(&row, &xq) } else { 0.0 };
+        prop_assert!((scalar - exact_q).abs() <= 1e-5 * mag_q + min_term * 1.01 + 1e-6,
+            "{ty}: scalar {scalar} vs {exact_q} (f16 min-term bound {min_term})");
 
         // 2. AVX2 == scalar up to summation order.
         let best = vec_dot(ty, &row, &act).unwrap() as f64;
