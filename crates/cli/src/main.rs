@@ -18,6 +18,7 @@ use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use tokenpath_bench::html::{self, HtmlOptions, RunView};
 use tokenpath_bench::report::{load_records, Report, ReportOptions};
+use tokenpath_engine::tokenizer::sandbox;
 use tokenpath_timeline::SloSpec;
 
 /// tokenpath: an LLM serving stack timed at every stage of the request path.
@@ -26,6 +27,11 @@ use tokenpath_timeline::SloSpec;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Longest one chat-template render may take. A model's template is untrusted code, so it
+    /// renders in a sandbox process (no environment, 2 GiB of address space) that is killed
+    /// and replaced when it crashes, runs out of memory or passes this.
+    #[arg(long, global = true, default_value_t = 5.0, env = "TOKENPATH_TEMPLATE_TIMEOUT_S")]
+    template_timeout_s: f64,
 }
 
 #[derive(Debug, Subcommand)]
@@ -57,6 +63,9 @@ enum Command {
     /// Run one engine instance as a worker process (role prefill, decode or both) for a gateway
     /// started with --prefill/--decode, --cluster or --accept-workers.
     Worker(worker::WorkerArgs),
+    /// Internal: the chat-template sandbox child (`tokenpath_engine::tokenizer::sandbox`).
+    #[command(name = "__render-template", hide = true)]
+    RenderTemplate,
 }
 
 #[derive(Debug, Args)]
@@ -100,7 +109,13 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    if matches!(cli.command, Command::RenderTemplate) {
+        return Ok(sandbox::serve_stdio()?);
+    }
+    install_template_sandbox(cli.template_timeout_s)?;
+    match cli.command {
+        Command::RenderTemplate => unreachable!("handled above"),
         Command::Bench(args) => bench::run_bench(args),
         Command::BenchEngine(args) => bench_engine::run(args),
         Command::Compare(args) => {
@@ -116,6 +131,21 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(args),
         Command::Worker(args) => worker::run(args),
     }
+}
+
+/// Every chat template this process builds renders in children of this same binary.
+fn install_template_sandbox(timeout_s: f64) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        timeout_s.is_finite() && timeout_s > 0.0 && timeout_s <= 3600.0,
+        "--template-timeout-s must be in (0, 3600]"
+    );
+    let program = std::env::current_exe().context("locating this binary for the template sandbox")?;
+    sandbox::install(sandbox::SandboxProgram {
+        program,
+        args: vec!["__render-template".into()],
+        deadline: std::time::Duration::from_secs_f64(timeout_s),
+    });
+    Ok(())
 }
 
 fn report(args: ReportArgs) -> anyhow::Result<()> {

@@ -28,6 +28,8 @@ pub struct TinySpec {
     pub ty: GgmlType,
     /// Seed of the random weights.
     pub seed: u64,
+    /// The `tokenizer.chat_template` it carries.
+    pub chat_template: String,
 }
 
 impl Default for TinySpec {
@@ -41,6 +43,7 @@ impl Default for TinySpec {
             n_ctx: 256,
             ty: GgmlType::F32,
             seed: 7,
+            chat_template: TINY_CHAT_TEMPLATE.to_string(),
         }
     }
 }
@@ -92,7 +95,7 @@ pub fn tiny_model_bytes(spec: &TinySpec) -> Result<Vec<u8>> {
         .metadata("tokenizer.ggml.bos_token_id", 1u32)
         .metadata("tokenizer.ggml.eos_token_id", 2u32)
         .metadata("tokenizer.ggml.add_bos_token", false)
-        .metadata("tokenizer.chat_template", TINY_CHAT_TEMPLATE);
+        .metadata("tokenizer.chat_template", spec.chat_template.as_str());
     let d = spec.n_embd;
     let kv = d / spec.n_head * spec.n_head_kv;
     let mut mat = |w: &mut GgufWriter, name: String, rows: usize, cols: usize| -> Result<()> {

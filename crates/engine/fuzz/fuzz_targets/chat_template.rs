@@ -3,6 +3,11 @@
 //! gateway does for every chat request. `ChatTemplate::new` must refuse a broken template with
 //! an error and `render` must return or fail, never panic, never hang (libFuzzer's -timeout
 //! reports a render that does not end) and never allocate without bound (-rss_limit_mb).
+//! This is the in-process path (fuel and the string-method budget only). Two findings are
+//! minijinja's and cannot be bounded in-process — unbounded recursion through a namespace
+//! that holds itself, and `s ~ s` doubling — which is why the binary renders in a sandbox
+//! child (`tokenizer/sandbox.rs`, tested in `cli/tests/template_sandbox.rs`); run with
+//! `-dict`-free seeds and treat those two classes as known.
 //! Input: `template \0 content \0 content ...` (up to four message contents; without a NUL the
 //! whole input is the template and the messages are fixed).
 #![no_main]

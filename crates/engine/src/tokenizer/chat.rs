@@ -7,12 +7,14 @@
 //! order, no HTML escaping). minijinja is Jinja2-compatible but has neither, so `pycompat.rs`
 //! supplies them (rather than pulling in minijinja-contrib). The template is compiled once;
 //! broken templates fail at `new` with `TemplateSyntax`, runtime failures (including
-//! `raise_exception`) with `TemplateRender`.
+//! `raise_exception`) with `TemplateRender`. When the binary installed a sandbox
+//! (`sandbox.rs`), renders run in child processes, because a template is untrusted code.
 
 use minijinja::value::Value;
 use minijinja::{Environment, Error, ErrorKind};
 
-use super::pycompat::{python_method, tojson};
+use super::pycompat::{self, python_method, tojson};
+use super::sandbox::{self, Init, Sandbox};
 use super::TokenizerError;
 
 const NAME: &str = "chat_template";
@@ -42,12 +44,31 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Where renders run when the process installed a sandbox.
+    sandbox: Option<Sandbox>,
 }
 
 impl ChatTemplate {
     /// Compiles `source` (the `tokenizer.chat_template` value). `bos_token`/`eos_token` are
-    /// the texts of the BOS/EOS tokens ("" when the vocabulary has none).
+    /// the texts of the BOS/EOS tokens ("" when the vocabulary has none). With a sandbox
+    /// installed, also starts its first child (and fails if the template does not compile there).
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, TokenizerError> {
+        let init = Init { source: source.into(), bos_token: bos_token.into(), eos_token: eos_token.into() };
+        let mut t = Self::in_process(&init)?;
+        if let Some(program) = sandbox::installed() {
+            t.sandbox = Some(Sandbox::start(program, init)?);
+        }
+        Ok(t)
+    }
+
+    /// Whether renders run in sandbox children.
+    pub fn is_sandboxed(&self) -> bool {
+        self.sandbox.is_some()
+    }
+
+    /// Compiles for rendering in this process (what a sandbox child does).
+    pub(crate) fn in_process(init: &Init) -> Result<Self, TokenizerError> {
+        let Init { source, bos_token, eos_token } = init;
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -61,7 +82,7 @@ impl ChatTemplate {
         env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| TokenizerError::TemplateSyntax(describe(&e)))?;
-        Ok(Self { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
+        Ok(Self { env, bos_token: bos_token.clone(), eos_token: eos_token.clone(), sandbox: None })
     }
 
     /// Renders `messages`; with `add_generation_prompt` the template appends the opening of
@@ -84,6 +105,20 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, TokenizerError> {
+        match &self.sandbox {
+            Some(sandbox) => sandbox.render(messages, add_generation_prompt, extra),
+            None => self.render_here(messages, add_generation_prompt, extra),
+        }
+    }
+
+    /// Renders in this thread, under fuel and the `pycompat` work budget.
+    pub(crate) fn render_here(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, TokenizerError> {
+        pycompat::reset_work_budget();
         let mut ctx = extra.clone();
         ctx.insert("messages".into(), messages.clone());
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());

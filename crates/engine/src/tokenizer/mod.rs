@@ -7,7 +7,8 @@
 //! - `pretokenize.rs`: llama.cpp's pre-tokenizers (`smollm`, `gpt-2`, `llama3`, `default`);
 //! - `bpe.rs`: rank-ordered merges; `special.rs`: special-token partition;
 //! - `unicode.rs`: code-point classes (Unicode general categories, GPT-2 byte map);
-//! - `stream.rs`: [`StreamDecoder`] for SSE; `chat.rs`: [`ChatTemplate`];
+//! - `stream.rs`: [`StreamDecoder`] for SSE; `chat.rs`: [`ChatTemplate`]; `sandbox.rs`: the
+//!   child processes templates render in;
 //! - `error.rs`: [`TokenizerError`], wrapped by the engine's error enum;
 //! - `from_gguf.rs`: which `tokenizer.*` GGUF keys build all of the above.
 
@@ -17,6 +18,7 @@ mod error;
 mod from_gguf;
 mod pretokenize;
 mod pycompat;
+pub mod sandbox;
 mod special;
 mod stream;
 mod unicode;

@@ -8,8 +8,45 @@
 //! `tojson` escape `<>&'` and compact the output, which would change prompts). Kept apart from
 //! `chat.rs` so the rendering API stays small and readable.
 
+use std::cell::Cell;
+
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Error, ErrorKind, State};
+
+/// Bytes the methods below may read and write in one render. Fuel counts instructions, so
+/// without this a template could call `big.count('a')` or `big.replace('', big)` a million
+/// times within its fuel and pin a core for minutes or build gigabytes.
+pub(crate) const WORK_BUDGET: usize = 256 << 20;
+
+thread_local! {
+    static WORK: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Starts a render's budget (one render runs on one thread).
+pub(crate) fn reset_work_budget() {
+    WORK.with(|w| w.set(0));
+}
+
+fn charge(bytes: usize) -> Result<(), Error> {
+    WORK.with(|w| {
+        let used = w.get().saturating_add(bytes);
+        w.set(used);
+        if used > WORK_BUDGET {
+            Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("the template's string methods went over their budget of {WORK_BUDGET} bytes"),
+            ))
+        } else {
+            Ok(())
+        }
+    })
+}
+
+/// Length of `s.replace(from, to)` without building it (Python: "" matches between chars too).
+fn replaced_len(s: &str, from: &str, to: &str) -> usize {
+    let n = if from.is_empty() { s.chars().count() + 1 } else { s.matches(from).count() };
+    (s.len() - n.saturating_mul(from.len()).min(s.len())).saturating_add(n.saturating_mul(to.len()))
+}
 
 fn str_arg(args: &[Value], i: usize) -> Result<Option<&str>, Error> {
     match args.get(i) {
@@ -30,6 +67,8 @@ pub(crate) fn python_method(
     args: &[Value],
 ) -> Result<Value, Error> {
     if let Some(s) = value.as_str() {
+        let arg_bytes: usize = args.iter().filter_map(Value::as_str).map(str::len).sum();
+        charge(s.len().saturating_add(arg_bytes))?;
         // Only string-argument methods read this; startswith/endswith/join take other types.
         let chars =
             if matches!(method, "startswith" | "endswith" | "join") { None } else { str_arg(args, 0)? };
@@ -55,6 +94,7 @@ pub(crate) fn python_method(
                 let (Some(from), Some(to)) = (str_arg(args, 0)?, str_arg(args, 1)?) else {
                     return Err(Error::new(ErrorKind::MissingArgument, "replace(old, new)"));
                 };
+                charge(replaced_len(s, from, to))?;
                 Value::from(s.replace(from, to))
             }
             "split" => {
@@ -79,7 +119,12 @@ pub(crate) fn python_method(
             "join" => {
                 let items =
                     args.first().ok_or_else(|| Error::new(ErrorKind::MissingArgument, "join(iterable)"))?;
-                let parts: Vec<String> = items.try_iter()?.map(|v| v.to_string()).collect();
+                let mut parts = Vec::new();
+                for v in items.try_iter()? {
+                    let text = v.to_string();
+                    charge(text.len().saturating_add(s.len()))?;
+                    parts.push(text);
+                }
                 Value::from(parts.join(s))
             }
             "format" => return Err(Error::new(ErrorKind::UnknownMethod, "str.format is not supported")),
@@ -273,6 +318,47 @@ mod tests {
         let mut out = String::new();
         py_json(&v, &JsonOpts { indent, ensure_ascii: false, sort_keys: false }, 0, &mut out);
         out
+    }
+
+    #[test]
+    fn replaced_len_matches_replace() {
+        for (s, from, to) in [("banana", "an", "AN!"), ("", "", "x"), ("héé", "", "--"), ("aaa", "aa", ""), ("ab", "zz", "q")] {
+            let want = if from.is_empty() {
+                // Python semantics: `to` between every char and at both ends.
+                let mut out = to.to_string();
+                for c in s.chars() {
+                    out.push(c);
+                    out.push_str(to);
+                }
+                out.len()
+            } else {
+                s.replace(from, to).len()
+            };
+            assert_eq!(replaced_len(s, from, to), want, "{s:?}.replace({from:?}, {to:?})");
+        }
+    }
+
+    #[test]
+    fn string_methods_stop_at_the_work_budget() {
+        // Regression (chat_template fuzzing, T3/T4): `a.replace("", a)` five times builds
+        // gigabytes and `big.count(..)` in a loop runs for minutes, both inside the fuel.
+        let t = super::super::ChatTemplate::new(
+            "{% set a = messages[0].content %}{% for i in range(100000) %}{{ a.count('x') }}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let big = "x".repeat(1 << 20);
+        let e = t.render(&[super::super::ChatMessage::new("user", big)], false).unwrap_err();
+        assert!(e.to_string().contains("budget"), "{e}");
+        let t = super::super::ChatTemplate::new(
+            "{% set a = messages[0].content %}{% set a = a.replace('', a) %}{% set a = a.replace('', a) %}{% set a = a.replace('', a) %}{{ a|length }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let e = t.render(&[super::super::ChatMessage::new("user", "y".repeat(100))], false).unwrap_err();
+        assert!(e.to_string().contains("budget"), "{e}");
     }
 
     #[test]
