@@ -6,8 +6,8 @@
 //! This is the in-process path (fuel and the string-method budget only). Two findings are
 //! minijinja's and cannot be bounded in-process — unbounded recursion through a namespace
 //! that holds itself, and `s ~ s` doubling — which is why the binary renders in a sandbox
-//! child (`tokenizer/sandbox.rs`, tested in `cli/tests/template_sandbox.rs`); run with
-//! `-dict`-free seeds and treat those two classes as known.
+//! child (`tokenizer/sandbox.rs`, tested in `cli/tests/template_sandbox.rs`): crashes of
+//! those two classes are known, anything else is a bug.
 //! Input: `template \0 content \0 content ...` (up to four message contents; without a NUL the
 //! whole input is the template and the messages are fixed).
 #![no_main]
