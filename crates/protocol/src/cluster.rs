@@ -13,9 +13,11 @@
 //! 2. gateway → prefill worker: `Generate { mode: Prefill { transfer, decode_addr } }`.
 //! 3. prefill worker → decode worker (a new connection to `decode_addr`): `KvBegin`, `KvChunk`s
 //!    (sent as blocks fill, overlapping the rest of the prefill), `KvEnd`; the decode worker
-//!    answers `KvAck`. Same host: `KvBegin` names the sender's host, the decode worker answers
-//!    `KvRing` with a shared-memory ring, and each `KvChunk` becomes a `KvRingChunk` (where in the
-//!    ring, and the checksum) answered by `KvRingFree` once copied out; the bytes skip the socket.
+//!    answers `KvAck`. Same host: `KvBegin` names the sender's host and a Unix-socket "door"
+//!    it listens on; the decode worker passes its shared-memory ring's descriptor through the
+//!    door (`SCM_RIGHTS`, with the transfer token) and answers `KvRing`; each `KvChunk` becomes a
+//!    `KvRingChunk` (where in the ring, and the checksum) answered by `KvRingFree` once copied
+//!    out; the bytes skip the socket.
 //! 4. prefill worker → gateway: the first token's `Text`, then `Handoff` (first token id and the
 //!    sampler position), later `KvSent` (the transfer's duration on the prefill worker's clock).
 //! 5. gateway → decode worker: `Handoff`; the decode worker continues and streams `Text`…
@@ -197,10 +199,10 @@ pub enum ToWorker {
         n_tokens: u32,
         /// Engine KV layout fingerprint: `n_layer`, `kv_dim`, `block_size`; must match exactly.
         layout: [u32; 3],
-        /// The sender's host (kernel boot id) when it can move the blocks through shared memory:
-        /// a decode worker on the same host answers [`FromWorker::KvRing`] before any block.
+        /// Set when the sender can move the blocks through shared memory: a decode worker on
+        /// the same host answers [`FromWorker::KvRing`] before any block.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        host: Option<String>,
+        same_host: Option<SameHost>,
     },
     /// Same-host transfer: blocks `first_block..first_block + n_blocks` were written into the
     /// decode worker's ring at `offset` (the bytes never cross the socket).
@@ -380,15 +382,25 @@ pub enum FromWorker {
     },
 }
 
+/// What a prefill worker able to write KV into a same-host decode worker's ring says in
+/// `KvBegin`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SameHost {
+    /// The sender's host: the kernel's boot id.
+    pub host: String,
+    /// The abstract Unix socket the sender listens on for this one transfer, through which
+    /// the decode worker passes its ring's descriptor (never a path or pid to open: the
+    /// receiver only ever maps a descriptor its peer handed it).
+    pub door: String,
+}
+
 /// A decode worker's shared-memory ring for one same-host transfer: a sealed (it can neither
-/// shrink nor grow) memfd of `len` bytes, reachable as `/proc/<pid>/fd/<fd>`.
+/// shrink nor grow) memfd of `len` bytes, whose descriptor went through the prefill worker's
+/// door (with the transfer's token) before this offer was sent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RingOffer {
-    /// The decode worker's process id.
-    pub pid: u32,
-    /// The memfd's descriptor in that process.
-    pub fd: i32,
     /// The ring's size in bytes.
     pub len: u64,
 }
@@ -533,10 +545,10 @@ mod tests {
             decode_control::<ToWorker>(br#"{"type":"kv_end","transfer":1,"chunks":2,"extra":1}"#).is_err()
         );
         assert!(decode_control::<ToWorker>(br#"{"type":"nope"}"#).is_err());
-        // Same-host messages; a `KvBegin` without a host is the TCP-only one, byte for byte.
+        // Same-host messages; a `KvBegin` without `same_host` is the TCP-only one, byte for byte.
         let token = TransferToken([0xab; 16]);
         let begin =
-            ToWorker::KvBegin { transfer: TransferId(1), token, n_tokens: 2, layout: [1, 2, 3], host: None };
+            ToWorker::KvBegin { transfer: TransferId(1), token, n_tokens: 2, layout: [1, 2, 3], same_host: None };
         assert!(!String::from_utf8(encode_control(&begin).unwrap()).unwrap().contains("host"));
         let tcp: ToWorker = decode_control(
             br#"{"type":"kv_begin","transfer":1,"token":"abababababababababababababababab","n_tokens":2,"layout":[1,2,3]}"#,
@@ -560,7 +572,7 @@ mod tests {
                 token,
                 n_tokens: 2,
                 layout: [1, 2, 3],
-                host: Some("b".into()),
+                same_host: Some(SameHost { host: "b".into(), door: "tokenpath-kv-0".into() }),
             },
             ToWorker::KvRingChunk {
                 transfer: TransferId(u64::MAX),
@@ -573,7 +585,7 @@ mod tests {
             assert_eq!(decode_control::<ToWorker>(&encode_control(&m).unwrap()).unwrap(), m);
         }
         for m in [
-            FromWorker::KvRing { offer: Some(RingOffer { pid: 7, fd: 3, len: 8 << 20 }) },
+            FromWorker::KvRing { offer: Some(RingOffer { len: 8 << 20 }) },
             FromWorker::KvRing { offer: None },
             FromWorker::KvRingFree { chunks: 9 },
             FromWorker::KvSent { ok: true, ms: 1.5, bytes: 10, ring: true },

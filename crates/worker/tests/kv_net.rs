@@ -13,7 +13,7 @@ use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 use tokenpath_engine::Engine;
 use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_protocol::cluster::{
-    decode_control, encode_control, FromWorker, GenerateMsg, KvChunk, Mode, SamplingMsg, ToWorker,
+    decode_control, encode_control, FromWorker, GenerateMsg, KvChunk, Mode, SameHost, SamplingMsg, ToWorker,
     TransferId, TransferToken,
 };
 use tokenpath_protocol::frame::{read_frame, write_frame, FrameHeader, FrameKind, FRAME_HEADER_LEN};
@@ -247,8 +247,13 @@ async fn push_with(
     frames: Vec<Vec<u8>>,
 ) -> FromWorker {
     let mut s = authed(addr).await;
-    let begin =
-        ToWorker::KvBegin { transfer: TransferId(transfer), token, n_tokens: tokens, layout, host: None };
+    let begin = ToWorker::KvBegin {
+        transfer: TransferId(transfer),
+        token,
+        n_tokens: tokens,
+        layout,
+        same_host: None,
+    };
     write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
     for f in frames {
         if s.write_all(&f).await.is_err() {
@@ -454,12 +459,13 @@ async fn push_ring(
 ) -> Option<FromWorker> {
     let host = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?.trim().to_owned();
     let mut s = authed(addr).await;
+    let door = tokenpath_worker::net::KvDoor::open().unwrap();
     let begin = ToWorker::KvBegin {
         transfer: TransferId(transfer),
         token: token(transfer),
         n_tokens: tokens,
         layout,
-        host: Some(host),
+        same_host: Some(SameHost { host, door: door.name().to_owned() }),
     };
     write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
     let offer = match read_frame(&mut s).await.unwrap() {
@@ -469,11 +475,7 @@ async fn push_ring(
         },
         other => panic!("expected a ring offer, got {other:?}"),
     };
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(format!("/proc/{}/fd/{}", offer.pid, offer.fd))
-        .unwrap();
+    let file = std::fs::File::from(door.receive(TransferId(transfer), &token(transfer)).await.unwrap());
     let map = memmap2::MmapOptions::new().len(offer.len as usize).map_raw(&file).unwrap();
     assert!(good.len() <= map.len());
     // SAFETY: inside the mapping (checked just above); the ring is sealed against shrinking.
@@ -701,8 +703,13 @@ fn a_forged_or_second_kv_begin_never_disturbs_a_good_transfer() {
         assert!(refused(&ack).contains("not expected"), "{ack:?}");
         // The good transfer starts and sends its first chunk...
         let mut s = authed(&addr).await;
-        let begin =
-            ToWorker::KvBegin { transfer: TransferId(1), token: token(1), n_tokens: 40, layout, host: None };
+        let begin = ToWorker::KvBegin {
+            transfer: TransferId(1),
+            token: token(1),
+            n_tokens: 40,
+            layout,
+            same_host: None,
+        };
         write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
         s.write_all(&chunk(1, 0, &good[..bb], bb)).await.unwrap();
         // ...while a second KvBegin, even with the right token, arrives on another connection
@@ -740,8 +747,13 @@ fn a_stalled_sender_gives_the_blocks_back_while_its_socket_stays_open() {
         let addr = listen(&d, Role::Decode).await;
         let stream = d.submit(decode_request(1, prompt(1, 40), 1)).unwrap();
         let mut s = authed(&addr).await;
-        let begin =
-            ToWorker::KvBegin { transfer: TransferId(1), token: token(1), n_tokens: 40, layout, host: None };
+        let begin = ToWorker::KvBegin {
+            transfer: TransferId(1),
+            token: token(1),
+            n_tokens: 40,
+            layout,
+            same_host: None,
+        };
         write_frame(&mut s, FrameKind::Control, &encode_control(&begin).unwrap()).await.unwrap();
         s.write_all(&chunk(1, 0, &good, bb)).await.unwrap();
         // ...and then nothing, with the socket open: the receiver gives up after PEER_IDLE and
@@ -780,6 +792,68 @@ fn a_prefill_worker_gives_up_on_a_decode_peer_that_never_answers() {
         assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
         wait_free(&p).await;
         held.abort();
+    });
+    drop(p);
+    wp.join().unwrap();
+}
+
+/// Plays an authenticated decode worker that offers a ring and passes `fd` through the prefill
+/// worker's door (or nothing); returns the kind of the first frame that follows the offer.
+async fn offer_a_ring_passing(rogue: TcpListener, fd: Option<std::fs::File>) -> Option<FrameKind> {
+    use std::os::fd::AsFd;
+    let (mut s, _) = rogue.accept().await.unwrap();
+    let (mut rd, mut wr) = s.split();
+    tokenpath_protocol::auth::accept(&mut rd, &mut wr, &secret()).await.unwrap();
+    let Some((FrameKind::Control, p)) = read_frame(&mut s).await.unwrap() else { panic!("no KvBegin") };
+    let ToWorker::KvBegin { transfer, token, same_host: Some(sh), .. } = decode_control(&p).unwrap() else {
+        panic!("expected a same-host KvBegin");
+    };
+    if let Some(f) = fd {
+        use std::os::linux::net::SocketAddrExt;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(sh.door.as_bytes()).unwrap();
+        let door = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+        let mut m = transfer.0.to_le_bytes().to_vec();
+        m.extend_from_slice(&token.0);
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut cmsg = rustix::net::SendAncillaryBuffer::new(&mut space);
+        let fds = [f.as_fd()];
+        cmsg.push(rustix::net::SendAncillaryMessage::ScmRights(&fds));
+        rustix::net::sendmsg(&door, &[std::io::IoSlice::new(&m)], &mut cmsg, rustix::net::SendFlags::empty())
+            .unwrap();
+    }
+    let offer = FromWorker::KvRing { offer: Some(tokenpath_protocol::cluster::RingOffer { len: 4096 }) };
+    s.write_all(&frame(FrameKind::Control, &encode_control(&offer).unwrap())).await.unwrap();
+    read_frame(&mut s).await.unwrap().map(|(k, _)| k)
+}
+
+/// Security review H2: the prefill worker used to open `/proc/<pid>/fd/<fd>` as named by whoever
+/// answered at `decode_addr`. Now it maps only a descriptor passed through its own door, and only
+/// a sealed memfd of the offered size: a peer that passes nothing, or a plain file, gets the KV
+/// as TCP frames (after a bounded wait) and the file it passed is never written.
+#[test]
+fn a_prefill_worker_maps_only_a_sealed_ring_passed_through_its_door() {
+    if !ring_here() {
+        return; // no memfd or boot id here: every transfer is TCP anyway
+    }
+    let e = engine();
+    let (wp, p) = spawn(&e, "p0");
+    rt().block_on(async {
+        let pa = listen_with(&p, Role::Prefill, KvTransport::Auto).await;
+        let path = std::env::temp_dir().join(format!("tp-h2-plain-{}", std::process::id()));
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        for (id, passed) in [
+            (11u64, None),
+            (12, Some(std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap())),
+        ] {
+            let rogue = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let rogue_addr = rogue.local_addr().unwrap().to_string();
+            let peer = tokio::spawn(offer_a_ring_passing(rogue, passed));
+            let (kind, _) = tokio::join!(peer, prefill_to(&pa, id, rogue_addr));
+            assert_eq!(kind.unwrap(), Some(FrameKind::KvChunk), "transfer {id}: KV went as TCP frames");
+            wait_free(&p).await;
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), vec![0u8; 4096], "the passed plain file was never written");
+        let _ = std::fs::remove_file(&path);
     });
     drop(p);
     wp.join().unwrap();

@@ -11,13 +11,14 @@
 //! `KvRingFree` answers say which ring space may be written again.
 
 use super::kv_frames::{frame_target_bytes, FrameQueue};
+use super::ring_door::Door;
 use super::server::KV_CONNECT_TIMEOUT;
 use super::shm::{host_id, PeerRing, PeerRings, RingSpace, RING_CHUNK_TARGET_BYTES};
 use super::{connect_authenticated, read_control, within, write_control};
 use crate::{Transfer, WorkerHandle};
 use std::sync::Arc;
 use tokenpath_protocol::auth::ClusterSecret;
-use tokenpath_protocol::cluster::{FromWorker, ToWorker, TransferId, TransferToken};
+use tokenpath_protocol::cluster::{FromWorker, SameHost, ToWorker, TransferId, TransferToken};
 use tokenpath_protocol::frame::Checksum;
 use tokenpath_protocol::ProtocolError;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -157,34 +158,42 @@ fn refused(message: Option<String>) -> ProtocolError {
     conn_err(format!("the decode worker refused the transfer: {}", message.unwrap_or_default()))
 }
 
-/// Asks for a ring when allowed; `None` means TCP frames.
+/// Takes the ring the decode worker passed through `door` when it offered one; `None` means
+/// TCP frames.
 async fn negotiate_ring(
     job: &Job,
     rd: &mut OwnedReadHalf,
-    asked: bool,
+    door: Option<&Door>,
 ) -> Result<Option<(PeerRing, RingSpace)>, ProtocolError> {
-    if !asked {
+    let Some(door) = door else {
         return Ok(None);
-    }
+    };
     match within("waiting for a ring offer", read_control::<_, FromWorker>(rd)).await? {
-        Some(FromWorker::KvRing { offer: Some(offer) }) => match job.peers.open(&offer).await {
-            // A ring must hold at least one chunk of whole blocks.
-            Ok(ring) if ring.len() >= job.block_bytes => {
-                let space = RingSpace::new(ring.len());
-                Ok(Some((ring, space)))
+        Some(FromWorker::KvRing { offer: Some(offer) }) => {
+            let passed = door.receive(job.transfer, &job.token).await.map(std::fs::File::from);
+            let opened = match passed {
+                Ok(file) => job.peers.open(file, offer.len).await,
+                Err(e) => Err(e),
+            };
+            match opened {
+                // A ring must hold at least one chunk of whole blocks.
+                Ok(ring) if ring.len() >= job.block_bytes => {
+                    let space = RingSpace::new(ring.len());
+                    Ok(Some((ring, space)))
+                }
+                Ok(ring) => {
+                    job.peers.give(ring);
+                    Ok(None)
+                }
+                Err(e) => {
+                    tracing::debug!(
+                        transfer = job.transfer.0,
+                        "the offered KV ring is unusable, sending over TCP: {e}"
+                    );
+                    Ok(None)
+                }
             }
-            Ok(ring) => {
-                job.peers.give(ring);
-                Ok(None)
-            }
-            Err(e) => {
-                tracing::debug!(
-                    transfer = job.transfer.0,
-                    "the offered KV ring is unusable, sending over TCP: {e}"
-                );
-                Ok(None)
-            }
-        },
+        }
         Some(FromWorker::KvRing { offer: None }) => Ok(None),
         Some(FromWorker::KvAck { ok: false, message, .. }) => Err(refused(message)),
         other => Err(conn_err(format!("expected a ring offer, got {other:?}"))),
@@ -253,11 +262,18 @@ async fn send_kv(
     let (mut rd, mut wr) = conn.into_split();
     let transfer = job.transfer;
     let host = if job.opts.transport == KvTransport::Auto { host_id() } else { None };
-    let asked = host.is_some();
+    // Same host: a door for the decode worker to pass its ring through (none: TCP frames).
+    let door = host.as_ref().and_then(|_| {
+        Door::open()
+            .map_err(|e| tracing::debug!(transfer = transfer.0, "no KV door, sending over TCP: {e}"))
+            .ok()
+    });
+    let same_host = host.zip(door.as_ref()).map(|(host, d)| SameHost { host, door: d.name().to_owned() });
     let n = u32::try_from(job.n_tokens).unwrap_or(u32::MAX);
-    let begin = ToWorker::KvBegin { transfer, token: job.token, n_tokens: n, layout: job.layout, host };
+    let begin = ToWorker::KvBegin { transfer, token: job.token, n_tokens: n, layout: job.layout, same_host };
     within("starting a KV transfer", write_control(&mut wr, &begin)).await?;
-    let mut ring = negotiate_ring(job, &mut rd, asked).await?;
+    let mut ring = negotiate_ring(job, &mut rd, door.as_ref()).await?;
+    drop(door);
     tracing::debug!(transfer = transfer.0, ring = ring.is_some(), "KV transfer to {addr} starts");
     let (sent, bytes_sent) = match ring.as_mut() {
         Some((r, space)) => send_ring(job, &mut rd, &mut wr, r, space, &mut exports, spent).await?,

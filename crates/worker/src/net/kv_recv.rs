@@ -11,10 +11,13 @@
 //! are garbage, and any failure hands them back as such: the batcher recomputes the prompt.
 
 use super::kv::{KvTransport, COPY_PIECE};
+use super::ring_door;
 use super::shm::{host_id, OwnRing, RingPool, RING_BYTES};
 use super::{within, write_control};
 use crate::{KvBlocks, Transfer, WorkerHandle};
-use tokenpath_protocol::cluster::{decode_control, FromWorker, KvChunk, ToWorker, TransferId, KV_TRAILER};
+use tokenpath_protocol::cluster::{
+    decode_control, FromWorker, KvChunk, SameHost, ToWorker, TransferId, KV_TRAILER,
+};
 use tokenpath_protocol::frame::{read_header, Checksum, FrameKind, PayloadReader};
 use tokenpath_protocol::ProtocolError;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -30,7 +33,7 @@ pub(crate) struct Begin {
     pub(crate) transfer: Transfer,
     pub(crate) n_tokens: u32,
     pub(crate) layout: [u32; 3],
-    pub(crate) host: Option<String>,
+    pub(crate) same_host: Option<SameHost>,
 }
 
 /// The incoming half: borrows the request's blocks, receives every chunk into them, hands them
@@ -43,7 +46,7 @@ pub(crate) async fn receive_kv<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     transport: KvTransport,
     rings: &RingPool,
 ) -> Result<(), ProtocolError> {
-    let Begin { transfer, n_tokens, layout, host } = begin;
+    let Begin { transfer, n_tokens, layout, same_host } = begin;
     let l = handle.kv_layout();
     let ours = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
     let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
@@ -57,11 +60,11 @@ pub(crate) async fn receive_kv<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         }
     }
     let mut ring = None;
-    if let Some(theirs) = host {
+    if let Some(theirs) = same_host {
         // A sender that asked waits for this answer before sending any block.
-        let same_host = transport == KvTransport::Auto && host_id().is_some_and(|h| h == theirs);
-        if same_host && problem.is_none() {
-            match rings.take(ring_len(block_bytes)).await {
+        let same = transport == KvTransport::Auto && host_id().is_some_and(|h| h == theirs.host);
+        if same && problem.is_none() {
+            match pass_ring(&theirs.door, &transfer, rings, ring_len(block_bytes)).await {
                 Ok(r) => ring = Some(r),
                 Err(e) => tracing::debug!(transfer = transfer.id, "no KV ring, receiving over TCP: {e}"),
             }
@@ -96,6 +99,32 @@ pub(crate) async fn receive_kv<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     let held_ms = verdict.as_ref().map_or(0.0, |at| at.elapsed().as_secs_f64() * 1e3);
     let ack = FromWorker::KvAck { ok: verdict.is_ok(), message: verdict.err(), held_ms };
     write_control(&mut wr, &ack).await
+}
+
+/// Knocks on the sender's door, lends a ring fit for that process and passes its descriptor;
+/// a ring passed (even partly) stays marked as that process's.
+async fn pass_ring(
+    door: &str,
+    transfer: &Transfer,
+    rings: &RingPool,
+    len: usize,
+) -> std::io::Result<OwnRing> {
+    let (stream, pid) = within_door(ring_door::knock(door)).await?;
+    let mut ring = rings.take(len, pid).await?;
+    ring.shared_with = Some(pid);
+    match ring_door::pass(&stream, TransferId(transfer.id), &transfer.token, ring.fd()).await {
+        Ok(()) => Ok(ring),
+        Err(e) => {
+            rings.give(ring);
+            Err(e)
+        }
+    }
+}
+
+async fn within_door<T>(f: impl std::future::Future<Output = std::io::Result<T>>) -> std::io::Result<T> {
+    tokio::time::timeout(ring_door::DOOR_WAIT, f)
+        .await
+        .unwrap_or_else(|_| Err(std::io::Error::other("the KV door did not answer in time")))
 }
 
 /// The connection's two halves and this transfer's ring, if one was offered.

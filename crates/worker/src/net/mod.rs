@@ -10,9 +10,12 @@ mod kv;
 mod kv_frames;
 pub(crate) use kv_frames::{frame_blocks, frame_sums};
 mod kv_recv;
+mod ring_door;
 mod shm;
 
 pub use kv::KvTransport;
+/// The prefill side's door for a same-host ring (public for tests that play a prefill peer).
+pub use ring_door::Door as KvDoor;
 pub mod server;
 
 use std::time::Duration;

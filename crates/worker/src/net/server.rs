@@ -145,8 +145,8 @@ async fn connection(
             write_control(&mut wr, &FromWorker::Stats(msg)).await
         }
         Some(ToWorker::Generate(msg)) => generate(msg, accepted, rd, wr, handle, config, &rings.peers).await,
-        Some(ToWorker::KvBegin { transfer, token, n_tokens, layout, host }) => {
-            let begin = Begin { transfer: Transfer { id: transfer.0, token }, n_tokens, layout, host };
+        Some(ToWorker::KvBegin { transfer, token, n_tokens, layout, same_host }) => {
+            let begin = Begin { transfer: Transfer { id: transfer.0, token }, n_tokens, layout, same_host };
             receive_kv(begin, rd, wr, handle, config.kv_transport, &rings.own).await
         }
         Some(other) => {

@@ -10,12 +10,15 @@
 //! bounds every offset and length from the wire against its own mapping before copying. It hashes
 //! the bytes after copying them into its own blocks, so a peer that scribbles on the ring
 //! meanwhile can only cause a checksum failure (and a recompute), never unchecked KV. The prefill
-//! worker opens the offered memfd through `/proc/<pid>/fd/<fd>` and maps it only after checking
-//! that it is sealed and exactly the offered size. Nobody ever holds a reference into a ring,
-//! whose bytes another process may change at any moment: only bounds-checked raw copies.
+//! worker receives the memfd's descriptor through its door (`ring_door.rs`, `SCM_RIGHTS`; it
+//! never opens a path a peer names) and maps it only after checking that it is sealed and
+//! exactly the offered size. A ring is reused only for the process it was already passed to
+//! (which may still have it mapped), so no prefill worker can read another's KV from it. Nobody
+//! ever holds a reference into a ring, whose bytes another process may change at any moment:
+//! only bounds-checked raw copies.
 //!
-//! Linux only (memfd seals and `/proc`); elsewhere, and whenever anything here fails, the
-//! transfer goes over TCP.
+//! Linux only (memfd seals, abstract Unix sockets); elsewhere, and whenever anything here
+//! fails, the transfer goes over TCP.
 
 use std::fs::File;
 use std::io;
@@ -50,6 +53,8 @@ fn bounds(offset: u64, len: usize, ring: usize) -> Result<usize, String> {
 pub(crate) struct OwnRing {
     file: File,
     map: memmap2::MmapRaw,
+    /// The process its descriptor was passed to, once it was.
+    pub(crate) shared_with: Option<u32>,
 }
 
 impl OwnRing {
@@ -57,7 +62,7 @@ impl OwnRing {
     pub(crate) fn create(len: usize) -> io::Result<Self> {
         let file = sys::sealed_memfd(len)?;
         let map = memmap2::MmapOptions::new().len(len).populate().map_raw(&file)?;
-        Ok(Self { file, map })
+        Ok(Self { file, map, shared_with: None })
     }
 
     /// Its size.
@@ -65,14 +70,15 @@ impl OwnRing {
         self.map.len()
     }
 
-    /// How the prefill worker reaches it.
+    /// What the offer says, once the descriptor went through the door.
     pub(crate) fn offer(&self) -> tokenpath_protocol::cluster::RingOffer {
-        use std::os::fd::AsRawFd;
-        tokenpath_protocol::cluster::RingOffer {
-            pid: std::process::id(),
-            fd: self.file.as_raw_fd(),
-            len: self.map.len() as u64,
-        }
+        tokenpath_protocol::cluster::RingOffer { len: self.map.len() as u64 }
+    }
+
+    /// The descriptor to pass.
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.file.as_fd()
     }
 
     /// Copies `dst.len()` bytes at `offset` out of the ring (bounds from the wire checked here).
@@ -95,31 +101,26 @@ pub(crate) struct PeerRing {
     key: (u64, u64),
 }
 
-/// Opens an offered ring and checks it is a sealed memfd of exactly that size: (file, its key).
-fn open_offer(offer: &tokenpath_protocol::cluster::RingOffer) -> io::Result<(File, (u64, u64))> {
+/// Checks that a passed descriptor is a sealed memfd of exactly the offered size: its key.
+fn check_ring(file: &File, len: u64) -> io::Result<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
-    let len = usize::try_from(offer.len).map_err(|_| io::Error::other("ring too large"))?;
     if !(1..=64 << 20).contains(&len) {
         return Err(io::Error::other(format!("a ring of {len} bytes")));
     }
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(format!("/proc/{}/fd/{}", offer.pid, offer.fd))?;
     let meta = file.metadata()?;
-    if meta.len() != offer.len || !sys::sealed_against_shrinking(&file)? {
+    if meta.len() != len || !sys::sealed_against_shrinking(file)? {
         return Err(io::Error::other("the offered ring is not a sealed memfd of its size"));
     }
-    Ok((file, (meta.dev(), meta.ino())))
+    Ok((meta.dev(), meta.ino()))
 }
 
 impl PeerRing {
-    /// Opens and maps an offered ring after checking it is a sealed memfd of exactly that size
-    /// (what [`PeerRings::open`] does when it keeps no mapping of that memfd).
+    /// Maps a passed ring after checking it is a sealed memfd of exactly that size (what
+    /// [`PeerRings::open`] does when it keeps no mapping of that memfd).
     #[cfg(test)]
-    pub(crate) fn open(offer: &tokenpath_protocol::cluster::RingOffer) -> io::Result<Self> {
-        let (file, key) = open_offer(offer)?;
-        Self::map(&file, key, offer.len as usize)
+    pub(crate) fn open(file: &File, len: u64) -> io::Result<Self> {
+        let key = check_ring(file, len)?;
+        Self::map(file, key, len as usize)
     }
 
     fn map(file: &File, key: (u64, u64), len: usize) -> io::Result<Self> {
@@ -200,19 +201,19 @@ impl PeerRings {
         Self { tx }
     }
 
-    /// Opens an offered ring after checking that it is a sealed memfd of exactly the offered
+    /// Takes a passed ring after checking that it is a sealed memfd of exactly the offered
     /// size, reusing this memfd's mapping when one is kept, else mapping it (pre-faulted).
-    pub(crate) async fn open(&self, offer: &tokenpath_protocol::cluster::RingOffer) -> io::Result<PeerRing> {
-        let (file, key) = open_offer(offer)?;
+    pub(crate) async fn open(&self, file: File, len: u64) -> io::Result<PeerRing> {
+        let key = check_ring(&file, len)?;
         let (reply, rx) = tokio::sync::oneshot::channel();
         if self.tx.send(PeerCmd::Take { key, reply }).is_ok() {
             if let Ok(Some(ring)) = rx.await {
-                if ring.len() as u64 == offer.len {
+                if ring.len() as u64 == len {
                     return Ok(ring);
                 }
             }
         }
-        PeerRing::map(&file, key, offer.len as usize)
+        PeerRing::map(&file, key, len as usize)
     }
 
     /// Keeps a ring's mapping for a later transfer to the same decode worker.
@@ -226,13 +227,15 @@ impl PeerRings {
 const MAX_IDLE_RINGS: usize = 4;
 
 enum PoolCmd {
-    Take { len: usize, reply: tokio::sync::oneshot::Sender<Option<OwnRing>> },
+    Take { len: usize, peer: u32, reply: tokio::sync::oneshot::Sender<Option<OwnRing>> },
     Give(OwnRing),
 }
 
 /// The decode worker's idle rings, owned by one task (handle + commands, like every piece of
 /// shared state here). A ring goes back after its transfer; its old bytes are harmless, since the
 /// receiver copies only chunks announced in the current transfer and checks each one's checksum.
+/// A ring already passed to one process is lent again only to that process (it may keep the
+/// mapping and could read whatever the next transfer puts there); the others get one never passed.
 #[derive(Clone, Debug)]
 pub(crate) struct RingPool {
     tx: tokio::sync::mpsc::UnboundedSender<PoolCmd>,
@@ -256,14 +259,25 @@ impl RingPool {
             let mut idle: Vec<OwnRing> = Vec::new();
             while let Some(cmd) = rx.recv().await {
                 match cmd {
-                    PoolCmd::Take { len, reply } => {
-                        let found = idle.iter().position(|r| r.len() == len).map(|i| idle.swap_remove(i));
+                    PoolCmd::Take { len, peer, reply } => {
+                        let fits = |r: &OwnRing, to: Option<u32>| r.len() == len && r.shared_with == to;
+                        let found = idle
+                            .iter()
+                            .position(|r| fits(r, Some(peer)))
+                            .or_else(|| idle.iter().position(|r| fits(r, None)))
+                            .map(|i| idle.swap_remove(i));
                         if let Err(Some(ring)) = reply.send(found) {
                             idle.push(ring);
                         }
                     }
-                    PoolCmd::Give(ring) if idle.len() < MAX_IDLE_RINGS => idle.push(ring),
-                    PoolCmd::Give(_) => {}
+                    PoolCmd::Give(ring) => {
+                        idle.push(ring);
+                        if idle.len() > MAX_IDLE_RINGS {
+                            // Drop a ring passed to someone before a fresh one.
+                            let i = idle.iter().position(|r| r.shared_with.is_some()).unwrap_or(0);
+                            idle.swap_remove(i);
+                        }
+                    }
                 }
             }
         });
@@ -279,10 +293,11 @@ impl RingPool {
         pool
     }
 
-    /// A ring of `len` bytes: an idle one, else a new one (made off the async threads).
-    pub(crate) async fn take(&self, len: usize) -> io::Result<OwnRing> {
+    /// A ring of `len` bytes for process `peer`: an idle one passed to it before or never
+    /// passed, else a new one (made off the async threads).
+    pub(crate) async fn take(&self, len: usize, peer: u32) -> io::Result<OwnRing> {
         let (reply, rx) = tokio::sync::oneshot::channel();
-        if self.tx.send(PoolCmd::Take { len, reply }).is_ok() {
+        if self.tx.send(PoolCmd::Take { len, peer, reply }).is_ok() {
             if let Ok(Some(ring)) = rx.await {
                 return Ok(ring);
             }
@@ -438,24 +453,19 @@ mod tests {
         assert!(ring.copy_out((1 << 16) - 15, &mut buf).is_err());
         assert!(ring.copy_out(u64::MAX, &mut buf).is_err());
         assert!(ring.copy_out(u64::MAX - 3, &mut buf).is_err());
-        let peer = PeerRing::open(&ring.offer()).unwrap();
+        let peer = PeerRing::open(&ring.file, 1 << 16).unwrap();
         peer.copy_in(100, b"hello").unwrap();
         assert!(peer.copy_in(1 << 16, b"x").is_err());
         assert!(peer.copy_in(usize::MAX, b"x").is_err());
         let mut got = [0u8; 5];
         ring.copy_out(100, &mut got).unwrap();
         assert_eq!(&got, b"hello");
-        // Not a ring: a plain file, another size, an unsealed memfd's offer all fail to open.
-        let mut lie = ring.offer();
-        lie.len += 1;
-        assert!(PeerRing::open(&lie).is_err());
+        // Not a ring: another size, a plain file (it could shrink under the mapping).
+        assert!(PeerRing::open(&ring.file, (1 << 16) + 1).is_err());
         let path = std::env::temp_dir().join(format!("tp-not-a-ring-{}", std::process::id()));
         std::fs::write(&path, [0u8; 4096]).unwrap();
         let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
-        use std::os::fd::AsRawFd;
-        let plain =
-            tokenpath_protocol::cluster::RingOffer { pid: std::process::id(), fd: f.as_raw_fd(), len: 4096 };
-        assert!(PeerRing::open(&plain).is_err(), "a file that could shrink under the mapping");
+        assert!(PeerRing::open(&f, 4096).is_err(), "a file that could shrink under the mapping");
         let _ = std::fs::remove_file(&path);
     }
 
@@ -463,27 +473,48 @@ mod tests {
     fn peer_rings_reuse_a_mapping_only_for_the_same_memfd() {
         let Ok(a) = OwnRing::create(1 << 16) else { return }; // no memfd here: TCP only
         let b = OwnRing::create(1 << 16).unwrap();
+        let fd = |r: &OwnRing| r.file.try_clone().unwrap();
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         rt.block_on(async {
             let peers = PeerRings::start();
-            let first = peers.open(&a.offer()).await.unwrap();
+            let first = peers.open(fd(&a), 1 << 16).await.unwrap();
             let at = first.map.as_ptr() as usize;
             first.copy_in(0, b"kept").unwrap();
             peers.give(first);
-            let again = peers.open(&a.offer()).await.unwrap();
+            let again = peers.open(fd(&a), 1 << 16).await.unwrap();
             assert_eq!(again.map.as_ptr() as usize, at, "the same memfd: the kept mapping");
-            let other = peers.open(&b.offer()).await.unwrap();
+            let other = peers.open(fd(&b), 1 << 16).await.unwrap();
             assert_ne!(other.key, again.key, "another memfd: its own mapping");
             other.copy_in(0, b"else").unwrap();
             let (mut got_a, mut got_b) = ([0u8; 4], [0u8; 4]);
             a.copy_out(0, &mut got_a).unwrap();
             b.copy_out(0, &mut got_b).unwrap();
             assert_eq!((&got_a, &got_b), (b"kept", b"else"));
-            // An offer is checked again even when a mapping is kept.
+            // A ring is checked again even when a mapping is kept.
             peers.give(again);
-            let mut lie = a.offer();
-            lie.len += 1;
-            assert!(peers.open(&lie).await.is_err());
+            assert!(peers.open(fd(&a), (1 << 16) + 1).await.is_err());
+        });
+    }
+
+    /// Security review L9: a ring passed to one prefill process is never lent to another.
+    #[test]
+    fn a_ring_passed_to_one_process_is_lent_again_only_to_it() {
+        use std::os::unix::fs::MetadataExt;
+        if OwnRing::create(1 << 16).is_err() {
+            return; // no memfd here: TCP only
+        }
+        let ino = |r: &OwnRing| r.file.metadata().unwrap().ino();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let pool = RingPool::start(None);
+            let mut r = pool.take(1 << 16, 100).await.unwrap();
+            let first = ino(&r);
+            r.shared_with = Some(100);
+            pool.give(r);
+            let other = pool.take(1 << 16, 200).await.unwrap();
+            assert_ne!(ino(&other), first, "process 200 gets a ring process 100 never had");
+            let same = pool.take(1 << 16, 100).await.unwrap();
+            assert_eq!(ino(&same), first, "process 100 gets its own ring back");
         });
     }
 }
