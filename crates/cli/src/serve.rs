@@ -176,6 +176,10 @@ struct HttpArgs {
     /// Most HTTP connections open at once; more are closed on arrival.
     #[arg(long, default_value_t = 1024, env = "TOKENPATH_MAX_CONNECTIONS")]
     max_connections: usize,
+    /// Seconds a response may wait for the client to take bytes before the connection is cut
+    /// and the request cancelled (generation never waits for a slow reader).
+    #[arg(long, default_value_t = 30, env = "TOKENPATH_WRITE_TIMEOUT_S")]
+    write_timeout_s: u64,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -230,6 +234,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             header_read: Duration::from_secs(args.http.header_timeout_s.max(1)),
             body_read: Duration::from_secs(args.http.body_timeout_s.max(1)),
             max_connections: args.http.max_connections.max(1),
+            write_stall: Duration::from_secs(args.http.write_timeout_s.max(1)),
         },
         prefix_cache_scope: args.batching.prefix_cache_scope,
     };

@@ -8,11 +8,15 @@
 //!   connection may sit idle between requests (hyper starts it whenever it waits for a head);
 //! - a body deadline ([`HttpLimits::body_read`]) for a request body that trickles in;
 //! - a place under a cap ([`HttpLimits::max_connections`]): past it, new connections are
-//!   closed at once, so the ones being served (and `/health`) keep answering.
+//!   closed at once, so the ones being served (and `/health`) keep answering;
+//! - a write deadline ([`HttpLimits::write_stall`], `stall.rs`): a client that takes no bytes
+//!   for that long is cut off and its request cancelled.
 //!
 //! An `accept()` error (EMFILE, ECONNABORTED, ...) is logged and retried after a short pause,
 //! never fatal. Draining stops accepting and lets the open connections finish (hyper's graceful
 //! shutdown: idle keep-alive connections close, running requests complete).
+
+mod stall;
 
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -34,6 +38,8 @@ pub struct HttpLimits {
     pub body_read: Duration,
     /// Most connections open at once.
     pub max_connections: usize,
+    /// Longest a response may wait for the client to take bytes before the connection is cut.
+    pub write_stall: Duration,
 }
 
 impl Default for HttpLimits {
@@ -42,6 +48,7 @@ impl Default for HttpLimits {
             header_read: Duration::from_secs(20),
             body_read: Duration::from_secs(60),
             max_connections: 1024,
+            write_stall: Duration::from_secs(30),
         }
     }
 }
@@ -82,6 +89,7 @@ pub(crate) async fn serve(
         let service = TowerToHyperService::new(router.clone());
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder.timer(TokioTimer::new()).header_read_timeout(limits.header_read).keep_alive(true);
+        let stream = stall::WriteDeadline::new(stream, limits.write_stall);
         let conn = builder.serve_connection(TokioIo::new(stream), service);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {

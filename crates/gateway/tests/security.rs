@@ -314,6 +314,7 @@ async fn slow_and_idle_clients_are_cut_off_and_health_keeps_answering() -> anyho
         header_read: Duration::from_secs(4),
         body_read: Duration::from_secs(1),
         max_connections: 8,
+        ..Default::default()
     };
     let server = start(WorkerConfig::default(), GatewayConfig { http, ..Default::default() }).await;
     let port: u16 = server.base.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");

@@ -91,17 +91,21 @@ mod hex16 {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SamplingMsg {
-    /// 0 is greedy.
+    /// 0 is greedy. (Each number here must be a finite `f32`: `1e39` is refused, not infinity.)
+    #[serde(deserialize_with = "crate::wire::finite_f32")]
     pub temperature: f32,
     /// 0 disables top-k.
     pub top_k: usize,
     /// 1 disables nucleus sampling.
+    #[serde(deserialize_with = "crate::wire::finite_f32")]
     pub top_p: f32,
     /// Seed; absent: the worker draws one.
     pub seed: Option<u64>,
     /// OpenAI presence penalty.
+    #[serde(deserialize_with = "crate::wire::finite_f32")]
     pub presence_penalty: f32,
     /// OpenAI frequency penalty.
+    #[serde(deserialize_with = "crate::wire::finite_f32")]
     pub frequency_penalty: f32,
 }
 
@@ -483,7 +487,11 @@ impl KvChunk {
         t.copy_from_slice(&payload[split..]);
         let (transfer, first_block, n_blocks) = Self::parse_trailer(&t);
         payload.truncate(split);
-        if block_bytes == 0 || (n_blocks as usize).checked_mul(block_bytes) != Some(payload.len()) {
+        // An empty chunk (0 blocks, 0 bytes) moves nothing and would only be counted.
+        if block_bytes == 0
+            || n_blocks == 0
+            || (n_blocks as usize).checked_mul(block_bytes) != Some(payload.len())
+        {
             return Err(ProtocolError::InvalidFrame {
                 message: format!("KV chunk says {n_blocks} blocks but carries {} bytes", payload.len()),
             });
@@ -547,8 +555,13 @@ mod tests {
         assert!(decode_control::<ToWorker>(br#"{"type":"nope"}"#).is_err());
         // Same-host messages; a `KvBegin` without `same_host` is the TCP-only one, byte for byte.
         let token = TransferToken([0xab; 16]);
-        let begin =
-            ToWorker::KvBegin { transfer: TransferId(1), token, n_tokens: 2, layout: [1, 2, 3], same_host: None };
+        let begin = ToWorker::KvBegin {
+            transfer: TransferId(1),
+            token,
+            n_tokens: 2,
+            layout: [1, 2, 3],
+            same_host: None,
+        };
         assert!(!String::from_utf8(encode_control(&begin).unwrap()).unwrap().contains("host"));
         let tcp: ToWorker = decode_control(
             br#"{"type":"kv_begin","transfer":1,"token":"abababababababababababababababab","n_tokens":2,"layout":[1,2,3]}"#,
@@ -597,6 +610,21 @@ mod tests {
         assert_eq!(old_sent, FromWorker::KvSent { ok: true, ms: 1.0, bytes: 1, ring: false });
     }
 
+    /// Regression (security review, minor): `1e39` in a worker's sampling numbers became
+    /// infinity; it is refused like the HTTP API refuses it.
+    #[test]
+    fn sampling_numbers_past_the_f32_range_are_refused() {
+        let ok = serde_json::json!({"temperature": 0.7, "top_k": 0, "top_p": 1.0, "seed": null,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0});
+        assert!(serde_json::from_value::<SamplingMsg>(ok.clone()).is_ok());
+        for field in ["temperature", "top_p", "presence_penalty", "frequency_penalty"] {
+            let mut bad = ok.clone();
+            bad[field] = serde_json::json!(1e39);
+            let e = serde_json::from_value::<SamplingMsg>(bad).unwrap_err();
+            assert!(e.to_string().contains("finite"), "{field}: {e}");
+        }
+    }
+
     #[test]
     fn kv_chunks_check_their_size_against_the_receivers_block() {
         let c = KvChunk { transfer: TransferId(1), first_block: 2, n_blocks: 2, bytes: (0..8).collect() };
@@ -604,6 +632,9 @@ mod tests {
         assert!(KvChunk::decode(c.encode(), 3).is_err());
         assert!(KvChunk::decode(c.encode(), 0).is_err());
         assert!(KvChunk::decode(vec![0; 5], 4).is_err());
+        // Regression (security review, minor): an empty chunk was accepted and counted.
+        let empty = KvChunk { transfer: TransferId(1), first_block: 0, n_blocks: 0, bytes: Vec::new() };
+        assert!(KvChunk::decode(empty.encode(), 4).is_err());
         assert_eq!(KvChunk::blocks_in(c.encode().len(), 4).unwrap(), 2);
         let mut t = [0u8; KV_TRAILER];
         t.copy_from_slice(&c.encode()[8..]);

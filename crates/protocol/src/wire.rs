@@ -59,19 +59,28 @@ pub(crate) fn opt_string_or_strings<'de, D: Deserializer<'de>>(
     d.deserialize_option(V)
 }
 
-/// Deserializes an optional error `code`: OpenAI sends a string, older vLLM an integer (the HTTP
-/// status). Both become a string so a bench can report either.
 /// An optional number that must fit an `f32` as a finite value: `1e39` would become infinity
 /// (and re-serialize as `null`), so it is refused as the out-of-range number it is.
 pub(crate) fn opt_finite_f32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f32>, D::Error> {
     let v: Option<f64> = serde::Deserialize::deserialize(d)?;
-    match v {
-        None => Ok(None),
-        Some(x) if x.is_finite() && x.abs() <= f64::from(f32::MAX) => Ok(Some(x as f32)),
-        Some(x) => Err(de::Error::custom(format!("{x} is not a finite 32-bit number"))),
+    v.map(check_f32::<D::Error>).transpose()
+}
+
+/// [`opt_finite_f32`] for a number that must be there (the worker protocol's sampling fields).
+pub(crate) fn finite_f32<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+    check_f32(serde::Deserialize::deserialize(d)?)
+}
+
+fn check_f32<E: de::Error>(x: f64) -> Result<f32, E> {
+    if x.is_finite() && x.abs() <= f64::from(f32::MAX) {
+        Ok(x as f32)
+    } else {
+        Err(E::custom(format!("{x} is not a finite 32-bit number")))
     }
 }
 
+/// Deserializes an optional error `code`: OpenAI sends a string, older vLLM an integer (the HTTP
+/// status). Both become a string so a bench can report either.
 pub(crate) fn lenient_code<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
     let v = <serde_json::Value as serde::Deserialize>::deserialize(d)?;
     Ok(match v {

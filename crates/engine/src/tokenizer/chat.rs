@@ -51,13 +51,11 @@ pub struct ChatTemplate {
 impl ChatTemplate {
     /// Compiles `source` (the `tokenizer.chat_template` value). `bos_token`/`eos_token` are
     /// the texts of the BOS/EOS tokens ("" when the vocabulary has none). With a sandbox
-    /// installed, also starts its first child (and fails if the template does not compile there).
+    /// installed, renders will run in its children.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, TokenizerError> {
         let init = Init { source: source.into(), bos_token: bos_token.into(), eos_token: eos_token.into() };
         let mut t = Self::in_process(&init)?;
-        if let Some(program) = sandbox::installed() {
-            t.sandbox = Some(Sandbox::start(program, init)?);
-        }
+        t.sandbox = sandbox::installed().map(|program| Sandbox::new(program, init));
         Ok(t)
     }
 

@@ -322,7 +322,9 @@ mod tests {
 
     #[test]
     fn replaced_len_matches_replace() {
-        for (s, from, to) in [("banana", "an", "AN!"), ("", "", "x"), ("héé", "", "--"), ("aaa", "aa", ""), ("ab", "zz", "q")] {
+        for (s, from, to) in
+            [("banana", "an", "AN!"), ("", "", "x"), ("héé", "", "--"), ("aaa", "aa", ""), ("ab", "zz", "q")]
+        {
             let want = if from.is_empty() {
                 // Python semantics: `to` between every char and at both ends.
                 let mut out = to.to_string();

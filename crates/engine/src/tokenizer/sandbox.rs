@@ -75,7 +75,11 @@ pub(crate) struct Init {
 #[derive(Debug, Serialize, Deserialize)]
 enum ToChild {
     Init(Init),
-    Render { messages: serde_json::Value, add_generation_prompt: bool, extra: serde_json::Map<String, serde_json::Value> },
+    Render {
+        messages: serde_json::Value,
+        add_generation_prompt: bool,
+        extra: serde_json::Map<String, serde_json::Value>,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -139,7 +143,9 @@ pub fn serve_stdio() -> Result<(), TokenizerError> {
         };
         let reply = match template.render_here(&messages, add_generation_prompt, &extra) {
             Ok(text) if text.len() + 64 <= MAX_FRAME => FromChild::Rendered(text),
-            Ok(text) => FromChild::Failed(format!("the rendered prompt is {} bytes, over {MAX_FRAME}", text.len())),
+            Ok(text) => {
+                FromChild::Failed(format!("the rendered prompt is {} bytes, over {MAX_FRAME}", text.len()))
+            }
             Err(TokenizerError::TemplateRender(m)) => FromChild::Failed(m),
             Err(e) => FromChild::Failed(e.to_string()),
         };
@@ -176,7 +182,10 @@ struct Worker {
 impl Worker {
     fn spawn(program: &SandboxProgram, init: &Init) -> Result<Self, TokenizerError> {
         let err = |what: &str, e: std::io::Error| {
-            TokenizerError::TemplateRender(format!("template sandbox {}: {what}: {e}", program.program.display()))
+            TokenizerError::TemplateRender(format!(
+                "template sandbox {}: {what}: {e}",
+                program.program.display()
+            ))
         };
         let mut child = Command::new(&program.program)
             .args(&program.args)
@@ -258,10 +267,10 @@ impl std::fmt::Debug for Sandbox {
 }
 
 impl Sandbox {
-    /// Starts one child to check that the template compiles there too (and keeps it).
-    pub(crate) fn start(program: &'static SandboxProgram, init: Init) -> Result<Self, TokenizerError> {
-        let first = Worker::spawn(program, &init)?;
-        Ok(Self { program, init, idle: Mutex::new(vec![first]), busy: Mutex::new(0), freed: Condvar::new() })
+    /// The children of `init`'s template; the first starts with the first render (a worker
+    /// process that only ever receives token ids never starts one).
+    pub(crate) fn new(program: &'static SandboxProgram, init: Init) -> Self {
+        Self { program, init, idle: Mutex::new(Vec::new()), busy: Mutex::new(0), freed: Condvar::new() }
     }
 
     pub(crate) fn render(
@@ -285,7 +294,9 @@ impl Sandbox {
         match reply {
             FromChild::Rendered(text) => Ok(text),
             FromChild::Failed(m) => Err(TokenizerError::TemplateRender(m)),
-            FromChild::Ready => Err(TokenizerError::TemplateRender("template sandbox answered out of turn".into())),
+            FromChild::Ready => {
+                Err(TokenizerError::TemplateRender("template sandbox answered out of turn".into()))
+            }
         }
     }
 
