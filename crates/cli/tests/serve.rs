@@ -83,3 +83,55 @@ fn worker_refuses_a_public_address_without_a_cluster_secret() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least 16"));
 }
+
+/// The (soft, hard) open-file limits of process `pid`.
+fn nofile(pid: u32) -> (u64, String) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    let mut nums = line.split_whitespace().skip(3);
+    (nums.next().unwrap().parse().unwrap(), nums.next().unwrap().to_owned())
+}
+
+/// Out of file descriptors, `accept` fails (EMFILE): the server logs it, keeps the connections it
+/// has, and serves again once descriptors are free — it does not exit or spin.
+#[test]
+fn serve_survives_running_out_of_file_descriptors() {
+    if Command::new("prlimit").arg("--version").output().is_err() {
+        panic!("prlimit (util-linux) is needed for this test");
+    }
+    let model = std::env::temp_dir().join(format!("tp-cli-emfile-{}.gguf", std::process::id()));
+    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
+    let served = support::serve(&model, &["--served-model-name", "tiny", "--kv-tokens", "1024"]);
+    let (port, pid) = (served.port, served.child.id());
+    assert_eq!(http(port, "GET", "/health", "").0, 200);
+    let (soft, hard) = nofile(pid);
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count();
+    let low = format!("--nofile={}:{hard}", open + 2);
+    assert!(Command::new("prlimit").args(["--pid", &pid.to_string(), &low]).status().unwrap().success());
+    // More connections than descriptors left: the extra ones are never accepted.
+    let held: Vec<std::net::TcpStream> =
+        (0..16).filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).ok()).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    drop(held);
+    let back = format!("--nofile={soft}:{hard}");
+    assert!(Command::new("prlimit").args(["--pid", &pid.to_string(), &back]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while http(port, "GET", "/health", "").0 != 200 {
+        assert!(Instant::now() < deadline, "the server did not come back after EMFILE");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, body) = http(
+        port,
+        "POST",
+        "/v1/completions",
+        r#"{"model":"tiny","prompt":"hi","max_tokens":2,"ignore_eos":true}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let logs_handle = served.logs;
+    let mut child = served.child;
+    let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    let _ = child.wait();
+    let logs = logs_handle.join().unwrap().join("\n");
+    assert!(logs.contains("accept failed"), "the EMFILE was logged:\n{logs}");
+    let _ = std::fs::remove_file(&model);
+}

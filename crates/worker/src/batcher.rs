@@ -59,6 +59,8 @@ pub(crate) enum Command {
     },
     /// Decode mode: the first token of a transfer's request.
     Handoff { transfer: u64, first_token: u32, sampler: SamplerState },
+    /// Fault injection for tests: the batcher thread panics, as it would on a bug in a step.
+    FaultPanic,
 }
 
 /// A request that passed validation and holds a queue slot.
@@ -199,6 +201,7 @@ impl Batcher {
             Command::Handoff { transfer, first_token, sampler } => {
                 self.set_handoff(transfer, first_token, sampler);
             }
+            Command::FaultPanic => panic!("fault injection: the batcher thread was told to panic"),
         }
     }
 

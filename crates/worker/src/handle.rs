@@ -434,6 +434,13 @@ impl WorkerHandle {
         self.stats.borrow().clone()
     }
 
+    /// Fault injection for tests: makes the batcher thread panic at its next command, so what
+    /// happens to a worker whose batcher died can be tested.
+    #[doc(hidden)]
+    pub fn fault_panic(&self) {
+        let _ = self.tx.send(Command::FaultPanic);
+    }
+
     /// Whether the worker thread is alive.
     pub fn is_alive(&self) -> bool {
         self.stats.has_changed().is_ok()

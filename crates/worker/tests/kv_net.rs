@@ -320,3 +320,38 @@ fn a_decode_worker_without_kv_room_refuses_at_open() {
     drop(d);
     wd.join().unwrap();
 }
+
+/// Asks the worker at `addr` for its stats; `None` when it closes without answering.
+async fn stats_of(addr: &str) -> Option<FromWorker> {
+    let mut s = authed(addr).await;
+    write_frame(&mut s, FrameKind::Control, &encode_control(&ToWorker::Stats).unwrap()).await.unwrap();
+    match read_frame(&mut s).await {
+        Ok(Some((FrameKind::Control, p))) => Some(decode_control(&p).unwrap()),
+        _ => None,
+    }
+}
+
+/// A worker whose batcher thread died (a panic in a step) must not look healthy: it answers no
+/// stats, so the gateway marks it down, and it refuses requests instead of queueing them forever.
+#[test]
+fn a_worker_whose_batcher_died_answers_no_stats_and_takes_no_requests() {
+    let e = engine();
+    let (w, h) = spawn(&e, "x0");
+    rt().block_on(async {
+        let addr = listen(&h, Role::Both).await;
+        assert!(matches!(stats_of(&addr).await, Some(FromWorker::Stats(_))), "alive: it answers");
+        h.fault_panic();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while h.is_alive() {
+            assert!(Instant::now() < deadline, "the batcher thread did not stop");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(stats_of(&addr).await.is_none(), "a dead worker answers no stats");
+        let r =
+            RemoteRequest::open(&addr, &secret(), msg(1, prompt(1, 8), Mode::Full), Duration::from_secs(30))
+                .await;
+        assert!(r.is_err(), "a dead worker takes no request");
+    });
+    drop(h);
+    assert!(w.join().is_err(), "the batcher thread ended in a panic");
+}
