@@ -427,6 +427,24 @@ mod tests {
         }
     }
 
+    /// A worker that accepts a poll and never answers holds one connection, not one per tick:
+    /// the next poll starts only after this one timed out ([`POLL_TIMEOUT`] > 3 ticks).
+    #[tokio::test]
+    async fn a_hanging_worker_is_never_polled_twice_at_once() {
+        let mute = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = mute.local_addr().unwrap().to_string();
+        let reg = Registry::start(Vec::new(), ClusterSecret::open());
+        assert_eq!(reg.register(addr, Role::Both).await.unwrap(), Registered::Added);
+        let (first, _) = mute.accept().await.unwrap();
+        let window = POLL_TIMEOUT - POLL_INTERVAL;
+        let mut held = vec![first];
+        let deadline = tokio::time::Instant::now() + window;
+        while let Ok(Ok((s, _))) = tokio::time::timeout_at(deadline, mute.accept()).await {
+            held.push(s);
+        }
+        assert_eq!(held.len(), 1, "polls overlapped while the first was still out");
+    }
+
     #[tokio::test]
     async fn hostile_stats_neither_panic_nor_win_the_routing() {
         let reg = Registry::start(Vec::new(), ClusterSecret::open());
