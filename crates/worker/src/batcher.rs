@@ -14,8 +14,14 @@
 //! later). Running sequences' KV is never touched by anyone else, so a full cache delays work but
 //! never corrupts it. A sequence's blocks are freed whenever it leaves the running set: finished,
 //! failed, cancelled (its event receiver was dropped) or preempted.
+//!
+//! Slow readers: a sequence whose reader fell `PAUSE_AT` text events behind is paused — not
+//! stepped — until it catches up, so generation never runs ahead of a client that stopped
+//! reading. A paused sequence keeps its KV while nobody waits for room; when a request is
+//! waiting, paused sequences are parked (blocks freed, tokens kept, recomputed on resuming),
+//! so a client that does not read can never hold KV others need.
 
-use crate::handle::{Transfer, WorkEvent, WorkMode, WorkRequest, WorkerConfig, WorkerStats};
+use crate::handle::{Backlog, Transfer, WorkEvent, WorkMode, WorkRequest, WorkerConfig, WorkerStats};
 use crate::pd::KvBlocks;
 use crate::seq::{Ending, Seq};
 use std::collections::VecDeque;
@@ -69,6 +75,7 @@ pub(crate) struct Submission {
     pub(crate) max_tokens: usize,
     pub(crate) sampler: Sampler,
     pub(crate) events: UnboundedSender<WorkEvent>,
+    pub(crate) backlog: Backlog,
     pub(crate) permit: OwnedSemaphorePermit,
 }
 
@@ -83,6 +90,9 @@ pub(crate) struct Batcher {
     running: Vec<Seq>,
     /// Decode mode: sequences waiting for their KV and first token.
     pub(crate) awaiting: Vec<Seq>,
+    /// Paused sequences whose KV was given up for waiting requests; they queue again once their
+    /// readers catch up.
+    parked: Vec<Seq>,
     prefix: Option<PrefixCache<BlockId>>,
     /// The token ids of every block in the prefix cache, checked on every hit (a hit is served
     /// only for the very tokens it was computed from).
@@ -122,6 +132,7 @@ impl Batcher {
             waiting: VecDeque::new(),
             running: Vec::new(),
             awaiting: Vec::new(),
+            parked: Vec::new(),
             prefix,
             started: Instant::now(),
             busy: Duration::ZERO,
@@ -135,18 +146,24 @@ impl Batcher {
     pub(crate) fn run(mut self) {
         tracing::info!(worker = %self.cfg.id, "worker started");
         loop {
-            if self.running.is_empty() && self.waiting.is_empty() {
-                if self.closed && self.awaiting.is_empty() {
+            self.resume_parked();
+            let paused = self.running.iter().any(Seq::paused) || !self.parked.is_empty();
+            if self.waiting.is_empty() && self.running.iter().all(Seq::paused) {
+                if self.closed && self.awaiting.is_empty() && self.running.is_empty() {
                     break;
                 }
                 // Idle: block until there is work or every handle is gone. Requests waiting for
-                // a KV transfer need their deadlines checked, so they bound the wait.
-                let got = if self.awaiting.is_empty() {
+                // a KV transfer need their deadlines checked, and paused ones their readers
+                // (which do not signal this thread), so they bound the wait.
+                let wait = if paused { Duration::from_millis(5) } else { Duration::from_millis(100) };
+                let got = if self.closed {
+                    // No handle left to send anything: only time passes (never a busy loop).
+                    std::thread::sleep(wait);
+                    Err(false)
+                } else if self.awaiting.is_empty() && !paused {
                     self.rx.recv().map_err(|_| true)
                 } else {
-                    self.rx
-                        .recv_timeout(Duration::from_millis(100))
-                        .map_err(|e| matches!(e, mpsc::RecvTimeoutError::Disconnected))
+                    self.rx.recv_timeout(wait).map_err(|e| matches!(e, mpsc::RecvTimeoutError::Disconnected))
                 };
                 match got {
                     Ok(cmd) => self.accept(cmd),
@@ -166,7 +183,7 @@ impl Batcher {
             }
             self.reap_cancelled();
             self.activate_ready();
-            if !(self.running.is_empty() && self.waiting.is_empty()) {
+            if !self.waiting.is_empty() || self.running.iter().any(|s| !s.paused()) {
                 self.step();
             }
             self.publish();
@@ -215,7 +232,7 @@ impl Batcher {
     /// Drops sequences whose client went away, returning their blocks.
     fn reap_cancelled(&mut self) {
         let mut gone = Vec::new();
-        for list in [&mut self.running, &mut self.awaiting] {
+        for list in [&mut self.running, &mut self.awaiting, &mut self.parked] {
             list.retain_mut(|s| {
                 let closed = s.events.is_closed();
                 if closed {
@@ -240,6 +257,39 @@ impl Batcher {
         if n > 0 {
             tracing::debug!(cancelled = n, "requests cancelled by their clients");
             self.stats.cancelled += n as u64;
+        }
+    }
+
+    /// Queues parked sequences whose readers caught up again (ahead of newer requests).
+    fn resume_parked(&mut self) {
+        let mut i = 0;
+        while i < self.parked.len() {
+            if self.parked[i].may_resume() {
+                let seq = self.parked.swap_remove(i);
+                self.waiting.push_front(seq);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// With a request waiting for room, paused sequences give their KV up (they recompute it on
+    /// resuming): a client that stopped reading never holds blocks another request needs.
+    fn park_paused(&mut self) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].paused() {
+                let mut seq = self.running.remove(i);
+                self.free(&mut seq);
+                tracing::debug!(request = %seq.id, "parked: its reader is behind and a request waits");
+                self.stats.preempted += 1;
+                self.parked.push(seq);
+            } else {
+                i += 1;
+            }
         }
     }
 
@@ -353,10 +403,15 @@ impl Batcher {
     /// Decides how many tokens each running sequence feeds this step, admitting waiting ones.
     /// `plan[i]` belongs to `running[i]`; 0 means "not this step".
     fn plan(&mut self) -> Vec<usize> {
+        self.park_paused();
         // Decodes first: they may preempt the youngest sequences to get their next block.
         loop {
-            let need: usize =
-                self.running.iter().filter(|s| s.is_decoding()).map(|s| self.new_blocks(s, 1)).sum();
+            let need: usize = self
+                .running
+                .iter()
+                .filter(|s| s.is_decoding() && !s.paused())
+                .map(|s| self.new_blocks(s, 1))
+                .sum();
             if need <= self.available() || self.running.len() <= 1 {
                 break;
             }
@@ -368,7 +423,7 @@ impl Batcher {
         let mut budget = self.cfg.prefill_chunk;
         let mut plan = vec![0; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
-            if s.is_decoding() {
+            if s.is_decoding() && !s.paused() {
                 let need = self.new_blocks(s, 1);
                 if need <= free {
                     free -= need;
@@ -424,6 +479,9 @@ impl Batcher {
     /// Runs one forward step over the planned batch and handles its outputs.
     fn step(&mut self) {
         let mut plan = self.plan();
+        if plan.iter().all(|&n| n == 0) && self.waiting.is_empty() && self.running.iter().any(Seq::paused) {
+            return; // only paused sequences: nothing to do until a reader catches up
+        }
         if plan.iter().all(|&n| n == 0) {
             // Nothing fits: make room, or fail a request that can never fit.
             let total = self.cache.total_blocks();
@@ -562,7 +620,7 @@ impl Batcher {
 
     fn publish(&mut self) {
         let available = self.available();
-        self.stats.waiting = self.waiting.len() + self.awaiting.len();
+        self.stats.waiting = self.waiting.len() + self.awaiting.len() + self.parked.len();
         self.stats.running = self.running.len();
         self.stats.kv_blocks_used = self.cache.total_blocks() - available;
         self.stats.kv_blocks_free = available;

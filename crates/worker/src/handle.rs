@@ -11,6 +11,7 @@ use crate::batcher::{Batcher, Command, Submission};
 use crate::pd::KvBlocks;
 use crate::WorkerError;
 use std::sync::mpsc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -216,6 +217,33 @@ pub enum WorkEvent {
 pub struct WorkStream {
     id: RequestId,
     rx: tmpsc::UnboundedReceiver<WorkEvent>,
+    backlog: Backlog,
+}
+
+/// A sequence pauses (is not stepped) while this many of its text events wait unread.
+pub(crate) const PAUSE_AT: usize = 64;
+/// A paused sequence resumes once its reader is down to this many.
+pub(crate) const RESUME_AT: usize = 16;
+
+/// Text events a sequence sent that its reader has not taken yet: generation pauses for a
+/// client that stops reading instead of running ahead of it (security review H7). Shared by the
+/// batcher (which counts sends) and the [`WorkStream`] (which counts takes); a relaxed counter is
+/// enough, since a pause that starts or ends a step late changes nothing but timing.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Backlog(Arc<AtomicUsize>);
+
+impl Backlog {
+    pub(crate) fn sent(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn taken(&self) {
+        let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    pub(crate) fn get(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 impl WorkStream {
@@ -223,7 +251,13 @@ impl WorkStream {
     /// gateway's remote workers): the same type reaches the HTTP layer either way.
     pub fn channel(id: RequestId) -> (tmpsc::UnboundedSender<WorkEvent>, Self) {
         let (tx, rx) = tmpsc::unbounded_channel();
-        (tx, Self { id, rx })
+        (tx, Self { id, rx, backlog: Backlog::default() })
+    }
+
+    fn took(&self, e: &Option<WorkEvent>) {
+        if let Some(WorkEvent::Text { .. }) = e {
+            self.backlog.taken();
+        }
     }
 
     /// The request this stream belongs to.
@@ -233,12 +267,16 @@ impl WorkStream {
 
     /// The next event; `None` once the stream is over.
     pub async fn next(&mut self) -> Option<WorkEvent> {
-        self.rx.recv().await
+        let e = self.rx.recv().await;
+        self.took(&e);
+        e
     }
 
     /// The next event, blocking the calling thread (not for async code).
     pub fn blocking_next(&mut self) -> Option<WorkEvent> {
-        self.rx.blocking_recv()
+        let e = self.rx.blocking_recv();
+        self.took(&e);
+        e
     }
 }
 
@@ -466,9 +504,10 @@ impl WorkerHandle {
             .map_err(|_| WorkerError::Overloaded { max: self.max_queue })?;
         let (events, rx) = tmpsc::unbounded_channel();
         let id = req.id;
-        let sub = Submission { req, max_tokens, sampler, events, permit };
+        let backlog = Backlog::default();
+        let sub = Submission { req, max_tokens, sampler, events, backlog: backlog.clone(), permit };
         self.tx.send(Command::Submit(Box::new(sub))).map_err(|_| WorkerError::Stopped)?;
-        Ok(WorkStream { id, rx })
+        Ok(WorkStream { id, rx, backlog })
     }
 }
 

@@ -7,7 +7,7 @@
 //! a `Decode` sequence starts with imported KV and the first token already sampled elsewhere.
 
 use crate::batcher::Submission;
-use crate::handle::{TokenUsage, WorkEvent, WorkMode, WorkRequest};
+use crate::handle::{Backlog, TokenUsage, WorkEvent, WorkMode, WorkRequest, PAUSE_AT, RESUME_AT};
 use std::time::Instant;
 use tokenpath_engine::kv_cache::BlockTable;
 use tokenpath_engine::sampling::{Sampler, SamplerState};
@@ -61,6 +61,8 @@ pub(crate) struct Seq {
     pub(crate) first_token_done: bool,
     pub(crate) decode_started: bool,
     pub(crate) events: UnboundedSender<WorkEvent>,
+    /// Text events sent and not yet read (what pauses this sequence).
+    backlog: Backlog,
     /// The queue slot, held while waiting for the first prefill chunk.
     pub(crate) permit: Option<OwnedSemaphorePermit>,
     /// Prompt tokens served from the prefix cache at first admission.
@@ -87,7 +89,7 @@ pub(crate) struct Seq {
 
 impl Seq {
     pub(crate) fn new(sub: Submission) -> Self {
-        let Submission { req, max_tokens, sampler, events, permit } = sub;
+        let Submission { req, max_tokens, sampler, events, backlog, permit } = sub;
         let WorkRequest { id, prompt, mode, stop, ignore_eos, arrived, admitted, meter, cache_scope, .. } =
             req;
         let mut seq = Seq {
@@ -111,6 +113,7 @@ impl Seq {
             first_token_done: false,
             decode_started: false,
             events,
+            backlog,
             permit: Some(permit),
             cached_tokens: 0,
             hashes: Vec::new(),
@@ -142,6 +145,16 @@ impl Seq {
         self.tokens.len() - self.fed
     }
 
+    /// Its reader fell [`PAUSE_AT`] text events behind: not stepped until it catches up.
+    pub(crate) fn paused(&self) -> bool {
+        self.backlog.get() >= PAUSE_AT
+    }
+
+    /// A parked (paused, KV given up) sequence may queue again.
+    pub(crate) fn may_resume(&self) -> bool {
+        self.backlog.get() <= RESUME_AT
+    }
+
     /// A decoding sequence feeds exactly its last sampled token.
     pub(crate) fn is_decoding(&self) -> bool {
         self.first_token_done && self.unfed() == 1
@@ -156,6 +169,7 @@ impl Seq {
             self.stamp(Mark::Token, at);
         }
         // A dropped receiver is noticed (and the sequence cancelled) at the next step.
+        self.backlog.sent();
         let _ = self.events.send(WorkEvent::Text { delta, tokens });
     }
 

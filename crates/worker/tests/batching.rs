@@ -300,3 +300,42 @@ fn random_mix_of_submissions_and_cancellations_never_leaks_blocks() {
     let stats = handle.stats();
     assert!(stats.cancelled > 0, "{stats:?}");
 }
+
+/// Security review H7: generation pauses for a reader that stopped (it never runs ahead of its
+/// client), a paused request gives up KV another request needs, and once read again it ends
+/// with exactly the text it would have generated unpaused.
+#[test]
+fn a_reader_that_stops_pauses_its_sequence_and_never_holds_kv_others_need() {
+    let engine = engine(512);
+    // 64 blocks of 8: the unread request holds ~22, the second needs 50 for its prompt alone.
+    let config = WorkerConfig { kv_tokens: Some(512), block_size: 8, ..WorkerConfig::default() };
+    let worker = Worker::spawn(Arc::clone(&engine), config).expect("worker");
+    let handle = worker.handle();
+    let unread = |id| {
+        let mut r = request(id, prompt(1, 100), Some(300));
+        r.ignore_eos = true;
+        r
+    };
+    let reference = collect(handle.submit(unread(1)).expect("submit"));
+    assert_eq!(reference.completion_tokens, 300);
+
+    let before = handle.stats().generated_tokens;
+    let slow = handle.submit(unread(2)).expect("submit");
+    wait_until(&handle, "the reader to fall behind", |s| s.generated_tokens >= before + 64);
+    // Paused: a few hundred milliseconds pass and not one token more is generated.
+    let held = handle.stats().generated_tokens;
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(handle.stats().generated_tokens, held, "generation ran ahead of a reader that stopped");
+    assert!(held - before < 300);
+
+    // A request that needs more KV than is free while the unread one holds its blocks.
+    let mut big = request(3, prompt(3, 400), Some(100));
+    big.ignore_eos = true;
+    let big = collect(handle.submit(big).expect("submit"));
+    assert_eq!(big.completion_tokens, 100, "served while the unread request waited");
+    assert!(handle.stats().preempted > 0, "the unread request gave its KV up: {:?}", handle.stats());
+
+    let slow = collect(slow);
+    assert_eq!(slow.text, reference.text, "pausing (and recomputing) changed nothing");
+    wait_until(&handle, "every block back", |s| s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0);
+}
