@@ -10,8 +10,8 @@
 use crate::batcher::{Batcher, Command, Submission};
 use crate::pd::KvBlocks;
 use crate::WorkerError;
-use std::sync::mpsc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -230,28 +230,81 @@ pub(crate) const RESUME_AT: usize = 16;
 /// batcher (which counts sends) and the [`WorkStream`] (which counts takes); a relaxed counter is
 /// enough, since a pause that starts or ends a step late changes nothing but timing.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Backlog(Arc<AtomicUsize>);
+pub(crate) struct Backlog(Arc<BacklogState>);
+
+#[derive(Debug, Default)]
+struct BacklogState {
+    unread: AtomicUsize,
+    /// Woken when the reader takes the backlog below [`PAUSE_AT`] (for async senders).
+    drained: tokio::sync::Notify,
+}
 
 impl Backlog {
     pub(crate) fn sent(&self) {
-        self.0.fetch_add(1, Ordering::Relaxed);
+        self.0.unread.fetch_add(1, Ordering::Relaxed);
     }
 
     fn taken(&self) {
-        let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        let before = self.0.unread.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if before == Ok(PAUSE_AT) {
+            self.0.drained.notify_waiters();
+        }
     }
 
     pub(crate) fn get(&self) -> usize {
-        self.0.load(Ordering::Relaxed)
+        self.0.unread.load(Ordering::Relaxed)
+    }
+
+    /// Waits until fewer than [`PAUSE_AT`] text events are unread.
+    async fn room(&self) {
+        loop {
+            let drained = self.0.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.get() < PAUSE_AT {
+                return;
+            }
+            drained.await;
+        }
+    }
+}
+
+/// The sending side of [`WorkStream::channel`]: events go through at once, and a relay that
+/// waits for [`StreamSender::room`] before reading its source passes the reader's pace on (the
+/// gateway's relay of a remote worker stops reading the worker's socket, so the worker pauses).
+#[derive(Debug)]
+pub struct StreamSender {
+    tx: tmpsc::UnboundedSender<WorkEvent>,
+    backlog: Backlog,
+}
+
+impl StreamSender {
+    /// Sends `event`; `false` when the reader is gone.
+    pub fn send(&self, event: WorkEvent) -> bool {
+        if let WorkEvent::Text { .. } = event {
+            self.backlog.sent();
+        }
+        self.tx.send(event).is_ok()
+    }
+
+    /// Resolves when the reader is gone.
+    pub async fn closed(&self) {
+        self.tx.closed().await;
+    }
+
+    /// Resolves when the reader has fewer than [`PAUSE_AT`] text events unread.
+    pub async fn room(&self) {
+        self.backlog.room().await;
     }
 }
 
 impl WorkStream {
     /// A stream fed by the returned sender, for backends other than a local batcher (the
     /// gateway's remote workers): the same type reaches the HTTP layer either way.
-    pub fn channel(id: RequestId) -> (tmpsc::UnboundedSender<WorkEvent>, Self) {
+    pub fn channel(id: RequestId) -> (StreamSender, Self) {
         let (tx, rx) = tmpsc::unbounded_channel();
-        (tx, Self { id, rx, backlog: Backlog::default() })
+        let backlog = Backlog::default();
+        (StreamSender { tx, backlog: backlog.clone() }, Self { id, rx, backlog })
     }
 
     fn took(&self, e: &Option<WorkEvent>) {

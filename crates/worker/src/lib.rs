@@ -20,8 +20,8 @@ mod pd;
 mod seq;
 
 pub use handle::{
-    validate_request, FrameSums, TokenMeter, TokenUsage, Transfer, TransferToken, WorkEvent, WorkMode,
-    WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle, WorkerStats, DEFAULT_BLOCK_SIZE,
+    validate_request, FrameSums, StreamSender, TokenMeter, TokenUsage, Transfer, TransferToken, WorkEvent,
+    WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle, WorkerStats, DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
 };
 pub use pd::KvBlocks;
@@ -115,5 +115,27 @@ mod tests {
         }
         let err = "mixed".parse::<Role>().unwrap_err();
         assert!(err.to_string().contains("mixed"));
+    }
+
+    /// A relay (the gateway's, of a remote worker) that waits for `room` reads its source no
+    /// faster than the stream's reader takes events: the reader's pace travels upstream.
+    #[tokio::test]
+    async fn a_relay_waits_while_its_reader_is_behind() {
+        let (tx, mut stream) = WorkStream::channel(tokenpath_timeline::RequestId(1));
+        let text = || WorkEvent::Text { delta: "x".into(), tokens: 1 };
+        for _ in 0..handle::PAUSE_AT {
+            assert!(tx.send(text()));
+        }
+        let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), tx.room()).await;
+        assert!(waiting.is_err(), "room while the reader is {} behind", handle::PAUSE_AT);
+        let room = tokio::spawn(async move {
+            tx.room().await;
+            tx
+        });
+        assert!(matches!(stream.next().await, Some(WorkEvent::Text { .. })));
+        let tx = room.await.unwrap();
+        assert!(tx.send(text()), "the reader took one: room again");
+        drop(stream);
+        tx.closed().await;
     }
 }

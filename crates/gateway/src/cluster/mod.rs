@@ -22,8 +22,7 @@ use tokenpath_protocol::cluster::{
 use tokenpath_timeline::{ms, FinishReason, ServerTiming, Stage};
 use tokenpath_worker::net::client::RemoteRequest;
 use tokenpath_worker::net::{sampling_msg, usage_of};
-use tokenpath_worker::{TokenMeter, WorkEvent, WorkRequest, WorkStream, WorkerError};
-use tokio::sync::mpsc::UnboundedSender;
+use tokenpath_worker::{StreamSender, TokenMeter, WorkEvent, WorkRequest, WorkStream, WorkerError};
 
 /// How long opening a request on a worker may take.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -182,7 +181,7 @@ impl Clock {
     }
 }
 
-fn fail(tx: &UnboundedSender<WorkEvent>, message: String) {
+fn fail(tx: &StreamSender, message: String) {
     let _ = tx.send(WorkEvent::Failed { message });
 }
 
@@ -201,12 +200,18 @@ enum Relayed {
 /// worker finishes or hands off. Every other ending is handled here, once for all pumps.
 async fn relay(
     conn: &mut RemoteRequest,
-    tx: &UnboundedSender<WorkEvent>,
+    tx: &StreamSender,
     first: &mut Option<Instant>,
     registry: &Registry,
     meter: Option<&dyn TokenMeter>,
 ) -> Relayed {
     loop {
+        // The client's pace reaches the worker: with its reader behind, this stops reading the
+        // worker's socket, the worker's writes wait, and its batcher pauses the sequence.
+        tokio::select! {
+            () = tx.room() => {}
+            () = tx.closed() => return Relayed::Over,
+        }
         let event = tokio::select! {
             r = conn.next() => r,
             () = tx.closed() => return Relayed::Over,
@@ -214,7 +219,8 @@ async fn relay(
         match event {
             Ok(Some(FromWorker::Text { delta, tokens })) => {
                 first.get_or_insert_with(Instant::now);
-                // Charged as the worker produced them (this task reads the worker at once).
+                // Charged as the worker produced them (it produces no more than the client
+                // reads, give or take the socket buffers).
                 if let Some(m) = meter {
                     m.generated(tokens);
                 }
@@ -245,7 +251,7 @@ async fn relay(
 
 async fn pump_colocated(
     mut conn: RemoteRequest,
-    tx: &UnboundedSender<WorkEvent>,
+    tx: &StreamSender,
     clock: Clock,
     registry: &Registry,
     meter: Option<Arc<dyn TokenMeter>>,
@@ -264,7 +270,7 @@ async fn pump_colocated(
 async fn pump_disaggregated(
     mut pconn: RemoteRequest,
     mut dconn: RemoteRequest,
-    tx: &UnboundedSender<WorkEvent>,
+    tx: &StreamSender,
     clock: Clock,
     registry: &Registry,
     meter: Option<Arc<dyn TokenMeter>>,

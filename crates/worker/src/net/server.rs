@@ -155,6 +155,22 @@ async fn connection(
     }
 }
 
+/// Longest a write to the gateway may wait. The gateway stops reading while its client does
+/// (the request then pauses here) and cuts such a client off after its write timeout, which
+/// ends this connection; this bounds the wait on a gateway that stopped reading altogether.
+pub const GATEWAY_WRITE_STALL: Duration = Duration::from_secs(120);
+
+async fn to_gateway<W: tokio::io::AsyncWrite + Unpin>(
+    wr: &mut W,
+    msg: &FromWorker,
+) -> Result<(), ProtocolError> {
+    tokio::time::timeout(GATEWAY_WRITE_STALL, write_control(wr, msg)).await.map_err(|_| {
+        ProtocolError::Connection {
+            message: format!("the gateway took nothing for {} s", GATEWAY_WRITE_STALL.as_secs()),
+        }
+    })?
+}
+
 fn reject_of(e: &WorkerError) -> (RejectKind, String) {
     let kind = match e {
         WorkerError::Overloaded { .. } => RejectKind::Overloaded,
@@ -251,14 +267,14 @@ async fn generate(
     let mut alive = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
     loop {
         tokio::select! {
-            _ = alive.tick() => write_control(&mut wr, &FromWorker::KeepAlive).await?,
+            _ = alive.tick() => to_gateway(&mut wr, &FromWorker::KeepAlive).await?,
             event = stream.next() => {
                 alive.reset();
                 let Some(event) = event else {
                     return write_control(&mut wr, &FromWorker::Failed { message: "the worker stopped".into() }).await;
                 };
                 match event {
-                    WorkEvent::Text { delta, tokens } => write_control(&mut wr, &FromWorker::Text { delta, tokens }).await?,
+                    WorkEvent::Text { delta, tokens } => to_gateway(&mut wr, &FromWorker::Text { delta, tokens }).await?,
                     WorkEvent::Kv { first_block, bytes, sums } => {
                         if let Some(kv) = &kv {
                             kv.chunk(first_block, bytes, sums.0);
