@@ -1,10 +1,8 @@
 //! A connection that will not take bytes is cut off: [`WriteDeadline`] fails a write (or flush)
 //! that has made no progress for its deadline.
 //!
-//! The worker does not wait for a client: generation pausing for a slow reader would pin the
-//! request's KV blocks and batch slot at the client's pace (the pause the security review
-//! suggested was tried and dropped: paused sequences starved queued ones of KV). A response is
-//! bounded anyway (`max_tokens`, charged as it is sampled, security review H7); what stayed
+//! Generation already pauses for a client that stops reading (the worker's batcher does not
+//! step a sequence whose reader is behind, and gives its KV up when others need it); what stayed
 //! unbounded is the *connection*: a client that advertises a zero window kept the socket, its
 //! buffered events and a connection place forever, since hyper has no write timeout. With this,
 //! hyper sees `TimedOut`, drops the response body, and the request is cancelled like any other
