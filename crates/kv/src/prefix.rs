@@ -24,13 +24,16 @@ struct Entry<B> {
 #[derive(Debug, Clone)]
 pub struct PrefixCache<B> {
     map: HashMap<BlockHash, Entry<B>>,
-    lru: BTreeMap<u64, BlockHash>,
+    /// The leaves (entries nothing cached extends) by last use: eviction looks only here, so it
+    /// never walks past the parents of long chains (security review L8: a scan of every entry,
+    /// oldest first, made each eviction cost about a chain's length).
+    leaves: BTreeMap<u64, BlockHash>,
     tick: u64,
 }
 
 impl<B> Default for PrefixCache<B> {
     fn default() -> Self {
-        Self { map: HashMap::new(), lru: BTreeMap::new(), tick: 0 }
+        Self { map: HashMap::new(), leaves: BTreeMap::new(), tick: 0 }
     }
 }
 
@@ -59,9 +62,11 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
         self.tick += 1;
         let tick = self.tick;
         if let Some(e) = self.map.get_mut(&hash) {
-            self.lru.remove(&e.tick);
+            if e.children == 0 {
+                self.leaves.remove(&e.tick);
+                self.leaves.insert(tick, hash);
+            }
             e.tick = tick;
-            self.lru.insert(tick, hash);
         }
     }
 
@@ -92,13 +97,18 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
         }
         if let Some(p) = parent {
             match self.map.get_mut(&p) {
-                Some(pe) => pe.children += 1,
+                Some(pe) => {
+                    if pe.children == 0 {
+                        self.leaves.remove(&pe.tick);
+                    }
+                    pe.children += 1;
+                }
                 None => return false,
             }
         }
         self.tick += 1;
         self.map.insert(hash, Entry { block, parent, children: 0, tick: self.tick });
-        self.lru.insert(self.tick, hash);
+        self.leaves.insert(self.tick, hash);
         true
     }
 
@@ -106,16 +116,32 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
     /// but the index references it) and returns its block, which the caller releases.
     pub fn evict(&mut self, mut can_free: impl FnMut(B) -> bool) -> Option<B> {
         let (tick, hash) = self
-            .lru
+            .leaves
             .iter()
             .map(|(t, h)| (*t, *h))
-            .find(|(_, h)| self.map.get(h).is_some_and(|e| e.children == 0 && can_free(e.block)))?;
-        self.lru.remove(&tick);
+            .find(|(_, h)| self.map.get(h).is_some_and(|e| can_free(e.block)))?;
+        self.leaves.remove(&tick);
         let e = self.map.remove(&hash)?;
-        if let Some(pe) = e.parent.and_then(|p| self.map.get_mut(&p)) {
-            pe.children = pe.children.saturating_sub(1);
+        if let Some(p) = e.parent {
+            if let Some(pe) = self.map.get_mut(&p) {
+                pe.children = pe.children.saturating_sub(1);
+                if pe.children == 0 {
+                    self.leaves.insert(pe.tick, p);
+                }
+            }
         }
         Some(e.block)
+    }
+
+    /// The leaf index holds exactly the entries without children, each at its own tick.
+    #[cfg(test)]
+    fn check_leaves(&self) {
+        let leaves: Vec<(u64, BlockHash)> =
+            self.map.iter().filter(|(_, e)| e.children == 0).map(|(h, e)| (e.tick, *h)).collect();
+        assert_eq!(leaves.len(), self.leaves.len());
+        for (t, h) in leaves {
+            assert_eq!(self.leaves.get(&t), Some(&h));
+        }
     }
 
     /// How many blocks [`PrefixCache::evict`] could free right now, evicting repeatedly (a
@@ -228,6 +254,10 @@ mod tests {
                     next += 1;
                     parent = Some(h);
                 }
+                // Touch an earlier chain's prefix: reorders the LRU (leaves and inner entries).
+                let first = chain(&seqs[0]);
+                let _ = c.lookup(&first[..first.len().min(1)]);
+                c.check_leaves();
             }
             let can = |b: u32| !pinned.contains(&b);
             let expect = c.evictable(can);
@@ -235,6 +265,7 @@ mod tests {
             while let Some(b) = c.evict(can) {
                 prop_assert!(!got.contains(&b));
                 got.push(b);
+                c.check_leaves();
             }
             prop_assert_eq!(got.len(), expect);
             got.sort_unstable();
