@@ -49,6 +49,9 @@ pub struct WorkerConfig {
     pub block_size: usize,
     /// Reuse the KV of prompt prefixes seen before (chained block hashes, LRU eviction).
     pub prefix_cache: bool,
+    /// Longest a decode-mode request waits for its first token (its prompt's KV is reserved
+    /// meanwhile) before it fails and gives the blocks back.
+    pub handoff_wait: std::time::Duration,
 }
 
 impl Default for WorkerConfig {
@@ -61,6 +64,7 @@ impl Default for WorkerConfig {
             kv_tokens: None,
             block_size: DEFAULT_BLOCK_SIZE,
             prefix_cache: true,
+            handoff_wait: crate::pd::HANDOFF_WAIT,
         }
     }
 }

@@ -85,9 +85,10 @@ impl Drop for KvBlocks {
 
 /// How long a decode-mode request waits for its KV after the handoff before recomputing it.
 pub(crate) const KV_WAIT_AFTER_HANDOFF: Duration = Duration::from_secs(10);
-/// How long a decode-mode request waits for its handoff at all (its prompt's KV blocks are
-/// reserved meanwhile): long enough for a long prompt's queue wait and prefill elsewhere.
-pub(crate) const HANDOFF_WAIT: Duration = Duration::from_secs(120);
+/// How long a decode-mode request waits for its handoff at all by default
+/// ([`crate::WorkerConfig::handoff_wait`]; its prompt's KV blocks are reserved meanwhile): long
+/// enough for a long prompt's queue wait and prefill elsewhere.
+pub const HANDOFF_WAIT: Duration = Duration::from_secs(120);
 
 /// Whether `seq` waits for the transfer with id `id` (whatever its token: only for messages
 /// that come on the request's own connection or from inside the worker).
@@ -242,7 +243,7 @@ impl Batcher {
                     s.kv = KvState::Failed(now);
                 }
             }
-            if s.handoff.is_none() && now.duration_since(s.arrived) > HANDOFF_WAIT {
+            if s.handoff.is_none() && now.duration_since(s.arrived) > self.cfg.handoff_wait {
                 let mut seq = self.awaiting.swap_remove(i);
                 self.free(&mut seq);
                 seq.end(Ending::Failed("the first token never arrived".into()), now, &self.cfg.id);

@@ -339,3 +339,27 @@ fn a_reader_that_stops_pauses_its_sequence_and_never_holds_kv_others_need() {
     assert_eq!(slow.text, reference.text, "pausing (and recomputing) changed nothing");
     wait_until(&handle, "every block back", |s| s.kv_blocks_used == 0 && s.running == 0 && s.waiting == 0);
 }
+
+/// Security review M3: a decode-mode reservation whose first token never comes ends after
+/// `handoff_wait` with an error and gives its KV back (it used to hold it for ten minutes).
+#[test]
+fn a_decode_reservation_without_a_handoff_ends_and_frees_its_kv() {
+    let engine = engine(512);
+    let config = WorkerConfig { handoff_wait: Duration::from_millis(300), ..WorkerConfig::default() };
+    let worker = Worker::spawn(Arc::clone(&engine), config).expect("worker");
+    let handle = worker.handle();
+    let mut req = request(1, prompt(1, 100), Some(8));
+    req.mode = tokenpath_worker::WorkMode::Decode(tokenpath_worker::Transfer {
+        id: 7,
+        token: tokenpath_worker::TransferToken([7; 16]),
+    });
+    let mut stream = handle.submit(req).expect("submit");
+    wait_until(&handle, "the reservation", |s| s.kv_blocks_used > 0);
+    match stream.blocking_next() {
+        Some(WorkEvent::Failed { message }) => {
+            assert!(message.contains("first token never arrived"), "{message}")
+        }
+        other => panic!("expected the reservation to fail, got {other:?}"),
+    }
+    wait_until(&handle, "the blocks back", |s| s.kv_blocks_used == 0 && s.waiting == 0);
+}
