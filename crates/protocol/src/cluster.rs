@@ -331,6 +331,25 @@ pub enum FromWorker {
     },
 }
 
+/// Longest text from a peer's `Rejected` or `Failed` message that reaches a client.
+pub const PEER_MESSAGE_MAX: usize = 512;
+
+/// A peer's error text as a client may see it: at most [`PEER_MESSAGE_MAX`] bytes (cut at a
+/// character boundary) and no control characters (a message cannot forge log lines or SSE
+/// framing, security review L6).
+pub fn peer_message(s: &str) -> String {
+    let mut out = String::with_capacity(s.len().min(PEER_MESSAGE_MAX));
+    for c in s.chars() {
+        let c = if c.is_control() { ' ' } else { c };
+        if out.len() + c.len_utf8() > PEER_MESSAGE_MAX {
+            out.push('…');
+            break;
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// Encodes a control message.
 pub fn encode_control<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
     serde_json::to_vec(msg).map_err(|e| ProtocolError::InvalidFrame { message: format!("encoding: {e}") })
@@ -454,6 +473,15 @@ mod tests {
             let e = serde_json::from_value::<SamplingMsg>(bad).unwrap_err();
             assert!(e.to_string().contains("finite"), "{field}: {e}");
         }
+    }
+
+    #[test]
+    fn peer_messages_are_cut_and_cleaned() {
+        assert_eq!(peer_message("no KV room"), "no KV room");
+        assert_eq!(peer_message("a\nb\r\u{1b}[31m"), "a b  [31m");
+        let long = "é".repeat(PEER_MESSAGE_MAX);
+        let cut = peer_message(&long);
+        assert!(cut.len() <= PEER_MESSAGE_MAX + '…'.len_utf8() && cut.ends_with('…'), "{}", cut.len());
     }
 
     #[test]

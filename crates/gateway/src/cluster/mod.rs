@@ -233,7 +233,7 @@ async fn relay(
                 return Relayed::Handoff(first_token, sampler, timing, usage)
             }
             Ok(Some(FromWorker::Failed { message })) => {
-                fail(tx, message);
+                fail(tx, tokenpath_protocol::cluster::peer_message(&message));
                 return Relayed::Over;
             }
             Ok(Some(other)) => {

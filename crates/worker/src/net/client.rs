@@ -4,7 +4,7 @@ use super::{connect_authenticated, read_control, within, write_control};
 use crate::WorkerError;
 use std::time::Duration;
 use tokenpath_protocol::auth::ClusterSecret;
-use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, RejectKind, StatsMsg, ToWorker};
+use tokenpath_protocol::cluster::{peer_message, FromWorker, GenerateMsg, RejectKind, StatsMsg, ToWorker};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
@@ -53,10 +53,13 @@ impl RemoteRequest {
             .map_err(|e| remote(addr, e))?;
         match first {
             Some(FromWorker::Accepted) => Ok(Self { addr: addr.to_owned(), rd, wr }),
-            Some(FromWorker::Rejected { kind, message }) => Err(match kind {
-                RejectKind::Overloaded => WorkerError::Overloaded { max: 0 },
-                RejectKind::ContextOverflow | RejectKind::Invalid => WorkerError::InvalidRequest(message),
-                RejectKind::Unavailable => WorkerError::Remote(format!("{addr}: {message}")),
+            Some(FromWorker::Rejected { kind, message }) => Err({
+                let message = peer_message(&message);
+                match kind {
+                    RejectKind::Overloaded => WorkerError::Overloaded { max: 0 },
+                    RejectKind::ContextOverflow | RejectKind::Invalid => WorkerError::InvalidRequest(message),
+                    RejectKind::Unavailable => WorkerError::Remote(format!("{addr}: {message}")),
+                }
             }),
             other => Err(remote(addr, format!("expected accepted, got {other:?}"))),
         }
