@@ -75,6 +75,7 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.set_unknown_method_callback(python_method);
         env.add_filter("tojson", tojson);
+        env.add_filter("format", pycompat::format);
         // A render is a few instructions per message; a template with nested loops over
         // `range(100000)` runs out instead of pinning a core (the error names the fuel).
         env.set_fuel(Some(TEMPLATE_FUEL));

@@ -180,6 +180,39 @@ fn title(s: &str) -> String {
     out
 }
 
+/// Widest field a printf-style `format` may ask for (`%5000000000d` would allocate petabytes:
+/// found by the chat_template fuzz target, an abort in-process).
+pub(crate) const MAX_FORMAT_WIDTH: u64 = 4096;
+
+/// The `format` filter (`"%s: %d"|format(a, b)`), refusing widths and precisions past
+/// [`MAX_FORMAT_WIDTH`] before minijinja's own implementation allocates them.
+pub(crate) fn format(spec: &str, args: minijinja::value::Rest<Value>) -> Result<Value, Error> {
+    let mut digits: u64 = 0;
+    let mut in_spec = false;
+    for c in spec.chars() {
+        match c {
+            '%' => {
+                in_spec = !in_spec;
+                digits = 0;
+            }
+            '0'..='9' if in_spec => {
+                digits = digits.saturating_mul(10).saturating_add(u64::from(c as u8 - b'0'));
+                if digits > MAX_FORMAT_WIDTH {
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        format!("a format width or precision over {MAX_FORMAT_WIDTH}"),
+                    ));
+                }
+            }
+            '.' | '-' | '+' | ' ' | '#' | '(' | ')' if in_spec => digits = 0,
+            c if in_spec && c.is_ascii_alphabetic() => in_spec = false,
+            _ => {}
+        }
+    }
+    charge(spec.len())?;
+    minijinja::format_filter(minijinja::FormatStyle::Printf, spec, &args).map(Value::from)
+}
+
 /// HF's `tojson`: `json.dumps(value, ensure_ascii=False, indent=None, sort_keys=False)`;
 /// accepts the `indent`, `ensure_ascii` and `sort_keys` keyword arguments.
 pub(crate) fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
@@ -361,6 +394,17 @@ mod tests {
         .unwrap();
         let e = t.render(&[super::super::ChatMessage::new("user", "y".repeat(100))], false).unwrap_err();
         assert!(e.to_string().contains("budget"), "{e}");
+    }
+
+    /// Regression (chat_template fuzz, 2026-12-02): `'%5544455555555555d'|format(1)` asked for a
+    /// petabyte allocation and aborted the process.
+    #[test]
+    fn format_refuses_huge_widths_and_still_formats() {
+        let t = |src: &str| super::super::ChatTemplate::new(src, "", "").unwrap().render(&[], false);
+        let e = t("{{ '%5544455555555555d'|format(1) }}").unwrap_err();
+        assert!(e.to_string().contains("format width"), "{e}");
+        assert!(t("{{ '%.99999s'|format('a') }}").is_err());
+        assert_eq!(t("{{ '%s=%03d'|format('n', 7) }}").unwrap(), "n=007");
     }
 
     #[test]
