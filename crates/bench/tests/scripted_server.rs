@@ -59,6 +59,37 @@ fn tokio_stream_from(
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
+/// Serves `app` on a fresh loopback port.
+async fn serve(app: axum::Router) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+/// `num_requests` fixed requests (16 in, 4 out) at 50/s against `addr`.
+fn config(addr: std::net::SocketAddr, stream: bool, num_requests: usize, timeout: Duration) -> RunConfig {
+    RunConfig {
+        target: Target {
+            url: format!("http://{addr}"),
+            model: "m".into(),
+            api_key: None,
+            stream,
+            ignore_eos: false,
+            timeout,
+        },
+        workload: Workload::Fixed { input: 16, output: 4 },
+        arrival: Arrival::Constant { rate: 50.0 },
+        concurrency: None,
+        num_requests,
+        seed: 1,
+        duration: None,
+        ramp: None,
+        tokenizer: None,
+        send_counter: None,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_follow_the_definitions_over_a_real_socket() {
     let counter = Arc::new(AtomicU64::new(0));
@@ -69,29 +100,8 @@ async fn records_follow_the_definitions_over_a_real_socket() {
             move || chat(c.clone())
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-
-    let cfg = RunConfig {
-        target: Target {
-            url: format!("http://{addr}"),
-            model: "m".into(),
-            api_key: None,
-            stream: true,
-            ignore_eos: false,
-            timeout: Duration::from_secs(30),
-        },
-        workload: Workload::Fixed { input: 16, output: 4 },
-        arrival: Arrival::Constant { rate: 50.0 },
-        concurrency: None,
-        num_requests: 6,
-        seed: 1,
-        duration: None,
-        ramp: None,
-        tokenizer: None,
-        send_counter: None,
-    };
+    let addr = serve(app).await;
+    let cfg = config(addr, true, 6, Duration::from_secs(30));
     let mut seen = 0;
     let records = run(&cfg, &mut |_, _, _| seen += 1).await.unwrap();
     assert_eq!((records.len(), seen), (6, 6));
@@ -175,28 +185,8 @@ fn vm_hwm_kb() -> u64 {
 async fn a_server_that_sends_too_much_fails_the_request_not_the_bench() {
     for stream in [false, true] {
         let app = axum::Router::new().route("/v1/chat/completions", post(move || flood(stream)));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        let cfg = RunConfig {
-            target: Target {
-                url: format!("http://{addr}"),
-                model: "m".into(),
-                api_key: None,
-                stream,
-                ignore_eos: false,
-                timeout: Duration::from_secs(60),
-            },
-            workload: Workload::Fixed { input: 16, output: 4 },
-            arrival: Arrival::Constant { rate: 50.0 },
-            concurrency: None,
-            num_requests: 2,
-            seed: 1,
-            duration: None,
-            ramp: None,
-            tokenizer: None,
-            send_counter: None,
-        };
+        let addr = serve(app).await;
+        let cfg = config(addr, stream, 2, Duration::from_secs(60));
         let before = vm_hwm_kb();
         let records = run(&cfg, &mut |_, _, _| {}).await.unwrap();
         assert!(

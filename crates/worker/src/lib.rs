@@ -18,13 +18,15 @@ mod handle;
 pub mod net;
 mod pd;
 mod seq;
+mod stream;
 
 pub use handle::{
-    validate_request, FrameSums, StreamSender, TokenMeter, TokenUsage, Transfer, TransferToken, WorkEvent,
-    WorkMode, WorkRequest, WorkStream, Worker, WorkerConfig, WorkerHandle, WorkerStats, DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
+    validate_request, FrameSums, TokenMeter, TokenUsage, Transfer, TransferToken, WorkEvent, WorkMode,
+    WorkRequest, Worker, WorkerConfig, WorkerHandle, WorkerStats, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
 };
 pub use pd::KvBlocks;
+pub use stream::{StreamSender, WorkStream};
 
 use std::{fmt, str::FromStr};
 
@@ -123,11 +125,11 @@ mod tests {
     async fn a_relay_waits_while_its_reader_is_behind() {
         let (tx, mut stream) = WorkStream::channel(tokenpath_timeline::RequestId(1));
         let text = || WorkEvent::Text { delta: "x".into(), tokens: 1 };
-        for _ in 0..handle::PAUSE_AT {
+        for _ in 0..stream::PAUSE_AT {
             assert!(tx.send(text()));
         }
         let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), tx.room()).await;
-        assert!(waiting.is_err(), "room while the reader is {} behind", handle::PAUSE_AT);
+        assert!(waiting.is_err(), "room while the reader is {} behind", stream::PAUSE_AT);
         let room = tokio::spawn(async move {
             tx.room().await;
             tx

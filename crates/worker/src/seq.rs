@@ -7,7 +7,8 @@
 //! a `Decode` sequence starts with imported KV and the first token already sampled elsewhere.
 
 use crate::batcher::Submission;
-use crate::handle::{Backlog, TokenUsage, WorkEvent, WorkMode, WorkRequest, PAUSE_AT, RESUME_AT};
+use crate::handle::{TokenUsage, WorkEvent, WorkMode, WorkRequest};
+use crate::stream::{Backlog, PAUSE_AT, RESUME_AT};
 use std::time::Instant;
 use tokenpath_engine::kv_cache::BlockTable;
 use tokenpath_engine::sampling::{Sampler, SamplerState};
