@@ -59,11 +59,6 @@ impl ChatTemplate {
         Ok(t)
     }
 
-    /// Whether renders run in sandbox children.
-    pub fn is_sandboxed(&self) -> bool {
-        self.sandbox.is_some()
-    }
-
     /// Compiles for rendering in this process (what a sandbox child does).
     pub(crate) fn in_process(init: &Init) -> Result<Self, TokenizerError> {
         let Init { source, bos_token, eos_token } = init;

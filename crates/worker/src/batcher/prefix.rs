@@ -9,7 +9,7 @@ use tokenpath_kv::{block_hashes, chain_hash};
 
 impl Batcher {
     /// Blocks held only by the prefix cache (reclaimable at any time).
-    pub(super) fn cached_only(&self) -> usize {
+    fn cached_only(&self) -> usize {
         let cache = &self.cache;
         self.prefix.as_ref().map_or(0, |p| p.evictable(|b| cache.refcount(b) == 1))
     }
