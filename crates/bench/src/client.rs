@@ -3,7 +3,7 @@
 //! it carried (0 for role-only, empty, usage and keep-alive events), so the `timeline` crate, not
 //! this code, decides what the first token is.
 
-use crate::tokens::ChatMsg;
+use crate::tokens::{PromptMessage, Role};
 use crate::workload::RequestSpec;
 use futures_util::StreamExt as _;
 use std::time::{Duration, Instant};
@@ -47,13 +47,13 @@ pub async fn send(
 }
 
 /// The messages of `spec` after the earlier turns `history` (system message first).
-pub fn messages_of(spec: &RequestSpec, history: &[ChatMsg]) -> Vec<ChatMsg> {
+pub fn messages_of(spec: &RequestSpec, history: &[PromptMessage]) -> Vec<PromptMessage> {
     let mut m = Vec::with_capacity(history.len() + 2);
     if let Some(sys) = &spec.system {
-        m.push(ChatMsg::new("system", sys.clone()));
+        m.push(PromptMessage::new(Role::System, sys.clone()));
     }
     m.extend_from_slice(history);
-    m.push(ChatMsg::new("user", spec.prompt.clone()));
+    m.push(PromptMessage::new(Role::User, spec.prompt.clone()));
     m
 }
 
@@ -63,7 +63,7 @@ pub async fn send_chat(
     client: &reqwest::Client,
     target: &Target,
     id: u64,
-    messages: &[ChatMsg],
+    messages: &[PromptMessage],
     max_tokens: u32,
     t0: Instant,
     t_sched: Option<Nanos>,
@@ -71,7 +71,7 @@ pub async fn send_chat(
     let t_send = since(t0);
     let mut rec = ClientRecord::new(RequestId(id), t_sched.unwrap_or(t_send), t_send, target.stream);
     let messages: Vec<serde_json::Value> =
-        messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect();
+        messages.iter().map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content})).collect();
     let body = serde_json::json!({
         "model": target.model,
         "messages": messages,

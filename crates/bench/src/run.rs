@@ -8,7 +8,7 @@
 
 use crate::arrival::{Arrival, Ramp};
 use crate::client::{messages_of, send_chat, Target};
-use crate::tokens::{ChatMsg, PromptTokenizer};
+use crate::tokens::{PromptMessage, PromptTokenizer, Role};
 use crate::workload::{RequestSpec, Workload};
 use crate::BenchError;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -106,7 +106,7 @@ impl Ctx {
         &self,
         id: u64,
         spec: &RequestSpec,
-        history: &[ChatMsg],
+        history: &[PromptMessage],
         t_sched: Option<Nanos>,
     ) -> (String, Nanos) {
         let messages = messages_of(spec, history);
@@ -130,7 +130,7 @@ impl Ctx {
     /// turn of a session carries the earlier turns and answers. With `deadline`, sends nothing
     /// once it has passed (a session is cut short there).
     async fn sequence(&self, jobs: Vec<Job>, first_sched: Option<Nanos>, deadline: Option<Duration>) {
-        let mut history: Vec<ChatMsg> = Vec::new();
+        let mut history: Vec<PromptMessage> = Vec::new();
         let mut session = None;
         let mut t_sched = first_sched;
         for (id, spec) in jobs {
@@ -145,8 +145,8 @@ impl Ctx {
             }
             let (answer, ended) = self.send(id, &spec, &history, t_sched).await;
             if spec.session.is_some() {
-                history.push(ChatMsg::new("user", spec.prompt.clone()));
-                history.push(ChatMsg::new("assistant", answer));
+                history.push(PromptMessage::new(Role::User, spec.prompt.clone()));
+                history.push(PromptMessage::new(Role::Assistant, answer));
                 // The next turn is due the moment this one ended (client work in between, such
                 // as counting tokens, shows as schedule lag).
                 t_sched = first_sched.map(|_| ended);

@@ -8,33 +8,10 @@
 
 use crate::text::prose;
 
-/// One chat message as sent.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChatMsg {
-    /// `system`, `user` or `assistant`.
-    pub role: &'static str,
-    /// The text.
-    pub content: String,
-}
-
-impl ChatMsg {
-    /// A message.
-    pub fn new(role: &'static str, content: impl Into<String>) -> Self {
-        Self { role, content: content.into() }
-    }
-}
-
-/// The model's tokenizer, as far as the load generator needs it.
-pub trait PromptTokenizer: Send + Sync + std::fmt::Debug {
-    /// Token ids of plain text (no BOS, special-token text not parsed).
-    fn encode(&self, text: &str) -> Vec<u32>;
-    /// Text of token ids (lossy at a cut UTF-8 sequence).
-    fn decode(&self, ids: &[u32]) -> String;
-    /// The prompt tokens a server would count for `messages`: the chat template applied (with
-    /// the generation prompt) and BOS added as the model asks. `None` when that cannot be known
-    /// (no template in the file).
-    fn count_chat(&self, messages: &[ChatMsg]) -> Option<usize>;
-}
+/// The tokenizer abstraction, defined once on the boundary (the gateway uses the same one).
+pub use tokenpath_protocol::tokenize::PromptTokenizer;
+/// One chat message as sent (the same type the gateway validates requests into).
+pub use tokenpath_protocol::{PromptMessage, Role};
 
 /// Text of exactly `tokens` tokens of the shipped prose starting at word `offset`, when the
 /// tokenizer allows it (a cut through a multi-byte sequence or a merge across the cut can move the
@@ -81,8 +58,25 @@ pub(crate) mod test_support {
         fn decode(&self, ids: &[u32]) -> String {
             String::from_utf8_lossy(&ids.iter().map(|&i| i as u8).collect::<Vec<u8>>()).into_owned()
         }
-        fn count_chat(&self, messages: &[ChatMsg]) -> Option<usize> {
-            Some(messages.iter().map(|m| m.role.len() + 3 + m.content.len()).sum())
+        fn chat_prompt(
+            &self,
+            messages: &[PromptMessage],
+            limit: usize,
+        ) -> Result<Vec<u32>, tokenpath_protocol::ProtocolError> {
+            let text: String =
+                messages.iter().map(|m| format!("{}: {}\n", m.role.as_str(), m.content)).collect();
+            self.text_prompt(&text, limit)
+        }
+        fn text_prompt(
+            &self,
+            text: &str,
+            limit: usize,
+        ) -> Result<Vec<u32>, tokenpath_protocol::ProtocolError> {
+            let ids = self.encode(text);
+            if ids.len() > limit {
+                return Err(tokenpath_protocol::tokenize::too_long(limit));
+            }
+            Ok(ids)
         }
     }
 }

@@ -12,7 +12,7 @@ use tokenpath_bench::report::{Report, ReportOptions};
 use tokenpath_bench::run::{run, RunConfig};
 use tokenpath_bench::search::{find_max_rate, SearchConfig};
 use tokenpath_bench::workload::Workload;
-use tokenpath_cli::bench_tokenizer::BenchTokenizer;
+use tokenpath_cli::tokenizer::FileTokenizer;
 use tokenpath_timeline::SloSpec;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -155,7 +155,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         ramp: args.load.ramp,
         tokenizer: match &args.load.tokenizer {
             Some(p) => {
-                let tok = BenchTokenizer::open(p)?;
+                let tok = FileTokenizer::open(p)?;
                 eprintln!("bench: --tokenizer {}: {}", p.display(), tok.describe());
                 if !tok.has_chat_template() {
                     eprintln!(

@@ -172,7 +172,8 @@ async fn live_handoff(decode: &WorkerHandle, tokens: usize) -> anyhow::Result<(f
         registry.wait_ready(Duration::from_secs(30)).await,
         "the loopback workers did not come up"
     );
-    let cluster = Cluster::new(registry);
+    let model = tokenpath_protocol::backend::Backend::model(decode);
+    let cluster = Cluster::new(registry, model);
     let now = Instant::now();
     let prompt: Vec<u32> = (0..tokens).map(|i| 200 + (i as u32 * 7919) % 40_000).collect();
     let mut stream = cluster

@@ -6,8 +6,9 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use tokenpath_engine::model::{Model, Numerics};
 use tokenpath_engine::sampling::SamplingParams;
-use tokenpath_engine::tokenizer::ChatMessage;
+use tokenpath_engine::tokenizer::{ModelTokenizer, PromptMessage, Role};
 use tokenpath_engine::{Engine, GenerateRequest};
+use tokenpath_protocol::backend::ModelInfo;
 
 /// Model selection shared by every command that loads the engine.
 #[derive(Debug, Args)]
@@ -46,6 +47,18 @@ impl ModelArgs {
             Engine::from_model(model)
         };
         load().map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))
+    }
+
+    /// What a gateway in front of workers needs of the model, from the file's metadata alone
+    /// (no weight is read or repacked): its limits and its tokenizer.
+    pub fn open_metadata(&self) -> anyhow::Result<(ModelInfo, ModelTokenizer)> {
+        let path = self.path();
+        let load = || -> tokenpath_engine::error::Result<(ModelInfo, ModelTokenizer)> {
+            let file = tokenpath_engine::gguf::GgufFile::open(&path)?;
+            let c = tokenpath_engine::model::ModelConfig::from_gguf(file.index())?;
+            Ok((ModelInfo { n_ctx: c.n_ctx, n_vocab: c.n_vocab }, ModelTokenizer::from_gguf(file.index())?))
+        };
+        load().map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))
     }
 
     /// The same selection as arguments for a child `tokenpath worker`.
@@ -124,7 +137,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let text = if args.raw {
         args.prompt.clone()
     } else {
-        engine.render_chat(&[ChatMessage::new("user", args.prompt.clone())])?
+        engine.render_chat(&[PromptMessage::new(Role::User, args.prompt.clone())])?
     };
     let prompt = engine.encode_prompt(&text)?;
     let mut cache = engine.new_cache(prompt.len() + args.max_tokens + 16, 16)?;

@@ -4,4 +4,4 @@
 //! tokenizer and chat-template renderer) and the bench crate (its `PromptTokenizer` trait), so they
 //! belong to neither.
 
-pub mod bench_tokenizer;
+pub mod tokenizer;

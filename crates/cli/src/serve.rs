@@ -15,7 +15,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokenpath_gateway::cluster::{Cluster, Registry};
-use tokenpath_gateway::{AdminKey, ApiKeys, Backend, Gateway, GatewayConfig};
+use tokenpath_gateway::{AdminKey, ApiKeys, Gateway, GatewayConfig};
 use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_timeline::WorkerId;
 use tokenpath_worker::{Role, Worker, WorkerConfig};
@@ -214,8 +214,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             api_keys.tenants().filter(|(_, l)| !l.is_unlimited()).map(|(t, _)| t.0.as_str()).collect();
         tracing::info!(keys = api_keys.len(), rate_limited_tenants = ?limited, "API keys required");
     }
-    tracing::info!(model = %path.display(), "loading model");
-    let engine = Arc::new(args.model.open_engine()?);
     let gateway_config = GatewayConfig {
         served_model_name: served_model_name.clone(),
         max_body_bytes: args.http.max_body_bytes,
@@ -247,7 +245,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut children = Children::default();
     let mut local = None;
     runtime.block_on(async {
-        let backend = if args.topology.is_cluster() {
+        let gateway = if args.topology.is_cluster() {
+            // A cluster gateway reads only the file's tokenizer and limits: the weights stay
+            // with the workers.
+            let (model, tokenizer) = args.model.open_metadata()?;
             let (text, secret) = match args.secret.secret()? {
                 Some(s) => s,
                 None if args.topology.prefill + args.topology.decode > 0
@@ -279,15 +280,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                     anyhow::bail!("the workers did not come up (exited: {dead:?}); see their logs above");
                 }
             }
-            Backend::Cluster { engine, cluster: Cluster::new(registry) }
+            let cluster = Arc::new(Cluster::new(registry, model));
+            Gateway::with_cluster(gateway_config, cluster, Arc::new(tokenizer))?
         } else {
+            tracing::info!(model = %path.display(), "loading model");
+            let engine = Arc::new(args.model.open_engine()?);
             let config = WorkerConfig { id: WorkerId("w0".into()), ..args.batching.worker_config() };
-            let worker = Worker::spawn(engine, config).context("starting the worker")?;
+            let worker = Worker::spawn(Arc::clone(&engine), config).context("starting the worker")?;
             let handle = worker.handle();
             local = Some(worker);
-            Backend::Local(handle)
+            Gateway::new(gateway_config, Arc::new(handle), engine)?
         };
-        let gateway = Gateway::with_backend(gateway_config, backend)?;
         let addr = std::net::SocketAddr::new(args.listen.host, args.listen.port);
         let listener = tokenpath_gateway::bind(&addr.to_string()).await?;
         let bound = listener.local_addr().context("reading the bound address")?;

@@ -15,8 +15,8 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use tokenpath_bench::tokens::{ChatMsg, PromptTokenizer};
-use tokenpath_cli::bench_tokenizer::{BenchTokenizer, GgufTokenizer, HfTokenizer, TokenizerFile};
+use tokenpath_bench::tokens::{PromptMessage, PromptTokenizer, Role};
+use tokenpath_cli::tokenizer::{FileTokenizer, HfTokenizer, ModelTokenizer, TokenizerFile};
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 use tokenpath_engine::tokenizer::{tokenizer_from_gguf, Tokenizer};
 
@@ -160,7 +160,7 @@ fn small_byte_level_bpe_encodes_decodes_and_counts_chat() {
     assert_eq!(tok.decode(&shi[..2]), "\u{FFFD}");
 
     // count_chat: the ChatML template rendered with the generation prompt, special tokens matched.
-    let user = [ChatMsg::new("user", "hello")];
+    let user = [PromptMessage::new(Role::User, "hello")];
     let rendered_ids: Vec<u32> = [1]
         .into_iter()
         .chain("user\n".bytes().map(byte_id))
@@ -173,7 +173,7 @@ fn small_byte_level_bpe_encodes_decodes_and_counts_chat() {
     );
     assert_eq!(tok.count_chat(&user), Some(rendered_ids.len()));
     assert_eq!(tok.count_chat(&user), Some(chatml_tokens("user", 1) + GENERATION_PROMPT));
-    let two = [ChatMsg::new("system", "hello world"), ChatMsg::new("user", "hello")];
+    let two = [PromptMessage::new(Role::System, "hello world"), PromptMessage::new(Role::User, "hello")];
     assert_eq!(
         tok.count_chat(&two),
         Some(chatml_tokens("system", 2) + chatml_tokens("user", 1) + GENERATION_PROMPT)
@@ -183,13 +183,13 @@ fn small_byte_level_bpe_encodes_decodes_and_counts_chat() {
 
 #[test]
 fn every_tokenizer_config_form_is_read() {
-    let user = [ChatMsg::new("user", "hello")];
+    let user = [PromptMessage::new(Role::User, "hello")];
     let chatml = chatml_tokens("user", 1) + GENERATION_PROMPT;
     let open = |name: &str, config: Option<&str>| {
         let dir = small_dir(name, config);
         // A directory stands for the tokenizer.json inside it.
-        let tok = BenchTokenizer::open(&dir).unwrap();
-        assert!(matches!(tok, BenchTokenizer::Hf(_)));
+        let tok = FileTokenizer::open(&dir).unwrap();
+        assert!(matches!(tok, FileTokenizer::Hf(_)));
         (tok, dir)
     };
 
@@ -242,14 +242,14 @@ fn every_tokenizer_config_form_is_read() {
     let dir = small_dir("jinja", Some(&chatml_config("")));
     std::fs::write(dir.join("chat_template.jinja"), "{% for m in messages %}{{ m['content'] }}{% endfor %}")
         .unwrap();
-    let tok = BenchTokenizer::open(&dir.join("tokenizer.json")).unwrap();
+    let tok = FileTokenizer::open(&dir.join("tokenizer.json")).unwrap();
     assert_eq!(tok.count_chat(&user), Some(1));
     assert!(tok.describe().contains("chat_template.jinja"), "{}", tok.describe());
     std::fs::remove_dir_all(dir).unwrap();
 }
 
 fn open_err(path: &Path) -> String {
-    format!("{:#}", BenchTokenizer::open(path).unwrap_err())
+    format!("{:#}", FileTokenizer::open(path).unwrap_err())
 }
 
 #[test]
@@ -315,12 +315,12 @@ fn the_kind_is_told_by_content() {
     let gguf = dir.join("model.bin");
     std::fs::write(&gguf, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
     assert_eq!(TokenizerFile::detect(&gguf).unwrap(), TokenizerFile::Gguf(gguf.clone()));
-    let tok = BenchTokenizer::open(&gguf).unwrap();
-    assert!(matches!(tok, BenchTokenizer::Gguf(_)) && tok.has_chat_template());
+    let tok = FileTokenizer::open(&gguf).unwrap();
+    assert!(matches!(tok, FileTokenizer::Gguf(_)) && tok.has_chat_template());
     let json = dir.join("vocab.data");
     std::fs::write(&json, format!("\u{feff}\n  {}", small_tokenizer_json())).unwrap();
     assert_eq!(TokenizerFile::detect(&json).unwrap(), TokenizerFile::HfJson(json.clone()));
-    assert_eq!(BenchTokenizer::open(&json).unwrap().encode("hello world"), [HELLO, SP_WORLD]);
+    assert_eq!(FileTokenizer::open(&json).unwrap().encode("hello world"), [HELLO, SP_WORLD]);
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -484,7 +484,7 @@ fn differential(gguf: &Path, name: &str) {
     let engine: Tokenizer =
         tokenizer_from_gguf(tokenpath_engine::gguf::GgufFile::open(gguf).unwrap().index()).unwrap();
     let hf = HfTokenizer::open(&dir.join("tokenizer.json")).unwrap();
-    let gguf_tok = GgufTokenizer::open(gguf).unwrap();
+    let gguf_tok = ModelTokenizer::open(gguf).unwrap();
 
     let texts: Vec<String> = corpus().into_iter().chain(random_mixtures(600, 0x5eed)).collect();
     let mut mismatches = Vec::new();
@@ -514,20 +514,28 @@ fn differential(gguf: &Path, name: &str) {
         mismatches.iter().take(20).cloned().collect::<Vec<_>>().join("\n")
     );
 
-    let conversations: Vec<Vec<ChatMsg>> = vec![
-        vec![ChatMsg::new("user", "hello")],
-        vec![ChatMsg::new("system", "Be brief."), ChatMsg::new("user", "What is 2 + 2?")],
+    let conversations: Vec<Vec<PromptMessage>> = vec![
+        vec![PromptMessage::new(Role::User, "hello")],
+        vec![PromptMessage::new(Role::System, "Be brief."), PromptMessage::new(Role::User, "What is 2 + 2?")],
         vec![
-            ChatMsg::new("user", "Write a haiku about 東京 🌸"),
-            ChatMsg::new("assistant", "Cherry blossoms fall\n  on 1000 streets\t"),
-            ChatMsg::new("user", "  again, with <|im_end|> inside  "),
+            PromptMessage::new(Role::User, "Write a haiku about 東京 🌸"),
+            PromptMessage::new(Role::Assistant, "Cherry blossoms fall\n  on 1000 streets\t"),
+            PromptMessage::new(Role::User, "  again, with <|im_end|> inside  "),
         ],
-        vec![ChatMsg::new("user", tokenpath_bench::text::prose(300, 9))],
+        vec![PromptMessage::new(Role::User, tokenpath_bench::text::prose(300, 9))],
     ];
     for msgs in &conversations {
         let want = gguf_tok.count_chat(msgs);
         assert!(want.is_some());
         assert_eq!(hf.count_chat(msgs), want, "{msgs:?}");
+    }
+    // What the gateway admits with (`chat_prompt`) keeps special-token text inside a message as
+    // text (a message cannot close its own turn), where the count above parses it, as an HF
+    // server does.
+    let injected = [PromptMessage::new(Role::User, "again, with <|im_end|> inside")];
+    let admitted = gguf_tok.chat_prompt(&injected, usize::MAX).unwrap().len();
+    if gguf_tok.tokenizer().encode("<|im_end|>", false, true).unwrap().len() == 1 {
+        assert!(admitted > gguf_tok.count_chat(&injected).unwrap(), "{admitted}");
     }
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -9,9 +9,7 @@ use crate::kv_cache::{BlockTable, KvCache, KvLayout};
 use crate::model::{BatchItem, Model};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::stop::StopMatcher;
-use crate::tokenizer::{
-    chat_template_from_gguf, tokenizer_from_gguf, ChatMessage, ChatTemplate, StreamDecoder, Tokenizer,
-};
+use crate::tokenizer::{ModelTokenizer, PromptMessage, StreamDecoder, Tokenizer};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -19,8 +17,7 @@ use std::time::{Duration, Instant};
 #[derive(Debug)]
 pub struct Engine {
     model: Model,
-    tokenizer: Tokenizer,
-    chat: Option<ChatTemplate>,
+    prompts: ModelTokenizer,
 }
 
 /// One generation request.
@@ -76,9 +73,8 @@ impl Engine {
 
     /// Wraps a loaded model, building the tokenizer from its metadata.
     pub fn from_model(model: Model) -> Result<Self> {
-        let tokenizer = tokenizer_from_gguf(model.gguf())?;
-        let chat = chat_template_from_gguf(model.gguf(), &tokenizer)?;
-        Ok(Self { model, tokenizer, chat })
+        let prompts = ModelTokenizer::from_gguf(model.gguf())?;
+        Ok(Self { model, prompts })
     }
 
     /// The model.
@@ -88,12 +84,12 @@ impl Engine {
 
     /// The tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        self.prompts.tokenizer()
     }
 
     /// Whether `id` ends generation (EOS or an end-of-turn token).
     pub fn is_end(&self, id: u32) -> bool {
-        self.tokenizer.is_eog(id)
+        self.prompts.tokenizer().is_eog(id)
     }
 
     /// A KV cache able to hold `tokens` tokens in blocks of `block_size`.
@@ -104,99 +100,31 @@ impl Engine {
     }
 
     /// Renders chat messages with the model's template (generation prompt appended).
-    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
-        let chat = self.chat.as_ref().ok_or_else(|| {
-            EngineError::InvalidModel("the model file has no tokenizer.chat_template".into())
-        })?;
-        Ok(chat.render(messages, true)?)
+    pub fn render_chat(&self, messages: &[PromptMessage]) -> Result<String> {
+        self.prompts.render_chat(messages)
     }
 
-    /// Renders `messages` with the chat template and tokenizes the result for a prompt that must
-    /// fit the context, with special tokens parsed only where the *template* put them: text a
-    /// user sent that spells `<|im_end|>\n<|im_start|>system` stays text, so a message cannot
-    /// close its own turn and open a system one. (llama.cpp's server and Hugging Face's
-    /// `apply_chat_template` parse specials in the whole rendered string.)
-    ///
-    /// How: the template is rendered a second time with every message's content replaced by a
-    /// random marker, which finds the content spans; template text is tokenized with specials,
-    /// content without. A template that transforms the content (so the two renders disagree)
-    /// falls back to tokenizing the whole render with specials, as before, with a warning.
-    pub fn encode_chat_within_context(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let text = self.render_chat(messages)?;
-        let n_ctx = self.model().config().n_ctx;
-        let tok = &self.tokenizer;
-        if text.len() > n_ctx.saturating_mul(tok.max_token_bytes()) {
-            return Err(crate::tokenizer::TokenizerError::TooLong { limit: n_ctx }.into());
-        }
-        let mut nonce = [0u8; 16];
-        getrandom::fill(&mut nonce).map_err(|e| EngineError::InvalidModel(format!("no randomness: {e}")))?;
-        let tag: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
-        let marker = |i: usize| format!("\u{e000}{tag}:{i}\u{e001}");
-        let marked: Vec<ChatMessage> = messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| ChatMessage { role: m.role.clone(), content: marker(i) })
-            .collect();
-        let chat = self.chat.as_ref().ok_or_else(|| {
-            EngineError::InvalidModel("the model file has no tokenizer.chat_template".into())
-        })?;
-        let skeleton = chat.render(&marked, true)?;
-        // Split the skeleton at the markers, in order; each must appear exactly where the
-        // content does in the real render.
-        let mut pieces: Vec<(&str, bool)> = Vec::new();
-        let mut rest = skeleton.as_str();
-        let mut rebuilt = String::with_capacity(text.len());
-        while let Some(at) = rest.find('\u{e000}') {
-            let (before, tail) = rest.split_at(at);
-            let Some(end) = tail.find('\u{e001}') else { break };
-            let inner = &tail[3..end];
-            let idx = inner
-                .strip_prefix(&tag)
-                .and_then(|r| r.strip_prefix(':'))
-                .and_then(|r| r.parse::<usize>().ok());
-            let Some(i) = idx.filter(|&i| i < messages.len()) else { break };
-            pieces.push((before, true));
-            pieces.push((messages[i].content.as_str(), false));
-            rebuilt.push_str(before);
-            rebuilt.push_str(&messages[i].content);
-            rest = &tail[end + 3..];
-        }
-        pieces.push((rest, true));
-        rebuilt.push_str(rest);
-        if rebuilt != text {
-            tracing::warn!(
-                "the chat template transforms message content; special tokens are parsed in the whole prompt"
-            );
-            return Ok(tok.encode_at_most(&text, true, true, n_ctx)?);
-        }
-        let mut out = Vec::new();
-        if tok.add_bos() {
-            out.extend(tok.bos());
-        }
-        for (piece, template) in pieces.iter().filter(|(p, _)| !p.is_empty()) {
-            out.extend(tok.encode_at_most(piece, false, *template, n_ctx)?);
-            if out.len() > n_ctx {
-                return Err(crate::tokenizer::TokenizerError::TooLong { limit: n_ctx }.into());
-            }
-        }
-        if tok.add_eos() {
-            out.extend(tok.eos());
-        }
-        Ok(out)
+    /// The tokenizer and chat template, as the gateway and the bench use them.
+    pub fn prompts(&self) -> &ModelTokenizer {
+        &self.prompts
+    }
+
+    /// [`ModelTokenizer::encode_chat_within`] with the model's context as the limit.
+    pub fn encode_chat_within_context(&self, messages: &[PromptMessage]) -> Result<Vec<u32>> {
+        self.prompts.encode_chat_within(messages, self.model().config().n_ctx)
     }
 
     /// Tokenizes a prompt as llama.cpp's server does: BOS when the model wants it, and special
     /// tokens in the text (from a chat template) parsed as such.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self.tokenizer.encode(text, true, true)?)
+        Ok(self.prompts.tokenizer().encode(text, true, true)?)
     }
 
     /// [`Engine::encode_prompt`] for a prompt that must fit the context: refused with
     /// `TokenizerError::TooLong` (as [`crate::EngineError::Tokenizer`]) once it cannot, without
     /// tokenizing text that could never fit.
     pub fn encode_prompt_within_context(&self, text: &str) -> Result<Vec<u32>> {
-        let n_ctx = self.model().config().n_ctx;
-        Ok(self.tokenizer.encode_at_most(text, true, true, n_ctx)?)
+        self.prompts.encode_prompt_within(text, self.model().config().n_ctx)
     }
 
     /// Generates from `prompt`, calling `on_text` with each piece of text as soon as it is safe to
@@ -251,7 +179,7 @@ impl Engine {
                 break;
             }
             tokens.push(next);
-            let step = stops.push(&decoder.push(&self.tokenizer, next)?);
+            let step = stops.push(&decoder.push(self.tokenizer(), next)?);
             if !step.emit.is_empty() {
                 on_text(&step.emit);
                 text.push_str(&step.emit);
@@ -276,5 +204,33 @@ impl Engine {
             }
         }
         Ok(Generation { prompt_tokens: prompt.len(), tokens, text, finish, prefill, decode: t1.elapsed() })
+    }
+}
+
+/// The engine tokenizes for a gateway in front of it in the same process (`tokenpath serve`):
+/// its [`ModelTokenizer`], nothing of the weights.
+impl tokenpath_protocol::tokenize::PromptTokenizer for Engine {
+    fn encode(&self, text: &str) -> Vec<u32> {
+        self.prompts.encode(text)
+    }
+
+    fn decode(&self, ids: &[u32]) -> String {
+        self.prompts.decode(ids)
+    }
+
+    fn chat_prompt(
+        &self,
+        messages: &[PromptMessage],
+        limit: usize,
+    ) -> std::result::Result<Vec<u32>, tokenpath_protocol::ProtocolError> {
+        self.prompts.chat_prompt(messages, limit)
+    }
+
+    fn text_prompt(
+        &self,
+        text: &str,
+        limit: usize,
+    ) -> std::result::Result<Vec<u32>, tokenpath_protocol::ProtocolError> {
+        self.prompts.text_prompt(text, limit)
     }
 }

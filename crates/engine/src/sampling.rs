@@ -10,61 +10,7 @@ use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
 
-/// How to pick tokens.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingParams {
-    /// 0 = greedy; otherwise logits are divided by it before softmax.
-    pub temperature: f32,
-    /// Keep only the k most likely tokens; 0 = off.
-    pub top_k: usize,
-    /// Keep the smallest set whose probability reaches `top_p`; 1 = off.
-    pub top_p: f32,
-    /// Seed of the random stream; `None` draws one from the OS clock.
-    pub seed: Option<u64>,
-    /// Subtracted once from the logit of every token already generated (−2..=2).
-    pub presence_penalty: f32,
-    /// Subtracted per occurrence from the logit of every token already generated (−2..=2).
-    pub frequency_penalty: f32,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        Self {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-        }
-    }
-}
-
-impl SamplingParams {
-    /// Greedy decoding.
-    pub fn greedy() -> Self {
-        Self { temperature: 0.0, ..Self::default() }
-    }
-
-    /// Checks the ranges OpenAI documents.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(EngineError::InvalidArgument(m));
-        if !(0.0..=2.0).contains(&self.temperature) {
-            return bad(format!("temperature {} is outside 0..=2", self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("top_p {} is outside (0, 1]", self.top_p));
-        }
-        for (name, v) in
-            [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
-        {
-            if !(-2.0..=2.0).contains(&v) {
-                return bad(format!("{name} {v} is outside -2..=2"));
-            }
-        }
-        Ok(())
-    }
-}
+pub use tokenpath_protocol::sampling::{SamplerState, SamplingParams};
 
 /// A sampler for one sequence: its parameters, its random stream and the counts of the tokens it
 /// generated (for the penalties).
@@ -80,7 +26,7 @@ pub struct Sampler {
 impl Sampler {
     /// A sampler; the parameters must be valid.
     pub fn new(params: SamplingParams) -> Result<Self> {
-        params.validate()?;
+        params.validate().map_err(|e| EngineError::InvalidArgument(e.to_string()))?;
         let seed = params.seed.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -182,15 +128,6 @@ impl Sampler {
         }
         c[c.len() - 1].0
     }
-}
-
-/// A sampler's position in its random stream (see [`Sampler::state`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SamplerState {
-    /// The seed actually used (the request's, or the one drawn from the clock).
-    pub seed: u64,
-    /// Position in the ChaCha stream, in 32-bit words.
-    pub word_pos: u128,
 }
 
 /// Index of the largest logit (the first one on ties), as llama.cpp's greedy sampler picks.

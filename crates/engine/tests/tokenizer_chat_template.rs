@@ -4,7 +4,7 @@
 mod support;
 
 use serde_json::Value;
-use tokenpath_engine::tokenizer::ChatMessage;
+use tokenpath_engine::tokenizer::{PromptMessage, Role};
 
 #[test]
 fn default_model_template_matches_jinja2() {
@@ -13,12 +13,15 @@ fn default_model_template_matches_jinja2() {
     let raw = std::fs::read_to_string(support::fixture("chat_template_expected.json")).expect("fixture");
     let cases: Vec<Value> = serde_json::from_str(&raw).expect("json");
     for c in &cases {
-        let msgs: Vec<ChatMessage> = c["messages"]
+        let msgs: Vec<PromptMessage> = c["messages"]
             .as_array()
             .expect("messages")
             .iter()
             .map(|m| {
-                ChatMessage::new(m["role"].as_str().expect("role"), m["content"].as_str().expect("content"))
+                PromptMessage::new(
+                    serde_json::from_value::<Role>(m["role"].clone()).expect("role"),
+                    m["content"].as_str().expect("content"),
+                )
             })
             .collect();
         let agp = c["add_generation_prompt"].as_bool().expect("agp");
@@ -31,7 +34,7 @@ fn default_model_template_matches_jinja2() {
 fn rendered_prompt_tokenizes_with_control_tokens() {
     let Some(l) = support::load_default() else { return };
     let t = support::template_of(&l);
-    let prompt = t.render(&[ChatMessage::new("user", "hi")], true).expect("render");
+    let prompt = t.render(&[PromptMessage::new(Role::User, "hi")], true).expect("render");
     let ids = l.tok.encode(&prompt, true, true).expect("encode");
     let im_start = l.tok.token_id("<|im_start|>").expect("im_start");
     assert_eq!(ids.iter().filter(|&&i| i == im_start).count(), prompt.matches("<|im_start|>").count());

@@ -4,7 +4,7 @@
 
 use tokenpath_engine::model::Model;
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
-use tokenpath_engine::tokenizer::{ChatMessage, ChatTemplate};
+use tokenpath_engine::tokenizer::{ChatTemplate, PromptMessage, Role};
 
 #[test]
 fn an_absurd_context_length_is_refused_at_load() {
@@ -20,12 +20,12 @@ fn an_absurd_context_length_is_refused_at_load() {
 fn a_template_that_never_ends_runs_out_of_fuel() {
     let src = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}";
     let t = ChatTemplate::new(src, "<s>", "</s>").expect("compiles");
-    let e = t.render(&[ChatMessage::new("user", "hi")], true).expect_err("out of fuel");
+    let e = t.render(&[PromptMessage::new(Role::User, "hi")], true).expect_err("out of fuel");
     assert!(e.to_string().to_lowercase().contains("fuel"), "{e}");
     // An ordinary template with many messages has fuel to spare.
     let chatml = tokenpath_engine::tiny::TINY_CHAT_TEMPLATE;
     let t = ChatTemplate::new(chatml, "<s>", "</s>").expect("compiles");
-    let many: Vec<ChatMessage> =
-        (0..2000).map(|i| ChatMessage::new("user", format!("message {i}"))).collect();
+    let many: Vec<PromptMessage> =
+        (0..2000).map(|i| PromptMessage::new(Role::User, format!("message {i}"))).collect();
     assert!(t.render(&many, true).is_ok());
 }

@@ -22,10 +22,11 @@ async fn main() -> anyhow::Result<()> {
     let concurrency: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(8);
 
     let engine = Arc::new(Engine::from_model(Model::from_bytes(tiny_model_bytes(&TinySpec::default())?)?)?);
-    let worker = Worker::spawn(engine, WorkerConfig::default())?;
+    let worker = Worker::spawn(Arc::clone(&engine), WorkerConfig::default())?;
     let gateway = Gateway::new(
         GatewayConfig { served_model_name: "tiny".into(), ..GatewayConfig::default() },
-        worker.handle(),
+        Arc::new(worker.handle()),
+        engine,
     )?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/v1/chat/completions", listener.local_addr()?);

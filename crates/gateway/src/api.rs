@@ -22,14 +22,14 @@ use axum::response::{IntoResponse, Response};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use tokenpath_engine::tokenizer::ChatMessage as EngineMessage;
+use tokenpath_protocol::sampling::SamplingParams;
+use tokenpath_protocol::work::{TokenMeter, TokenUsage, WorkEvent, WorkMode, WorkRequest};
 use tokenpath_protocol::{
     chat_completion_id, completion_id, parse_chat_request, parse_completion_request, server_timing_header,
     ApiError, ChatCompletionResponse, ChatStream, CompletionResponse, CompletionStream, FinishReason,
-    GenerationRequest, Prompt, Usage,
+    GenerationRequest, Prompt, ProtocolError, Usage,
 };
 use tokenpath_timeline::{ClientRecord, FinishReason as Finish, Nanos, RequestId, StreamEvent};
-use tokenpath_worker::{TokenUsage, WorkEvent, WorkRequest, WorkerError};
 
 /// Which OpenAI endpoint a request came through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,7 +155,7 @@ fn admit(
     let id = RequestId(app.next_id.fetch_add(1, Ordering::Relaxed));
     let meter = Arc::new(crate::ratelimit::input(app, pass, tenant, id, prompt.len())?);
     let p = &req.params;
-    let sampling = tokenpath_engine::sampling::SamplingParams {
+    let sampling = SamplingParams {
         temperature: p.temperature,
         top_k: 0,
         top_p: p.top_p,
@@ -172,8 +172,8 @@ fn admit(
         ignore_eos: p.ignore_eos,
         arrived,
         admitted: Instant::now(),
-        mode: tokenpath_worker::WorkMode::Full,
-        meter: Some(Arc::clone(&meter) as Arc<dyn tokenpath_worker::TokenMeter>),
+        mode: WorkMode::Full,
+        meter: Some(Arc::clone(&meter) as Arc<dyn TokenMeter>),
         cache_scope: match app.config.prefix_cache_scope {
             Some(crate::PrefixScope::Global) => None,
             Some(crate::PrefixScope::Tenant) | None => tenant.map(|t| t.0.clone()),
@@ -183,40 +183,31 @@ fn admit(
 }
 
 /// The prompt's token ids. Text that cannot fit the context is refused before it is tokenized
-/// (longer than `n_ctx` × the longest token) or as soon as its count passes `n_ctx`: the cost of
-/// a refusal never grows with the prompt past that bound.
+/// or as soon as its count passes `n_ctx` (the tokenizer's contract): the cost of a refusal never
+/// grows with the prompt past that bound.
 fn tokenize(
     app: &AppState,
     prompt: &Prompt,
     endpoint: Endpoint,
     max_tokens: Option<u32>,
 ) -> Result<Vec<u32>, Reject> {
-    let engine = app.backend.engine();
-    let param = endpoint.prompt_param();
-    let n_ctx = app.backend.n_ctx();
-    let bad = |e: tokenpath_engine::EngineError| match e {
-        tokenpath_engine::EngineError::Tokenizer(tokenpath_engine::tokenizer::TokenizerError::TooLong {
-            ..
-        }) => Reject::new(ApiError::context_length_exceeded(
-            param,
-            n_ctx as u64,
-            n_ctx as u64 + 1,
-            max_tokens.map_or(0, u64::from),
-        )),
-        e => Reject::new(ApiError::invalid_request(
-            format!("The prompt cannot be tokenized: {e}"),
-            Some(param.into()),
-        )),
-    };
-    match prompt {
-        Prompt::Chat(messages) => {
-            let msgs: Vec<EngineMessage> =
-                messages.iter().map(|m| EngineMessage::new(m.role.as_str(), m.content.clone())).collect();
-            engine.encode_chat_within_context(&msgs).map_err(bad)
-        }
-        Prompt::Text(text) => engine.encode_prompt_within_context(text).map_err(bad),
+    let n_ctx = app.backend.model().n_ctx;
+    let ids = match prompt {
+        Prompt::Chat(messages) => app.tokenizer.chat_prompt(messages, n_ctx),
+        Prompt::Text(text) => app.tokenizer.text_prompt(text, n_ctx),
         Prompt::Tokens(ids) => Ok(ids.clone()),
-    }
+    };
+    ids.map_err(|e| {
+        let e = match e {
+            ProtocolError::ContextOverflow { prompt_tokens, limit, .. } => ProtocolError::ContextOverflow {
+                prompt_tokens,
+                max_tokens: max_tokens.map_or(0, |m| m as usize),
+                limit,
+            },
+            e => e,
+        };
+        Reject::from_backend(&e, endpoint.prompt_param())
+    })
 }
 
 fn unix_now() -> u64 {
@@ -247,11 +238,11 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
     let mut stream = match app.backend.submit(work).await {
         Ok(s) => s,
         Err(e) => {
-            if matches!(e, WorkerError::Overloaded { .. } | WorkerError::Stopped) {
+            if matches!(e, ProtocolError::Overloaded { .. } | ProtocolError::Stopped) {
                 // Refused before any work: the tenant gets its request and prompt back.
                 meter.refund();
             }
-            let reject = Reject::from_worker(&e, endpoint.prompt_param());
+            let reject = Reject::from_backend(&e, endpoint.prompt_param());
             app.metrics.record_status(reject.status().as_u16(), "none");
             return reject.into_response();
         }
@@ -377,7 +368,7 @@ pub(crate) async fn models(State(app): State<Arc<AppState>>) -> Response {
             "object": "model",
             "created": app.started_unix,
             "owned_by": "tokenpath",
-            "max_model_len": app.backend.n_ctx(),
+            "max_model_len": app.backend.model().n_ctx,
         }],
     });
     ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
@@ -406,98 +397,6 @@ pub(crate) async fn metrics(State(app): State<Arc<AppState>>) -> Response {
     let text = app.metrics.render(&app.backend.stats());
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
         .into_response()
-}
-
-/// `GET /admin/workers`: the cluster's workers as the router sees them.
-pub(crate) async fn list_workers(State(app): State<Arc<AppState>>) -> Response {
-    let workers: Vec<serde_json::Value> = app
-        .backend
-        .cluster()
-        .map(|c| c.registry().workers())
-        .unwrap_or_default()
-        .iter()
-        .map(|w| {
-            serde_json::json!({
-                "addr": w.addr,
-                "role": w.role.to_string(),
-                "up": w.up,
-                "in_flight": w.in_flight,
-                "stats": w.stats,
-            })
-        })
-        .collect();
-    ([(header::CONTENT_TYPE, "application/json")], serde_json::json!({ "workers": workers }).to_string())
-        .into_response()
-}
-
-/// `POST /admin/workers` with `{"addr": "host:port", "role": "prefill|decode|both"}`: a worker
-/// registering at run time. It serves once its first health poll succeeds.
-pub(crate) async fn register_worker(
-    State(app): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Registration {
-        addr: String,
-        role: String,
-    }
-    let parsed = body
-        .map_err(|e| e.body_text())
-        .and_then(|b| serde_json::from_slice::<Registration>(&b).map_err(|e| e.to_string()))
-        .and_then(|r| {
-            let role = r.role.parse::<tokenpath_worker::Role>().map_err(|e| e.to_string())?;
-            if !worker_addr(&r.addr) {
-                return Err("addr must be host:port (an IP address or a DNS name, and a port)".into());
-            }
-            Ok((r.addr, role))
-        });
-    let (addr, role) = match parsed {
-        Ok(x) => x,
-        Err(message) => return Reject::new(ApiError::invalid_request(message, None)).into_response(),
-    };
-    let Some(cluster) = app.backend.cluster() else {
-        return Reject::new(ApiError::invalid_request(
-            "this gateway runs a local worker; start it with --prefill/--decode or --cluster to accept workers",
-            None,
-        ))
-        .into_response();
-    };
-    use crate::cluster::registry::Registered;
-    match cluster.registry().register(addr.clone(), role).await {
-        Ok(Registered::Added | Registered::Known) => (
-            [(header::CONTENT_TYPE, "application/json")],
-            serde_json::json!({ "registered": addr, "role": role.to_string() }).to_string(),
-        )
-            .into_response(),
-        Ok(Registered::Conflict(known)) => Reject::new(ApiError::conflict(format!(
-            "{addr} is registered as a {known} worker; a worker's role cannot change while the gateway runs"
-        )))
-        .into_response(),
-        Ok(Registered::Full) => Reject::insufficient_storage(format!(
-            "the gateway already knows {} workers",
-            crate::cluster::registry::MAX_WORKERS
-        ))
-        .into_response(),
-        Err(e) => Reject::from_worker(&e, "addr").into_response(),
-    }
-}
-
-/// `host:port` with a numeric port and a host that is an IP address or a DNS name (letters,
-/// digits, `-`, `.`), bounded in length: nothing else reaches the registry or its logs.
-fn worker_addr(addr: &str) -> bool {
-    if addr.len() > crate::cluster::registry::MAX_ADDR_LEN {
-        return false;
-    }
-    if addr.parse::<std::net::SocketAddr>().is_ok() {
-        return true;
-    }
-    let Some((host, port)) = addr.rsplit_once(':') else { return false };
-    port.parse::<u16>().is_ok_and(|p| p > 0)
-        && !host.is_empty()
-        && host.split('.').all(|l| {
-            !l.is_empty() && l.len() <= 63 && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-        })
 }
 
 /// Any other path.

@@ -1,14 +1,13 @@
 //! The one place HTTP status codes are chosen.
 //!
-//! Library crates return typed errors ([`WorkerError`], `ProtocolError` → [`ApiError`]); this
+//! Library crates return typed errors (`ProtocolError` from every backend → [`ApiError`]); this
 //! module maps them to an OpenAI-shaped error body and a status, and attaches `Retry-After` where
 //! a retry can succeed. A closed `match` over [`ErrorKind`] means a new kind cannot be forgotten.
 
 use crate::ratelimit::RateLimited;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use tokenpath_protocol::{ApiError, ErrorKind};
-use tokenpath_worker::WorkerError;
+use tokenpath_protocol::{ApiError, ErrorKind, ProtocolError};
 
 /// Errors of the gateway itself (start-up and serving), for the binary.
 #[derive(Debug, thiserror::Error)]
@@ -88,28 +87,12 @@ impl Reject {
         self.status.unwrap_or_else(|| status_of(self.api.kind))
     }
 
-    /// Maps a worker error; `param` names the prompt field (`messages` or `prompt`).
-    pub(crate) fn from_worker(e: &WorkerError, param: &str) -> Self {
-        let api = match e {
-            WorkerError::ContextOverflow { prompt_tokens, max_tokens, limit } => {
-                ApiError::context_length_exceeded(
-                    param,
-                    *limit as u64,
-                    *prompt_tokens as u64,
-                    *max_tokens as u64,
-                )
-            }
-            WorkerError::Overloaded { .. } => {
-                ApiError::overloaded("The server is overloaded; please retry after a short wait.")
-            }
-            WorkerError::Stopped => ApiError::overloaded("The server is shutting down or restarting."),
-            WorkerError::InvalidRequest(m) => ApiError::invalid_request(m.clone(), Some(param.to_owned())),
-            other => {
-                tracing::error!("worker error: {other}");
-                ApiError::server_error("The server had an error while processing your request.")
-            }
-        };
-        Reject::new(api)
+    /// Maps a backend's refusal; `param` names the prompt field (`messages` or `prompt`).
+    pub(crate) fn from_backend(e: &ProtocolError, param: &str) -> Self {
+        if let ProtocolError::Unavailable { .. } = e {
+            tracing::error!("backend error: {e}");
+        }
+        Reject::new(e.api_error_for(Some(param)))
     }
 }
 
@@ -145,12 +128,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn worker_errors_map_to_openai_statuses() {
-        let ctx = WorkerError::ContextOverflow { prompt_tokens: 10, max_tokens: 5, limit: 12 };
-        let r = Reject::from_worker(&ctx, "messages");
+    fn backend_errors_map_to_openai_statuses() {
+        let ctx = ProtocolError::ContextOverflow { prompt_tokens: 10, max_tokens: 5, limit: 12 };
+        let r = Reject::from_backend(&ctx, "messages");
         assert_eq!(r.status(), StatusCode::BAD_REQUEST);
         assert_eq!(r.api.body.error.code.as_deref(), Some("context_length_exceeded"));
-        let r = Reject::from_worker(&WorkerError::Overloaded { max: 1 }, "prompt");
+        let r = Reject::from_backend(&ProtocolError::Overloaded { max: 1 }, "prompt");
+        let down = Reject::from_backend(&ProtocolError::Unavailable { message: "x".into() }, "prompt");
+        assert_eq!(down.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let stopped = Reject::from_backend(&ProtocolError::Stopped, "prompt");
+        assert_eq!(stopped.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let bad = Reject::from_backend(
+            &ProtocolError::InvalidRequest { param: None, message: "m".into() },
+            "prompt",
+        );
+        assert_eq!(bad.api.body.error.param.as_deref(), Some("prompt"));
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
         let resp = r.into_response();
         assert_eq!(resp.headers()[header::RETRY_AFTER], "1");

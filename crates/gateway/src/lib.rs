@@ -9,9 +9,9 @@
 //! future resolves, then drains: new requests get 503, running streams may finish within the
 //! grace period, and whatever is left is dropped (which cancels it on the worker).
 
+mod admin;
 mod api;
 mod auth;
-pub mod backend;
 pub mod cluster;
 mod error;
 mod guard;
@@ -22,10 +22,14 @@ mod server;
 mod stream;
 
 pub use auth::{AdminKey, ApiKeys, Tenant};
-pub use backend::Backend;
+pub use cluster::Cluster;
 pub use error::GatewayError;
 pub use ratelimit::RateLimits;
 pub use server::HttpLimits;
+/// What requests run on (defined on the boundary, in the protocol crate).
+pub use tokenpath_protocol::backend::Backend;
+/// How the gateway tokenizes (defined on the boundary, in the protocol crate).
+pub use tokenpath_protocol::tokenize::PromptTokenizer;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
@@ -35,7 +39,6 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokenpath_protocol::Limits;
-use tokenpath_worker::WorkerHandle;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -111,7 +114,11 @@ impl Default for GatewayConfig {
 pub(crate) struct AppState {
     config: GatewayConfig,
     limits: Limits,
-    backend: Backend,
+    backend: Arc<dyn Backend>,
+    /// The same backend when it is a cluster of worker processes (registration, `/admin`).
+    cluster: Option<Arc<Cluster>>,
+    /// The model's tokenizer and chat template (never its weights).
+    tokenizer: Arc<dyn PromptTokenizer>,
     metrics: metrics::Metrics,
     /// Per-tenant buckets (atomics; see the module).
     limiter: ratelimit::RateLimiter,
@@ -143,13 +150,31 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// A gateway for one local `worker`.
-    pub fn new(config: GatewayConfig, worker: WorkerHandle) -> Result<Self, GatewayError> {
-        Self::with_backend(config, Backend::Local(worker))
+    /// A gateway for `backend` (a local worker, an upstream engine), tokenizing with
+    /// `tokenizer`.
+    pub fn new(
+        config: GatewayConfig,
+        backend: Arc<dyn Backend>,
+        tokenizer: Arc<dyn PromptTokenizer>,
+    ) -> Result<Self, GatewayError> {
+        Self::build(config, backend, None, tokenizer)
     }
 
-    /// A gateway for any backend (a local worker or a cluster of worker processes).
-    pub fn with_backend(config: GatewayConfig, backend: Backend) -> Result<Self, GatewayError> {
+    /// A gateway for a cluster of worker processes (which can also register at run time).
+    pub fn with_cluster(
+        config: GatewayConfig,
+        cluster: Arc<Cluster>,
+        tokenizer: Arc<dyn PromptTokenizer>,
+    ) -> Result<Self, GatewayError> {
+        Self::build(config, Arc::clone(&cluster) as Arc<dyn Backend>, Some(cluster), tokenizer)
+    }
+
+    fn build(
+        config: GatewayConfig,
+        backend: Arc<dyn Backend>,
+        cluster: Option<Arc<Cluster>>,
+        tokenizer: Arc<dyn PromptTokenizer>,
+    ) -> Result<Self, GatewayError> {
         if config.served_model_name.is_empty() {
             return Err(GatewayError::Config("the served model name is empty".into()));
         }
@@ -166,7 +191,7 @@ impl Gateway {
         }
         let (drain, draining) = watch::channel(false);
         let metrics = metrics::Metrics::with_peak_flops(config.peak_flops);
-        let limits = Limits { max_tokens_cap: u32::try_from(backend.n_ctx()).unwrap_or(u32::MAX) };
+        let limits = Limits { max_tokens_cap: u32::try_from(backend.model().n_ctx).unwrap_or(u32::MAX) };
         let limiter = ratelimit::RateLimiter::new(
             config.api_keys.tenants(),
             Arc::new(ratelimit::MonotonicClock::new()),
@@ -176,6 +201,8 @@ impl Gateway {
             config,
             limits,
             backend,
+            cluster,
+            tokenizer,
             metrics,
             next_id: AtomicU64::new(1),
             started_unix: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -194,7 +221,7 @@ impl Gateway {
             .route("/v1/models", get(api::models))
             .route("/health", get(api::health))
             .route("/ready", get(api::ready))
-            .route("/admin/workers", get(api::list_workers).post(api::register_worker));
+            .route("/admin/workers", get(admin::list_workers).post(admin::register_worker));
         if !self.state.config.metrics_elsewhere {
             r = r.route("/metrics", get(api::metrics));
         }

@@ -39,8 +39,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use std::sync::atomic::{AtomicU64, Ordering};
+use tokenpath_protocol::work::{TokenUsage, WorkerStats};
 use tokenpath_timeline::{ClientRecord, ServerTiming, Stage};
-use tokenpath_worker::{TokenUsage, WorkerStats};
 
 /// Stage durations (histogram, `stage` label).
 pub const REQUEST_STAGE_SECONDS: &str = "tokenpath_request_stage_seconds";

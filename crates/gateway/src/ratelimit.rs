@@ -270,7 +270,7 @@ impl OutputMeter {
     }
 }
 
-impl tokenpath_worker::TokenMeter for OutputMeter {
+impl tokenpath_protocol::work::TokenMeter for OutputMeter {
     fn generated(&self, tokens: u32) {
         self.charge(tokens);
     }

@@ -17,9 +17,9 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
+use tokenpath_protocol::work::{TokenUsage, WorkEvent, WorkStream};
 use tokenpath_protocol::{sse_event, ApiError, ChatStream, CompletionStream, SSE_DONE};
 use tokenpath_timeline::{ClientRecord, RequestId, ServerTiming, StreamEvent};
-use tokenpath_worker::{TokenUsage, WorkEvent, WorkStream};
 
 /// How chunks of one endpoint are shaped.
 #[derive(Debug)]

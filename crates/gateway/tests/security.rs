@@ -9,16 +9,12 @@ use common::{engine, serve_gateway, start, ADMIN_KEY, MODEL};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::time::Duration;
-use tokenpath_gateway::cluster::{Cluster, Registry};
-use tokenpath_gateway::{AdminKey, ApiKeys, Backend, Gateway, GatewayConfig};
-use tokenpath_protocol::auth::ClusterSecret;
+use tokenpath_gateway::{AdminKey, ApiKeys, GatewayConfig};
 use tokenpath_worker::WorkerConfig;
 
 /// A gateway over an (empty) cluster, so registrations are accepted.
 async fn cluster_gateway(config: GatewayConfig) -> common::Server {
-    let registry = Registry::start(Vec::new(), ClusterSecret::open());
-    let backend = Backend::Cluster { engine: engine(), cluster: Cluster::new(registry) };
-    let gateway = Gateway::with_backend(GatewayConfig { served_model_name: MODEL.into(), ..config }, backend)
+    let gateway = common::cluster_gateway(GatewayConfig { served_model_name: MODEL.into(), ..config })
         .expect("gateway");
     serve_gateway(gateway).await
 }
@@ -89,14 +85,11 @@ async fn tenant_keys_never_open_the_admin_routes() -> anyhow::Result<()> {
     // The admin key may not be a tenant's key.
     let same = AdminKey::new("sk-alice-0001-long-enough").map_err(anyhow::Error::msg)?;
     let k = ApiKeys::parse("alice:sk-alice-0001-long-enough").map_err(anyhow::Error::msg)?;
-    let backend = Backend::Cluster {
-        engine: engine(),
-        cluster: Cluster::new(Registry::start(Vec::new(), ClusterSecret::open())),
-    };
-    assert!(Gateway::with_backend(
-        GatewayConfig { api_keys: k, admin_key: Some(same), ..Default::default() },
-        backend
-    )
+    assert!(common::cluster_gateway(GatewayConfig {
+        api_keys: k,
+        admin_key: Some(same),
+        ..Default::default()
+    })
     .is_err());
     Ok(())
 }
@@ -183,10 +176,8 @@ async fn an_open_gateway_refuses_what_a_browser_could_forge() -> anyhow::Result<
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_an_admin_key_a_gateway_with_tenant_keys_serves_no_admin_route() -> anyhow::Result<()> {
-    let registry = Registry::start(Vec::new(), ClusterSecret::open());
-    let backend = Backend::Cluster { engine: engine(), cluster: Cluster::new(registry) };
     let config = GatewayConfig { served_model_name: MODEL.into(), api_keys: keys(), ..Default::default() };
-    let server = serve_gateway(Gateway::with_backend(config, backend)?).await;
+    let server = serve_gateway(common::cluster_gateway(config)?).await;
     for auth in [None, Some("sk-alice-0001")] {
         let (status, _) = register(&server, auth, "127.0.0.1:9", "both").await;
         assert_eq!(status, 403, "{auth:?}");
@@ -198,8 +189,10 @@ async fn without_an_admin_key_a_gateway_with_tenant_keys_serves_no_admin_route()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_on_their_own_listener_are_not_on_the_api() -> anyhow::Result<()> {
     let config = GatewayConfig { metrics_elsewhere: true, ..Default::default() };
-    let worker = tokenpath_worker::Worker::spawn(engine(), WorkerConfig::default())?;
-    let gateway = Gateway::new(GatewayConfig { served_model_name: MODEL.into(), ..config }, worker.handle())?;
+    let engine = engine();
+    let worker = tokenpath_worker::Worker::spawn(std::sync::Arc::clone(&engine), WorkerConfig::default())?;
+    let gateway =
+        common::local_gateway(GatewayConfig { served_model_name: MODEL.into(), ..config }, &worker, engine)?;
     let ml = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let maddr = ml.local_addr()?;
     tokio::spawn(gateway.serve_metrics(ml));

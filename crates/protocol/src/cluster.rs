@@ -24,55 +24,50 @@
 //!    `Finished` to the gateway. A lost or corrupted transfer makes it recompute the prompt
 //!    (the prompt ids came with step 1) and say so in its timing.
 
+pub mod conn;
 mod transfer;
 
 pub use transfer::{KvChunk, RingOffer, SameHost, TransferId, TransferToken, KV_TRAILER};
 
+use crate::sampling::{SamplerState, SamplingParams};
+use crate::work::{TokenUsage, WorkerStats};
 use crate::ProtocolError;
 use serde::{Deserialize, Serialize};
 use tokenpath_timeline::{FinishReason, ServerTiming};
 
-/// Sampling parameters as sent to a worker.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SamplingMsg {
-    /// 0 is greedy. (Each number here must be a finite `f32`: `1e39` is refused, not infinity.)
-    #[serde(deserialize_with = "crate::wire::finite_f32")]
-    pub temperature: f32,
-    /// 0 disables top-k.
-    pub top_k: usize,
-    /// 1 disables nucleus sampling.
-    #[serde(deserialize_with = "crate::wire::finite_f32")]
-    pub top_p: f32,
-    /// Seed; absent: the worker draws one.
-    pub seed: Option<u64>,
-    /// OpenAI presence penalty.
-    #[serde(deserialize_with = "crate::wire::finite_f32")]
-    pub presence_penalty: f32,
-    /// OpenAI frequency penalty.
-    #[serde(deserialize_with = "crate::wire::finite_f32")]
-    pub frequency_penalty: f32,
+/// What part of the request path a worker runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WorkerRole {
+    /// Computes the prompt's KV and the first token, then hands the KV on.
+    Prefill,
+    /// Receives KV and runs the token-by-token loop.
+    Decode,
+    /// Colocated: both on one engine.
+    Both,
 }
 
-/// A sampler's random stream position, handed from the prefill to the decode worker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SamplerPos {
-    /// The seed actually used.
-    pub seed: u64,
-    /// Position in the stream (32-bit words); decimal string, since JSON numbers are not u128.
-    #[serde(with = "u128_string")]
-    pub word_pos: u128,
-}
-
-mod u128_string {
-    use serde::{de::Error, Deserialize, Deserializer, Serializer};
-    pub(super) fn serialize<S: Serializer>(v: &u128, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&v.to_string())
+impl std::str::FromStr for WorkerRole {
+    type Err = ProtocolError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "prefill" => Ok(Self::Prefill),
+            "decode" => Ok(Self::Decode),
+            "both" => Ok(Self::Both),
+            other => Err(ProtocolError::invalid(
+                "role",
+                format!("unknown worker role {other:?}: expected prefill, decode or both"),
+            )),
+        }
     }
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u128, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(D::Error::custom)
+}
+
+impl std::fmt::Display for WorkerRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+            Self::Both => "both",
+        })
     }
 }
 
@@ -109,7 +104,7 @@ pub struct GenerateMsg {
     /// Prompt token ids.
     pub prompt: Vec<u32>,
     /// Sampling.
-    pub sampling: SamplingMsg,
+    pub sampling: SamplingParams,
     /// Most tokens to generate.
     pub max_tokens: Option<u32>,
     /// Stop strings.
@@ -134,7 +129,7 @@ pub enum ToWorker {
         /// The token the prefill worker sampled.
         first_token: u32,
         /// Where its sampler stood after sampling it.
-        sampler: SamplerPos,
+        sampler: SamplerState,
     },
     /// Ask for a [`StatsMsg`] (first message of a stats connection; health checks use it).
     Stats,
@@ -190,17 +185,6 @@ pub enum RejectKind {
     Unavailable,
 }
 
-/// Token counts of a request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UsageMsg {
-    /// Prompt tokens.
-    pub prompt_tokens: u64,
-    /// Generated tokens.
-    pub completion_tokens: u64,
-    /// Prompt tokens served from the prefix cache.
-    pub cached_tokens: u64,
-}
-
 /// A worker's load and capacity.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StatsMsg {
@@ -214,28 +198,9 @@ pub struct StatsMsg {
     pub block_size: u64,
     /// Requests accepted and not finished.
     pub in_flight: u64,
-    /// Requests waiting.
-    pub waiting: u64,
-    /// Sequences running.
-    pub running: u64,
-    /// KV blocks in use.
-    pub kv_blocks_used: u64,
-    /// KV blocks free (prefix-cache blocks nobody uses count as free).
-    pub kv_blocks_free: u64,
-    /// Seconds computing since start.
-    pub busy_seconds: f64,
-    /// Seconds since start.
-    pub uptime_seconds: f64,
-    /// Model FLOPs run.
-    pub flops: f64,
-    /// Prompt tokens computed.
-    pub prompt_tokens_computed: u64,
-    /// Prompt tokens served from the prefix cache.
-    pub prompt_tokens_cached: u64,
-    /// Tokens generated.
-    pub generated_tokens: u64,
-    /// KV transfers that failed and were recomputed (decode role).
-    pub kv_fallbacks: u64,
+    /// Its batcher's load and counters (flattened: the message stays one flat object).
+    #[serde(flatten)]
+    pub stats: WorkerStats,
     /// The worker is draining (stopping): it finishes what it runs and takes nothing new.
     #[serde(default)]
     pub draining: bool,
@@ -266,11 +231,11 @@ pub enum FromWorker {
         /// The sampled token.
         first_token: u32,
         /// The sampler's position after it.
-        sampler: SamplerPos,
+        sampler: SamplerState,
         /// Stages this worker measured (queue, prefill).
         timing: ServerTiming,
         /// Token counts so far (cached prompt tokens included).
-        usage: UsageMsg,
+        usage: TokenUsage,
     },
     /// Prefill role: the KV transfer finished (or failed), measured on this worker's clock from
     /// the first byte out to the decode worker's acknowledgement.
@@ -290,7 +255,7 @@ pub enum FromWorker {
         /// Why.
         reason: FinishReason,
         /// Token counts.
-        usage: UsageMsg,
+        usage: TokenUsage,
         /// Stages this worker measured.
         timing: ServerTiming,
     },
@@ -364,6 +329,15 @@ pub fn decode_control<T: for<'de> Deserialize<'de>>(payload: &[u8]) -> Result<T,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn roles_round_trip_and_reject_unknown() {
+        for r in [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Both] {
+            assert_eq!(r.to_string().parse::<WorkerRole>().unwrap(), r);
+        }
+        let err = "mixed".parse::<WorkerRole>().unwrap_err();
+        assert!(err.to_string().contains("mixed"));
+    }
     use proptest::prelude::*;
 
     #[test]
@@ -371,7 +345,7 @@ mod tests {
         let msg = ToWorker::Generate(GenerateMsg {
             id: 7,
             prompt: vec![1, 2, 3],
-            sampling: SamplingMsg {
+            sampling: SamplingParams {
                 temperature: 0.0,
                 top_k: 0,
                 top_p: 1.0,
@@ -393,9 +367,9 @@ mod tests {
         assert_eq!(back, msg);
         let h = FromWorker::Handoff {
             first_token: 5,
-            sampler: SamplerPos { seed: u64::MAX, word_pos: u128::MAX },
+            sampler: SamplerState { seed: u64::MAX, word_pos: u128::MAX },
             timing: ServerTiming::default(),
-            usage: UsageMsg::default(),
+            usage: TokenUsage::default(),
         };
         let back: FromWorker = decode_control(&encode_control(&h).unwrap()).unwrap();
         assert_eq!(back, h);
@@ -466,11 +440,11 @@ mod tests {
     fn sampling_numbers_past_the_f32_range_are_refused() {
         let ok = serde_json::json!({"temperature": 0.7, "top_k": 0, "top_p": 1.0, "seed": null,
             "presence_penalty": 0.0, "frequency_penalty": 0.0});
-        assert!(serde_json::from_value::<SamplingMsg>(ok.clone()).is_ok());
+        assert!(serde_json::from_value::<SamplingParams>(ok.clone()).is_ok());
         for field in ["temperature", "top_p", "presence_penalty", "frequency_penalty"] {
             let mut bad = ok.clone();
             bad[field] = serde_json::json!(1e39);
-            let e = serde_json::from_value::<SamplingMsg>(bad).unwrap_err();
+            let e = serde_json::from_value::<SamplingParams>(bad).unwrap_err();
             assert!(e.to_string().contains("finite"), "{field}: {e}");
         }
     }

@@ -13,6 +13,7 @@
 //! [`frame`] is the one framing (versioned, bounded, checksummed) and [`cluster`] the messages.
 
 pub mod auth;
+pub mod backend;
 pub mod chat;
 pub mod cluster;
 pub mod completion;
@@ -20,10 +21,13 @@ pub mod error;
 pub mod frame;
 pub mod params;
 pub mod response;
+pub mod sampling;
 pub mod sse;
 pub mod stream;
+pub mod tokenize;
 pub mod view;
 mod wire;
+pub mod work;
 
 pub use chat::{parse_chat_request, ChatCompletionRequest, ChatMessage, ContentPart, MessageContent, Role};
 pub use completion::{parse_completion_request, CompletionRequest, PromptInput};
@@ -97,6 +101,31 @@ pub enum ProtocolError {
         /// What failed (never the secret or a MAC).
         message: String,
     },
+    /// A backend's queue is full; the client should retry later.
+    #[error("the queue is full ({max} requests waiting)")]
+    Overloaded {
+        /// The queue bound (0 when the backend did not say).
+        max: usize,
+    },
+    /// The prompt, or the prompt plus `max_tokens`, does not fit the model's context.
+    #[error("{prompt_tokens} prompt tokens + {max_tokens} completion tokens exceed the context of {limit}")]
+    ContextOverflow {
+        /// Prompt length in tokens (counted up to `limit + 1` when refused while tokenizing).
+        prompt_tokens: usize,
+        /// Requested completion tokens (0 when none was requested).
+        max_tokens: usize,
+        /// The model's context length.
+        limit: usize,
+    },
+    /// A backend could not be reached, broke its protocol or refused for its own reasons.
+    #[error("unavailable: {message}")]
+    Unavailable {
+        /// What happened (for logs; a peer's own words are cut by `cluster::peer_message`).
+        message: String,
+    },
+    /// The backend is gone (shut down, restarting or crashed).
+    #[error("the backend has stopped")]
+    Stopped,
     /// A response (body or stream event) from a server that is not what an OpenAI-compatible
     /// server sends: not JSON, not an object, or a known field with an impossible type.
     #[error("invalid response: {message}")]
@@ -112,15 +141,37 @@ impl ProtocolError {
         ProtocolError::InvalidRequest { param: Some(param.into()), message: message.into() }
     }
 
-    /// The OpenAI error this becomes on the wire (always an `invalid_request_error`: every
-    /// variant is a problem with bytes the peer sent).
-    pub fn api_error(&self) -> ApiError {
+    /// The OpenAI error this becomes on the wire. `param` names the request field a refusal
+    /// without its own parameter is about (the prompt field: `messages` or `prompt`). A refusal
+    /// by the backend becomes the matching error kind; every other variant is a problem with
+    /// bytes the peer sent (`invalid_request_error`).
+    pub fn api_error_for(&self, param: Option<&str>) -> ApiError {
         match self {
-            ProtocolError::InvalidRequest { param, message } => {
-                ApiError::invalid_request(message.clone(), param.clone())
+            ProtocolError::InvalidRequest { param: own, message } => {
+                ApiError::invalid_request(message.clone(), own.clone().or_else(|| param.map(str::to_owned)))
+            }
+            ProtocolError::ContextOverflow { prompt_tokens, max_tokens, limit } => {
+                ApiError::context_length_exceeded(
+                    param.unwrap_or("messages"),
+                    *limit as u64,
+                    *prompt_tokens as u64,
+                    *max_tokens as u64,
+                )
+            }
+            ProtocolError::Overloaded { .. } => {
+                ApiError::overloaded("The server is overloaded; please retry after a short wait.")
+            }
+            ProtocolError::Stopped => ApiError::overloaded("The server is shutting down or restarting."),
+            ProtocolError::Unavailable { .. } => {
+                ApiError::server_error("The server had an error while processing your request.")
             }
             other => ApiError::invalid_request(other.to_string(), None),
         }
+    }
+
+    /// [`ProtocolError::api_error_for`] without a prompt field.
+    pub fn api_error(&self) -> ApiError {
+        self.api_error_for(None)
     }
 }
 

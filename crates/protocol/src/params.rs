@@ -105,6 +105,13 @@ pub struct PromptMessage {
     pub name: Option<String>,
 }
 
+impl PromptMessage {
+    /// A message without a participant name.
+    pub fn new(role: Role, content: impl Into<String>) -> Self {
+        Self { role, content: content.into(), name: None }
+    }
+}
+
 /// What the engine is asked to continue.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -21,10 +21,11 @@
 //! waiting, paused sequences are parked (blocks freed, tokens kept, recomputed on resuming),
 //! so a client that does not read can never hold KV others need.
 
-use crate::handle::{Transfer, WorkEvent, WorkMode, WorkRequest, WorkerConfig, WorkerStats};
+use crate::handle::WorkerConfig;
 use crate::pd::KvBlocks;
 use crate::seq::{Ending, Seq};
-use crate::stream::Backlog;
+use crate::{Transfer, WorkEvent, WorkMode, WorkRequest, WorkerStats};
+use tokenpath_protocol::work::Backlog;
 
 mod prefix;
 use std::collections::VecDeque;

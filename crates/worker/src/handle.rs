@@ -9,17 +9,17 @@
 
 use crate::batcher::{Batcher, Command, Submission};
 use crate::pd::KvBlocks;
-use crate::stream::{Backlog, WorkStream};
 use crate::WorkerError;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 use tokenpath_engine::kv_cache::KvLayout;
-use tokenpath_engine::sampling::{Sampler, SamplerState, SamplingParams};
+use tokenpath_engine::sampling::{Sampler, SamplerState};
 use tokenpath_engine::Engine;
-pub use tokenpath_protocol::cluster::TransferToken;
-use tokenpath_timeline::{FinishReason, RequestId, ServerTiming, WorkerId};
+use tokenpath_protocol::work::Transfer;
+use tokenpath_protocol::work::{validate_request, Backlog, WorkRequest, WorkStream, WorkerStats};
+use tokenpath_timeline::WorkerId;
 use tokio::sync::{mpsc as tmpsc, watch, Semaphore};
 
 /// Default prompt tokens per step (`--prefill-chunk`).
@@ -65,200 +65,6 @@ impl Default for WorkerConfig {
             block_size: DEFAULT_BLOCK_SIZE,
             prefix_cache: true,
             handoff_wait: crate::pd::HANDOFF_WAIT,
-        }
-    }
-}
-
-/// Which part of the path a worker runs for a request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WorkMode {
-    /// Prefill and decode here (colocated).
-    Full,
-    /// Prefill, sample the first token, stream the KV out ([`WorkEvent::Kv`]) and hand off
-    /// ([`WorkEvent::Handoff`]).
-    Prefill,
-    /// Wait for the KV of a transfer and the handed-off first token, then decode.
-    Decode(Transfer),
-}
-
-/// A decode-mode request's KV transfer: its id and the token that must come with its KV. Two
-/// transfers are equal only when both match (the token in constant time), so a lookup by
-/// `Transfer` is the authorization check.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Transfer {
-    /// The gateway's transfer id.
-    pub id: u64,
-    /// The transfer's capability.
-    pub token: TransferToken,
-}
-
-impl WorkMode {
-    /// The role name reported in `timing.workers`.
-    pub fn role_name(self) -> &'static str {
-        match self {
-            WorkMode::Full => "both",
-            WorkMode::Prefill => "prefill",
-            WorkMode::Decode(_) => "decode",
-        }
-    }
-}
-
-/// Charged with every token a request generates, the moment it is sampled (the gateway's
-/// per-tenant output budget): a client that reads slowly, or not at all, is charged all the same.
-pub trait TokenMeter: Send + Sync + std::fmt::Debug {
-    /// `tokens` more tokens were generated.
-    fn generated(&self, tokens: u32);
-}
-
-/// One generation request, already tokenized.
-#[derive(Clone, Debug)]
-pub struct WorkRequest {
-    /// For logs.
-    pub id: RequestId,
-    /// Prompt token ids (never empty).
-    pub prompt: Vec<u32>,
-    /// Sampling parameters.
-    pub sampling: SamplingParams,
-    /// Most tokens to generate; `None`: until EOS, a stop string or the context end.
-    pub max_tokens: Option<u32>,
-    /// Stop strings (not included in the output).
-    pub stop: Vec<String>,
-    /// Keep generating past end-of-generation tokens.
-    pub ignore_eos: bool,
-    /// When the request arrived (origin of its timeline), on this process's clock.
-    pub arrived: Instant,
-    /// When the gateway admitted it (the `admitted` mark).
-    pub admitted: Instant,
-    /// Which part of the path runs here.
-    pub mode: WorkMode,
-    /// Charged with every generated token, if any.
-    pub meter: Option<Arc<dyn TokenMeter>>,
-    /// The prefix-cache scope (a tenant): blocks are shared only between requests of the same
-    /// scope, so one tenant can neither plant KV for another nor learn from `cached_tokens` or
-    /// TTFT what another sent. `None`: the worker-wide namespace.
-    pub cache_scope: Option<String>,
-}
-
-/// Token counts of a finished request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TokenUsage {
-    /// Prompt tokens.
-    pub prompt_tokens: u64,
-    /// Generated tokens (an end-of-generation token that ended the turn is not counted).
-    pub completion_tokens: u64,
-    /// Prompt tokens served from the prefix cache.
-    pub cached_tokens: u64,
-}
-
-/// The checksum state of each KV frame's block bytes in one export (see [`WorkEvent::Kv`]);
-/// equal when every frame's digest so far is.
-#[derive(Clone, Debug, Default)]
-pub struct FrameSums(pub(crate) Vec<tokenpath_protocol::frame::Checksum>);
-
-impl PartialEq for FrameSums {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.len() == other.0.len() && self.0.iter().zip(&other.0).all(|(a, b)| a.digest() == b.digest())
-    }
-}
-
-/// What a request's stream carries, in order: zero or more `Text`, then exactly one `Finished`
-/// or `Failed`. A stream that ends without either means the worker died.
-#[derive(Clone, Debug, PartialEq)]
-pub enum WorkEvent {
-    /// Text safe to send (complete UTF-8, never part of a stop string) and how many generated
-    /// tokens it covers (≥ 1).
-    Text {
-        /// The new text.
-        delta: String,
-        /// Generated tokens since the previous `Text`.
-        tokens: u32,
-    },
-    /// Generation ended normally.
-    Finished {
-        /// `Stop` (EOS / stop string) or `Length` (`max_tokens` / context end).
-        reason: FinishReason,
-        /// Token counts.
-        usage: TokenUsage,
-        /// The stages this worker measured (gateway included: it was handed `admitted`).
-        timing: ServerTiming,
-    },
-    /// Prefill mode: KV blocks `first_block..` of the sequence, whole blocks in the cache's
-    /// wire layout, sent as soon as they are written (the last one may be partly filled).
-    Kv {
-        /// Index of the first block.
-        first_block: u32,
-        /// Block bytes.
-        bytes: Vec<u8>,
-        /// The checksum state of each KV frame's block bytes, computed right after the export
-        /// while they were in cache, so the transfer need not read them again to hash them.
-        sums: FrameSums,
-    },
-    /// Prefill mode: the first token is sampled and every KV block was sent; a decode worker
-    /// takes it from here. Ends the stream.
-    Handoff {
-        /// The sampled token.
-        first_token: u32,
-        /// The sampler's position after it.
-        sampler: SamplerState,
-        /// Token counts so far.
-        usage: TokenUsage,
-        /// The stages this worker measured.
-        timing: ServerTiming,
-        /// When the prefill ended (the transfer's remaining time is measured from here, so the
-        /// wait for a busy core to pick the event up is counted, not lost).
-        at: Instant,
-    },
-    /// Generation failed after it was accepted (an engine error).
-    Failed {
-        /// What went wrong, for logs and the client.
-        message: String,
-    },
-}
-
-/// A snapshot the batcher publishes after every step.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct WorkerStats {
-    /// Requests accepted but not yet running (including preempted ones).
-    pub waiting: usize,
-    /// Sequences in the running batch (prefilling or decoding).
-    pub running: usize,
-    /// KV blocks holding some sequence's tokens.
-    pub kv_blocks_used: usize,
-    /// KV blocks free.
-    pub kv_blocks_free: usize,
-    /// Seconds spent inside forward steps since start.
-    pub busy_seconds: f64,
-    /// Seconds since the worker started.
-    pub uptime_seconds: f64,
-    /// Forward steps run.
-    pub steps: u64,
-    /// Prompt tokens run through the model (recomputation after preemption included).
-    pub prompt_tokens_computed: u64,
-    /// Tokens generated.
-    pub generated_tokens: u64,
-    /// Model FLOPs of all tokens run (the model's per-token estimate × tokens).
-    pub flops: f64,
-    /// Requests cancelled because their client went away.
-    pub cancelled: u64,
-    /// Sequences preempted (KV freed, recomputed later) to let others decode.
-    pub preempted: u64,
-    /// Prompt tokens served from the prefix cache instead of computed.
-    pub prompt_tokens_cached: u64,
-    /// Blocks held only by the prefix cache (counted in `kv_blocks_free`: reclaimable).
-    pub kv_blocks_cached: usize,
-    /// KV transfers received intact (decode mode).
-    pub kv_imports: u64,
-    /// KV transfers that failed and were recomputed here (decode mode).
-    pub kv_fallbacks: u64,
-}
-
-impl WorkerStats {
-    /// Share of wall time spent computing since start, 0..=1.
-    pub fn busy_fraction(&self) -> f64 {
-        if self.uptime_seconds > 0.0 {
-            (self.busy_seconds / self.uptime_seconds).clamp(0.0, 1.0)
-        } else {
-            0.0
         }
     }
 }
@@ -444,36 +250,4 @@ impl WorkerHandle {
         self.tx.send(Command::Submit(Box::new(sub))).map_err(|_| WorkerError::Stopped)?;
         Ok(WorkStream::from_batcher(id, rx, backlog))
     }
-}
-
-/// Checks a request against the model before any work: a non-empty prompt of in-vocabulary ids
-/// that leaves room for at least one generated token (and for `max_tokens` when given). Returns
-/// the completion budget. Every backend runs it, so a remote worker's refusal and a local one's
-/// read the same.
-pub fn validate_request(req: &WorkRequest, n_ctx: usize, n_vocab: usize) -> Result<usize, WorkerError> {
-    if req.prompt.is_empty() {
-        return Err(WorkerError::InvalidRequest("the prompt has no tokens".into()));
-    }
-    if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= n_vocab) {
-        return Err(WorkerError::InvalidRequest(format!(
-            "token id {bad} is outside the vocabulary of {n_vocab} tokens"
-        )));
-    }
-    // The gateway checked these already; a request arriving over the worker port is checked
-    // again, since the stop strings' count and length are work on every generated token.
-    use tokenpath_protocol::{MAX_STOP_BYTES, MAX_STOP_SEQUENCES};
-    if req.stop.len() > MAX_STOP_SEQUENCES || req.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
-        return Err(WorkerError::InvalidRequest(format!(
-            "at most {MAX_STOP_SEQUENCES} stop strings of at most {MAX_STOP_BYTES} bytes each"
-        )));
-    }
-    let prompt_tokens = req.prompt.len();
-    let requested = req.max_tokens.map_or(0, |m| m as usize);
-    if req.max_tokens == Some(0) {
-        return Err(WorkerError::InvalidRequest("max_tokens must be at least 1".into()));
-    }
-    if prompt_tokens >= n_ctx || prompt_tokens + requested > n_ctx {
-        return Err(WorkerError::ContextOverflow { prompt_tokens, max_tokens: requested, limit: n_ctx });
-    }
-    Ok(req.max_tokens.map_or(n_ctx - prompt_tokens, |m| m as usize))
 }

@@ -18,24 +18,24 @@ mod handle;
 pub mod net;
 mod pd;
 mod seq;
-mod stream;
 
 pub use handle::{
-    validate_request, FrameSums, TokenMeter, TokenUsage, Transfer, TransferToken, WorkEvent, WorkMode,
-    WorkRequest, Worker, WorkerConfig, WorkerHandle, WorkerStats, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
+    Worker, WorkerConfig, WorkerHandle, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE,
+    DEFAULT_PREFILL_CHUNK,
 };
 pub use pd::KvBlocks;
-pub use stream::{StreamSender, WorkStream};
-
-use std::{fmt, str::FromStr};
+/// What part of the request path a worker runs (defined with the worker messages).
+pub use tokenpath_protocol::cluster::WorkerRole as Role;
+/// The boundary types a worker speaks, defined once in the protocol crate.
+pub use tokenpath_protocol::work::{
+    validate_request, FrameSums, StreamSender, TokenMeter, TokenUsage, Transfer, TransferToken, WorkEvent,
+    WorkMode, WorkRequest, WorkStream, WorkerStats,
+};
+use tokenpath_protocol::ProtocolError;
 
 /// Errors of the worker layer.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
-    /// A role name that is not `prefill`, `decode` or `both`.
-    #[error("unknown worker role {0:?}: expected prefill, decode or both")]
-    UnknownRole(String),
     /// The waiting queue is full; the client should retry later.
     #[error("the worker's queue is full ({max} requests waiting)")]
     Overloaded {
@@ -73,71 +73,59 @@ pub enum WorkerError {
     Stopped,
 }
 
-/// What part of the request path a worker runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Role {
-    /// Computes the prompt's KV and the first token, then hands the KV on.
-    Prefill,
-    /// Receives KV and runs the token-by-token loop.
-    Decode,
-    /// Colocated: both on one engine.
-    Both,
-}
-
-impl FromStr for Role {
-    type Err = WorkerError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "prefill" => Ok(Self::Prefill),
-            "decode" => Ok(Self::Decode),
-            "both" => Ok(Self::Both),
-            other => Err(WorkerError::UnknownRole(other.to_owned())),
+impl From<ProtocolError> for WorkerError {
+    fn from(e: ProtocolError) -> Self {
+        match e {
+            ProtocolError::ContextOverflow { prompt_tokens, max_tokens, limit } => {
+                WorkerError::ContextOverflow { prompt_tokens, max_tokens, limit }
+            }
+            ProtocolError::Overloaded { max } => WorkerError::Overloaded { max },
+            ProtocolError::Stopped => WorkerError::Stopped,
+            ProtocolError::InvalidRequest { message, .. } => WorkerError::InvalidRequest(message),
+            other => WorkerError::Remote(other.to_string()),
         }
     }
 }
 
-impl fmt::Display for Role {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-            Self::Both => "both",
-        })
+impl From<WorkerError> for ProtocolError {
+    /// The boundary's refusal for a worker's (what [`tokenpath_protocol::backend::Backend`]
+    /// callers see).
+    fn from(e: WorkerError) -> Self {
+        match e {
+            WorkerError::ContextOverflow { prompt_tokens, max_tokens, limit } => {
+                ProtocolError::ContextOverflow { prompt_tokens, max_tokens, limit }
+            }
+            WorkerError::Overloaded { max } => ProtocolError::Overloaded { max },
+            WorkerError::Stopped => ProtocolError::Stopped,
+            WorkerError::InvalidRequest(message) => ProtocolError::InvalidRequest { param: None, message },
+            other => ProtocolError::Unavailable { message: other.to_string() },
+        }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn roles_round_trip_and_reject_unknown() {
-        for r in [Role::Prefill, Role::Decode, Role::Both] {
-            assert_eq!(r.to_string().parse::<Role>().unwrap(), r);
-        }
-        let err = "mixed".parse::<Role>().unwrap_err();
-        assert!(err.to_string().contains("mixed"));
+impl tokenpath_protocol::backend::Backend for WorkerHandle {
+    fn submit(
+        &self,
+        work: WorkRequest,
+    ) -> tokenpath_protocol::backend::BoxFuture<'_, Result<WorkStream, ProtocolError>> {
+        let started = WorkerHandle::submit(self, work).map_err(ProtocolError::from);
+        Box::pin(std::future::ready(started))
     }
 
-    /// A relay (the gateway's, of a remote worker) that waits for `room` reads its source no
-    /// faster than the stream's reader takes events: the reader's pace travels upstream.
-    #[tokio::test]
-    async fn a_relay_waits_while_its_reader_is_behind() {
-        let (tx, mut stream) = WorkStream::channel(tokenpath_timeline::RequestId(1));
-        let text = || WorkEvent::Text { delta: "x".into(), tokens: 1 };
-        for _ in 0..stream::PAUSE_AT {
-            assert!(tx.send(text()));
-        }
-        let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), tx.room()).await;
-        assert!(waiting.is_err(), "room while the reader is {} behind", stream::PAUSE_AT);
-        let room = tokio::spawn(async move {
-            tx.room().await;
-            tx
-        });
-        assert!(matches!(stream.next().await, Some(WorkEvent::Text { .. })));
-        let tx = room.await.unwrap();
-        assert!(tx.send(text()), "the reader took one: room again");
-        drop(stream);
-        tx.closed().await;
+    fn model(&self) -> tokenpath_protocol::backend::ModelInfo {
+        let c = self.engine().model().config();
+        tokenpath_protocol::backend::ModelInfo { n_ctx: c.n_ctx, n_vocab: c.n_vocab }
+    }
+
+    fn stats(&self) -> WorkerStats {
+        WorkerHandle::stats(self)
+    }
+
+    fn is_ready(&self) -> bool {
+        self.is_alive()
+    }
+
+    fn in_flight(&self) -> usize {
+        WorkerHandle::in_flight(self)
     }
 }

@@ -18,9 +18,9 @@
 //! when the [`KvBlocks`] is dropped), and only then does anything read them.
 
 use crate::batcher::{Batcher, Command};
-use crate::handle::{Transfer, WorkMode};
 use crate::seq::{Ending, KvState, Seq};
 use crate::WorkerError;
+use crate::{Transfer, WorkMode};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use tokenpath_engine::kv_cache::KvLease;

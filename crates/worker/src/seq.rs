@@ -7,8 +7,7 @@
 //! a `Decode` sequence starts with imported KV and the first token already sampled elsewhere.
 
 use crate::batcher::Submission;
-use crate::handle::{TokenUsage, WorkEvent, WorkMode, WorkRequest};
-use crate::stream::{Backlog, PAUSE_AT, RESUME_AT};
+use crate::{TokenUsage, WorkEvent, WorkMode, WorkRequest};
 use std::time::Instant;
 use tokenpath_engine::kv_cache::BlockTable;
 use tokenpath_engine::sampling::{Sampler, SamplerState};
@@ -16,6 +15,7 @@ use tokenpath_engine::stop::StopMatcher;
 use tokenpath_engine::tokenizer::StreamDecoder;
 use tokenpath_engine::Engine;
 use tokenpath_kv::BlockHash;
+use tokenpath_protocol::work::{Backlog, PAUSE_AT, RESUME_AT};
 use tokenpath_timeline::{FinishReason, Mark, Nanos, RequestId, ServerTimeline, WorkerId};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::OwnedSemaphorePermit;

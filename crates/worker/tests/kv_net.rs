@@ -310,7 +310,7 @@ fn a_decode_worker_without_kv_room_refuses_at_open() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         match open(3).await {
-            Err(tokenpath_worker::WorkerError::Overloaded { .. }) => {}
+            Err(tokenpath_protocol::ProtocolError::Overloaded { .. }) => {}
             Err(e) => panic!("expected Overloaded, got {e}"),
             Ok(_) => panic!("a decode worker without room accepted a 400-token reservation"),
         }

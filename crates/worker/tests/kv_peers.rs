@@ -42,7 +42,7 @@ fn unauthenticated_connections_get_nothing_but_a_close() {
             let e = RemoteRequest::open(addr, &other, msg(1, prompt(1, 20), mode.clone()), t).await.unwrap_err();
             assert!(e.to_string().contains("unauthenticated"), "{e}");
             assert!(
-                tokenpath_worker::net::client::stats(addr, &other, t).await.is_err(),
+                tokenpath_gateway::cluster::client::stats(addr, &other, t).await.is_err(),
                 "stats need the secret too"
             );
         }

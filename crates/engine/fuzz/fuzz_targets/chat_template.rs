@@ -13,19 +13,19 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tokenpath_engine::tokenizer::{ChatMessage, ChatTemplate};
+use tokenpath_engine::tokenizer::{ChatTemplate, PromptMessage, Role};
 
-const ROLES: [&str; 4] = ["system", "user", "assistant", "user"];
+const ROLES: [Role; 4] = [Role::System, Role::User, Role::Assistant, Role::User];
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
     let mut parts = text.split('\0');
     let source = parts.next().unwrap_or_default();
     let Ok(t) = ChatTemplate::new(source, "<s>", "</s>") else { return };
-    let mut messages: Vec<ChatMessage> =
-        parts.take(ROLES.len()).zip(ROLES).map(|(c, r)| ChatMessage::new(r, c)).collect();
+    let mut messages: Vec<PromptMessage> =
+        parts.take(ROLES.len()).zip(ROLES).map(|(c, r)| PromptMessage::new(r, c)).collect();
     if messages.is_empty() {
-        messages = vec![ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi there")];
+        messages = vec![PromptMessage::new(Role::System, "Be brief."), PromptMessage::new(Role::User, "Hi there")];
     }
     let _ = t.render(&messages, data.len() % 2 == 0);
 });

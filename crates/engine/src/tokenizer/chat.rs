@@ -16,24 +16,9 @@ use minijinja::{Environment, Error, ErrorKind};
 use super::pycompat::{self, python_method, tojson};
 use super::sandbox::{self, Init, Sandbox};
 use super::TokenizerError;
+use tokenpath_protocol::PromptMessage;
 
 const NAME: &str = "chat_template";
-
-/// One chat message as the OpenAI API and HF templates see it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, ...
-    pub role: String,
-    /// The message text.
-    pub content: String,
-}
-
-impl ChatMessage {
-    /// Convenience constructor.
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
-    }
-}
 
 /// Most template instructions one render may run (minijinja's fuel).
 pub const TEMPLATE_FUEL: u64 = 2_000_000;
@@ -83,11 +68,13 @@ impl ChatTemplate {
     /// the assistant turn.
     pub fn render(
         &self,
-        messages: &[ChatMessage],
+        messages: &[PromptMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
-        let msgs: Vec<serde_json::Value> =
-            messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect();
+        let msgs: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content}))
+            .collect();
         self.render_json(&serde_json::Value::Array(msgs), add_generation_prompt, &serde_json::Map::new())
     }
 
@@ -205,13 +192,14 @@ pub(crate) fn strftime(fmt: &str, unix_secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokenpath_protocol::Role;
 
     const CHATML: &str = r"{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
     #[test]
     fn chatml_renders() {
         let t = ChatTemplate::new(CHATML, "<|im_start|>", "<|im_end|>").expect("compiles");
-        let out = t.render(&[ChatMessage::new("user", "hi")], true).expect("renders");
+        let out = t.render(&[PromptMessage::new(Role::User, "hi")], true).expect("renders");
         assert_eq!(out, "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     }
 
@@ -219,9 +207,12 @@ mod tests {
     fn python_methods_and_raise_exception() {
         let src = "{% for m in messages %}{% if m.role not in ['user'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}[{{ m.content.strip() }}|{{ m.content.split()|length }}|{{ m.get('x', 'd') }}|{{ m.content.startswith((' a', 'q')) }}]{% endfor %}";
         let t = ChatTemplate::new(src, "", "").expect("compiles");
-        assert_eq!(t.render(&[ChatMessage::new("user", " a b ")], false).expect("renders"), "[a b|2|d|True]");
-        let err = t.render(&[ChatMessage::new("bot", "x")], false).expect_err("raises");
-        assert!(matches!(err, TokenizerError::TemplateRender(ref m) if m.contains("bad role bot")), "{err}");
+        assert_eq!(
+            t.render(&[PromptMessage::new(Role::User, " a b ")], false).expect("renders"),
+            "[a b|2|d|True]"
+        );
+        let err = t.render(&[PromptMessage::new(Role::Tool, "x")], false).expect_err("raises");
+        assert!(matches!(err, TokenizerError::TemplateRender(ref m) if m.contains("bad role tool")), "{err}");
     }
 
     #[test]

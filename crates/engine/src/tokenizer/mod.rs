@@ -10,13 +10,15 @@
 //! - `stream.rs`: [`StreamDecoder`] for SSE; `chat.rs`: [`ChatTemplate`]; `sandbox.rs`: the
 //!   child processes templates render in;
 //! - `error.rs`: [`TokenizerError`], wrapped by the engine's error enum;
-//! - `from_gguf.rs`: which `tokenizer.*` GGUF keys build all of the above.
+//! - `from_gguf.rs`: which `tokenizer.*` GGUF keys build all of the above; `prompt.rs`:
+//!   [`ModelTokenizer`], tokenizer and template together (the protocol's `PromptTokenizer`).
 
 mod bpe;
 mod chat;
 mod error;
 mod from_gguf;
 mod pretokenize;
+mod prompt;
 mod pycompat;
 pub mod sandbox;
 mod special;
@@ -24,10 +26,13 @@ mod stream;
 mod unicode;
 mod vocab;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::ChatTemplate;
 pub use error::TokenizerError;
 pub use from_gguf::{chat_template_from_gguf, tokenizer_from_gguf};
 pub use pretokenize::PreTokenizer;
+pub use prompt::ModelTokenizer;
 pub use stream::StreamDecoder;
+/// One chat message (role and text), defined once in the protocol crate.
+pub use tokenpath_protocol::{PromptMessage, Role};
 pub(crate) use unicode::byte_to_char_table;
 pub use vocab::{TokenType, Tokenizer};

@@ -346,6 +346,7 @@ fn py_str(s: &str, ensure_ascii: bool, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokenpath_protocol::{PromptMessage, Role};
 
     fn dumps(v: serde_json::Value, indent: Option<usize>) -> String {
         let mut out = String::new();
@@ -384,7 +385,7 @@ mod tests {
         )
         .unwrap();
         let big = "x".repeat(1 << 20);
-        let e = t.render(&[super::super::ChatMessage::new("user", big)], false).unwrap_err();
+        let e = t.render(&[PromptMessage::new(Role::User, big)], false).unwrap_err();
         assert!(e.to_string().contains("budget"), "{e}");
         let t = super::super::ChatTemplate::new(
             "{% set a = messages[0].content %}{% set a = a.replace('', a) %}{% set a = a.replace('', a) %}{% set a = a.replace('', a) %}{{ a|length }}",
@@ -392,7 +393,7 @@ mod tests {
             "",
         )
         .unwrap();
-        let e = t.render(&[super::super::ChatMessage::new("user", "y".repeat(100))], false).unwrap_err();
+        let e = t.render(&[PromptMessage::new(Role::User, "y".repeat(100))], false).unwrap_err();
         assert!(e.to_string().contains("budget"), "{e}");
     }
 

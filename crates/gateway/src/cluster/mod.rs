@@ -10,19 +10,22 @@
 //! request started is marked down and another is tried; one that dies mid-stream ends the stream
 //! with an error event (never a hang) and is marked down.
 
+pub mod client;
 pub mod registry;
 
 pub use registry::{Registry, Route, WorkerView};
 
+use client::RemoteRequest;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokenpath_protocol::cluster::{
-    FromWorker, GenerateMsg, Mode, SamplerPos, ToWorker, TransferId, TransferToken, UsageMsg,
+use tokenpath_protocol::backend::{Backend, BoxFuture, ModelInfo};
+use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, Mode, ToWorker, TransferId, TransferToken};
+use tokenpath_protocol::sampling::SamplerState;
+use tokenpath_protocol::work::{
+    validate_request, StreamSender, TokenMeter, TokenUsage, WorkEvent, WorkRequest, WorkStream, WorkerStats,
 };
+use tokenpath_protocol::ProtocolError;
 use tokenpath_timeline::{ms, FinishReason, ServerTiming, Stage};
-use tokenpath_worker::net::client::RemoteRequest;
-use tokenpath_worker::net::{sampling_msg, usage_of};
-use tokenpath_worker::{StreamSender, TokenMeter, WorkEvent, WorkRequest, WorkStream, WorkerError};
 
 /// How long opening a request on a worker may take.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -35,12 +38,13 @@ const KV_REPORT_WAIT: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub struct Cluster {
     registry: Registry,
+    model: ModelInfo,
 }
 
 impl Cluster {
-    /// A cluster over `registry`.
-    pub fn new(registry: Registry) -> Self {
-        Self { registry }
+    /// A cluster over `registry`, whose workers all serve a model with these limits.
+    pub fn new(registry: Registry, model: ModelInfo) -> Self {
+        Self { registry, model }
     }
 
     /// The registry (health, registration, routing).
@@ -50,9 +54,10 @@ impl Cluster {
 
     /// Routes and starts `work`; errors before any token are returned, later ones arrive as
     /// [`WorkEvent::Failed`] on the stream.
-    pub async fn submit(&self, work: WorkRequest) -> Result<WorkStream, WorkerError> {
+    pub async fn submit(&self, work: WorkRequest) -> Result<WorkStream, ProtocolError> {
+        validate_request(&work, self.model.n_ctx, self.model.n_vocab)?;
         let mut avoid = Vec::new();
-        let mut last_err = WorkerError::Overloaded { max: 0 };
+        let mut last_err = ProtocolError::Overloaded { max: 0 };
         for _ in 0..MAX_ATTEMPTS {
             let route = self.registry.route(&work.prompt, work.cache_scope.as_deref(), avoid.clone()).await?;
             match self.start(&work, &route).await {
@@ -61,7 +66,7 @@ impl Cluster {
                     release(&self.registry, &route);
                     match failed {
                         // Full (no queue slot, no KV room for the prompt): another may not be.
-                        Some(addr) if matches!(e, WorkerError::Overloaded { .. }) => {
+                        Some(addr) if matches!(e, ProtocolError::Overloaded { .. }) => {
                             tracing::debug!(addr = ?addr, "worker full, trying another");
                             avoid.push(addr);
                             last_err = e;
@@ -86,11 +91,11 @@ impl Cluster {
         &self,
         work: &WorkRequest,
         route: &Route,
-    ) -> Result<WorkStream, (Option<String>, WorkerError)> {
+    ) -> Result<WorkStream, (Option<String>, ProtocolError)> {
         let msg = |mode: Mode| GenerateMsg {
             id: work.id.0,
             prompt: work.prompt.clone(),
-            sampling: sampling_msg(&work.sampling),
+            sampling: work.sampling.clone(),
             max_tokens: work.max_tokens,
             stop: work.stop.clone(),
             ignore_eos: work.ignore_eos,
@@ -100,7 +105,7 @@ impl Cluster {
         let secret = self.registry.secret();
         let open = |addr: String, mode: Mode| async move {
             RemoteRequest::open(&addr, secret, msg(mode), OPEN_TIMEOUT).await.map_err(|e| match e {
-                WorkerError::Remote(_) | WorkerError::Overloaded { .. } => (Some(addr), e),
+                ProtocolError::Unavailable { .. } | ProtocolError::Overloaded { .. } => (Some(addr), e),
                 other => (None, other),
             })
         };
@@ -122,7 +127,8 @@ impl Cluster {
                 // Random id and token per transfer: only the two workers of this request learn
                 // them, and only the token lets a `KvBegin` deliver KV.
                 let fresh = TransferId::random().and_then(|t| Ok((t, TransferToken::random()?)));
-                let (transfer, token) = fresh.map_err(|e| (None, WorkerError::Remote(e.to_string())))?;
+                let (transfer, token) =
+                    fresh.map_err(|e| (None, ProtocolError::Unavailable { message: e.to_string() }))?;
                 let dconn = open(decode.clone(), Mode::Decode { transfer, token }).await?;
                 clock.dispatched = Instant::now();
                 let mode = Mode::Prefill { transfer, token, decode_addr: decode.clone() };
@@ -138,6 +144,35 @@ impl Cluster {
             }
         }
         Ok(stream)
+    }
+}
+
+impl Backend for Cluster {
+    fn submit(&self, work: WorkRequest) -> BoxFuture<'_, Result<WorkStream, ProtocolError>> {
+        Box::pin(Cluster::submit(self, work))
+    }
+
+    fn model(&self) -> ModelInfo {
+        self.model
+    }
+
+    /// The sum over the workers that answered their last poll.
+    fn stats(&self) -> WorkerStats {
+        let mut sum = WorkerStats::default();
+        for w in self.registry.workers().iter().filter(|w| w.up) {
+            if let Some(s) = &w.stats {
+                sum.add(&s.stats);
+            }
+        }
+        sum
+    }
+
+    fn is_ready(&self) -> bool {
+        self.registry.is_ready()
+    }
+
+    fn in_flight(&self) -> usize {
+        self.registry.workers().iter().fold(0usize, |a, w| a.saturating_add(w.in_flight))
     }
 }
 
@@ -188,9 +223,9 @@ fn fail(tx: &StreamSender, message: String) {
 /// How a worker connection's part of a request ended, after [`relay`].
 enum Relayed {
     /// The request finished on this worker.
-    Finished(FinishReason, UsageMsg, ServerTiming),
+    Finished(FinishReason, TokenUsage, ServerTiming),
     /// The prefill worker handed off: first token, sampler position, its stages and usage.
-    Handoff(u32, SamplerPos, ServerTiming, UsageMsg),
+    Handoff(u32, SamplerState, ServerTiming, TokenUsage),
     /// Cancelled by the client, or already failed (the error event is sent, a dead worker
     /// marked down): nothing left to do.
     Over,
@@ -260,7 +295,7 @@ async fn pump_colocated(
     match relay(&mut conn, tx, &mut first, registry, meter.as_deref()).await {
         Relayed::Finished(reason, usage, timing) => {
             let timing = clock.assemble(first, &[&timing]);
-            let _ = tx.send(WorkEvent::Finished { reason, usage: usage_of(usage), timing });
+            let _ = tx.send(WorkEvent::Finished { reason, usage, timing });
         }
         Relayed::Handoff(..) => fail(tx, format!("{} handed off a colocated request", conn.addr())),
         Relayed::Over => {}
@@ -290,7 +325,7 @@ async fn pump_disaggregated(
             // The first token ended the request; the decode worker's reservation is dropped
             // with its connection.
             let timing = clock.assemble(first, &[&timing]);
-            let _ = tx.send(WorkEvent::Finished { reason, usage: usage_of(usage), timing });
+            let _ = tx.send(WorkEvent::Finished { reason, usage, timing });
             return;
         }
         Relayed::Over => return,
@@ -316,7 +351,7 @@ async fn pump_disaggregated(
             }
             let mut timing = clock.assemble(first, &[&ptiming, &kv, &timing]);
             timing.cached_tokens = pusage.cached_tokens;
-            let mut usage = usage_of(usage);
+            let mut usage = usage;
             usage.cached_tokens = pusage.cached_tokens;
             let _ = tx.send(WorkEvent::Finished { reason, usage, timing });
         }

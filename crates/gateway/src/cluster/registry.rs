@@ -17,7 +17,8 @@ use std::time::Duration;
 use tokenpath_kv::{block_hashes, BlockHash, PrefixCache};
 use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_protocol::cluster::StatsMsg;
-use tokenpath_worker::{Role, WorkerError};
+use tokenpath_protocol::cluster::WorkerRole as Role;
+use tokenpath_protocol::ProtocolError;
 use tokio::sync::{mpsc, oneshot, watch};
 
 /// How often workers are polled.
@@ -101,7 +102,7 @@ enum Cmd {
         prompt: Vec<u32>,
         scope: Option<String>,
         avoid: Vec<String>,
-        reply: oneshot::Sender<Result<Route, WorkerError>>,
+        reply: oneshot::Sender<Result<Route, ProtocolError>>,
     },
 }
 
@@ -142,10 +143,10 @@ impl Registry {
     }
 
     /// Adds a worker; it serves once a poll succeeds. A known address keeps its role.
-    pub async fn register(&self, addr: String, role: Role) -> Result<Registered, WorkerError> {
+    pub async fn register(&self, addr: String, role: Role) -> Result<Registered, ProtocolError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Cmd::Register { addr, role, reply: Some(reply) }).map_err(|_| WorkerError::Stopped)?;
-        rx.await.map_err(|_| WorkerError::Stopped)
+        self.tx.send(Cmd::Register { addr, role, reply: Some(reply) }).map_err(|_| ProtocolError::Stopped)?;
+        rx.await.map_err(|_| ProtocolError::Stopped)
     }
 
     /// The cluster secret its workers share.
@@ -170,12 +171,12 @@ impl Registry {
         prompt: &[u32],
         scope: Option<&str>,
         avoid: Vec<String>,
-    ) -> Result<Route, WorkerError> {
+    ) -> Result<Route, ProtocolError> {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(Cmd::Route { prompt: prompt.to_vec(), scope: scope.map(str::to_owned), avoid, reply })
-            .map_err(|_| WorkerError::Stopped)?;
-        rx.await.map_err(|_| WorkerError::Stopped)?
+            .map_err(|_| ProtocolError::Stopped)?;
+        rx.await.map_err(|_| ProtocolError::Stopped)?
     }
 
     /// The workers as of now.
@@ -235,9 +236,8 @@ impl State {
             let tx = self.tx.clone();
             let secret = self.secret.clone();
             tokio::spawn(async move {
-                let result = tokenpath_worker::net::client::stats(&addr, &secret, POLL_TIMEOUT)
-                    .await
-                    .map_err(|e| e.to_string());
+                let result =
+                    super::client::stats(&addr, &secret, POLL_TIMEOUT).await.map_err(|e| e.to_string());
                 let _ = tx.send(Cmd::Polled { addr, result });
             });
         }
@@ -306,7 +306,12 @@ impl State {
         }
     }
 
-    fn route(&mut self, prompt: &[u32], scope: Option<&str>, avoid: &[String]) -> Result<Route, WorkerError> {
+    fn route(
+        &mut self,
+        prompt: &[u32],
+        scope: Option<&str>,
+        avoid: &[String],
+    ) -> Result<Route, ProtocolError> {
         let root = BlockHash::namespace(&[b"router"]).scoped(scope);
         let hashes = block_hashes(root, prompt, ROUTER_BLOCK).unwrap_or_default();
         let usable = |w: &WorkerView, role: Role| {
@@ -318,7 +323,7 @@ impl State {
             (Some(p), Some(d)) => Route::Disaggregated { prefill: p, decode: d },
             _ => match self.pick_prefill(&hashes, |w| usable(w, Role::Both)) {
                 Some(c) => Route::Colocated(c),
-                None => return Err(WorkerError::Overloaded { max: 0 }),
+                None => return Err(ProtocolError::Overloaded { max: 0 }),
             },
         };
         let (first, second) = match &route {
@@ -354,14 +359,14 @@ impl State {
             .iter()
             .filter(|w| ok(w))
             .filter(|w| {
-                w.stats
-                    .as_ref()
-                    .is_none_or(|s| s.kv_blocks_free.saturating_mul(s.block_size.max(1)) > prompt_len as u64)
+                w.stats.as_ref().is_none_or(|s| {
+                    (s.stats.kv_blocks_free as u64).saturating_mul(s.block_size.max(1)) > prompt_len as u64
+                })
             })
             .min_by_key(|w| {
                 (
-                    Self::load(w).saturating_add(w.stats.as_ref().map_or(0, |s| s.running)),
-                    std::cmp::Reverse(w.stats.as_ref().map_or(0, |s| s.kv_blocks_free)),
+                    Self::load(w).saturating_add(w.stats.as_ref().map_or(0, |s| s.stats.running as u64)),
+                    std::cmp::Reverse(w.stats.as_ref().map_or(0, |s| s.stats.kv_blocks_free)),
                 )
             })
             .map(|w| w.addr.clone())
@@ -386,24 +391,10 @@ impl State {
 /// non-negative: whatever a worker (or something answering on its port) reports, routing and
 /// `/metrics` arithmetic stays in range.
 fn clamped(mut s: StatsMsg) -> StatsMsg {
-    for v in [
-        &mut s.n_ctx,
-        &mut s.block_size,
-        &mut s.in_flight,
-        &mut s.waiting,
-        &mut s.running,
-        &mut s.kv_blocks_used,
-        &mut s.kv_blocks_free,
-        &mut s.prompt_tokens_computed,
-        &mut s.prompt_tokens_cached,
-        &mut s.generated_tokens,
-        &mut s.kv_fallbacks,
-    ] {
+    for v in [&mut s.n_ctx, &mut s.block_size, &mut s.in_flight] {
         *v = (*v).min(STAT_CAP);
     }
-    for v in [&mut s.busy_seconds, &mut s.uptime_seconds, &mut s.flops] {
-        *v = if v.is_finite() { v.clamp(0.0, 1e30) } else { 0.0 };
-    }
+    s.stats.clamp(STAT_CAP);
     s.role.truncate(16);
     s.worker_id.truncate(128);
     s
@@ -412,17 +403,21 @@ fn clamped(mut s: StatsMsg) -> StatsMsg {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokenpath_protocol::work::WorkerStats;
 
     fn stats(in_flight: u64, running: u64, free: u64, bs: u64) -> StatsMsg {
         StatsMsg {
             role: "decode".into(),
             in_flight,
-            running,
-            kv_blocks_free: free,
             block_size: bs,
             n_ctx: 4096,
-            busy_seconds: f64::NAN,
-            flops: f64::INFINITY,
+            stats: WorkerStats {
+                running: running as usize,
+                kv_blocks_free: free as usize,
+                busy_seconds: f64::NAN,
+                flops: f64::INFINITY,
+                ..WorkerStats::default()
+            },
             ..StatsMsg::default()
         }
     }
@@ -479,8 +474,9 @@ mod tests {
         let w = reg.workers();
         let rogue = w.iter().find(|w| w.addr == "127.0.0.1:2").and_then(|w| w.stats.clone()).unwrap();
         assert_eq!(rogue.in_flight, STAT_CAP);
-        assert_eq!(rogue.busy_seconds, 0.0);
-        assert_eq!(rogue.flops, 0.0);
+        assert_eq!(rogue.stats.running as u64, STAT_CAP);
+        assert_eq!(rogue.stats.busy_seconds, 0.0);
+        assert_eq!(rogue.stats.flops, 0.0);
     }
 
     #[tokio::test]

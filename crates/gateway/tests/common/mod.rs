@@ -37,10 +37,33 @@ pub async fn start(worker: WorkerConfig, mut gateway: GatewayConfig) -> Server {
     if !gateway.api_keys.is_empty() && gateway.admin_key.is_none() {
         gateway.admin_key = Some(tokenpath_gateway::AdminKey::new(ADMIN_KEY).expect("admin key"));
     }
-    let worker = Worker::spawn(engine(), worker).expect("worker");
-    let gateway = Gateway::new(GatewayConfig { served_model_name: MODEL.into(), ..gateway }, worker.handle())
-        .expect("gateway");
+    let engine = engine();
+    let worker = Worker::spawn(Arc::clone(&engine), worker).expect("worker");
+    let gateway =
+        local_gateway(GatewayConfig { served_model_name: MODEL.into(), ..gateway }, &worker, engine)
+            .expect("gateway");
     serve_gateway(gateway).await
+}
+
+/// A gateway over `worker` in this process, tokenizing with `engine`.
+pub fn local_gateway(
+    config: GatewayConfig,
+    worker: &Worker,
+    engine: Arc<Engine>,
+) -> Result<Gateway, tokenpath_gateway::GatewayError> {
+    Gateway::new(config, Arc::new(worker.handle()), engine)
+}
+
+/// A gateway over an (empty) cluster of worker processes, tokenizing with the tiny model's
+/// tokenizer.
+pub fn cluster_gateway(config: GatewayConfig) -> Result<Gateway, tokenpath_gateway::GatewayError> {
+    use tokenpath_gateway::cluster::{Cluster, Registry};
+    let engine = engine();
+    let model = tokenpath_protocol::backend::Backend::model(
+        &Worker::spawn(Arc::clone(&engine), WorkerConfig::default()).expect("worker").handle(),
+    );
+    let registry = Registry::start(Vec::new(), tokenpath_protocol::auth::ClusterSecret::open());
+    Gateway::with_cluster(config, Arc::new(Cluster::new(registry, model)), engine)
 }
 
 /// Serves `gateway` on an ephemeral loopback port.

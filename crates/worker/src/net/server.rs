@@ -13,10 +13,7 @@
 use super::kv::{KvSender, KvTransport, SendOptions};
 use super::kv_recv::{receive_kv, ring_len, Begin};
 use super::shm::{host_id, PeerRings, RingPool};
-use super::{
-    read_control, sampler_pos, sampler_state, sampling_params, stats_msg, tcp_keepalive, usage_msg,
-    write_control, KEEPALIVE,
-};
+use super::{read_control, stats_msg, tcp_keepalive, write_control, KEEPALIVE};
 use crate::{Role, Transfer, WorkEvent, WorkMode, WorkRequest, WorkerError, WorkerHandle};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -220,7 +217,7 @@ async fn generate(
     let req = WorkRequest {
         id: RequestId(msg.id),
         prompt: msg.prompt,
-        sampling: sampling_params(&msg.sampling),
+        sampling: msg.sampling.clone(),
         max_tokens: msg.max_tokens,
         stop: msg.stop,
         ignore_eos: msg.ignore_eos,
@@ -285,9 +282,9 @@ async fn generate(
                         let result = kv.take().map(|k| k.finish());
                         write_control(&mut wr, &FromWorker::Handoff {
                             first_token,
-                            sampler: sampler_pos(sampler),
+                            sampler,
                             timing,
-                            usage: usage_msg(usage),
+                            usage,
                         }).await?;
                         let sent = match result {
                             Some(rx) => rx.await.unwrap_or_default(),
@@ -298,7 +295,7 @@ async fn generate(
                         return write_control(&mut wr, &FromWorker::KvSent { ok, ms, bytes, ring }).await;
                     }
                     WorkEvent::Finished { reason, usage, timing } => {
-                        return write_control(&mut wr, &FromWorker::Finished { reason, usage: usage_msg(usage), timing }).await;
+                        return write_control(&mut wr, &FromWorker::Finished { reason, usage, timing }).await;
                     }
                     WorkEvent::Failed { message } => {
                         return write_control(&mut wr, &FromWorker::Failed { message }).await;
@@ -309,7 +306,7 @@ async fn generate(
                 match incoming.unwrap_or(Ok(None)) {
                     Ok(Some(ToWorker::Handoff { first_token, sampler })) => {
                         if let WorkMode::Decode(t) = mode {
-                            if handle.handoff(t.id, first_token, sampler_state(sampler)).is_err() {
+                            if handle.handoff(t.id, first_token, sampler).is_err() {
                                 return write_control(&mut wr, &FromWorker::Failed { message: "the worker stopped".into() }).await;
                             }
                         }

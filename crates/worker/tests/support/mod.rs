@@ -8,14 +8,14 @@ pub use tokenpath_engine::model::Model;
 pub use tokenpath_engine::sampling::SamplingParams;
 pub use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 pub use tokenpath_engine::Engine;
+pub use tokenpath_gateway::cluster::client::RemoteRequest;
 pub use tokenpath_protocol::auth::ClusterSecret;
 pub use tokenpath_protocol::cluster::{
-    decode_control, encode_control, FromWorker, GenerateMsg, KvChunk, Mode, SameHost, SamplingMsg, ToWorker,
-    TransferId, TransferToken,
+    decode_control, encode_control, FromWorker, GenerateMsg, KvChunk, Mode, SameHost, ToWorker, TransferId,
+    TransferToken,
 };
 pub use tokenpath_protocol::frame::{read_frame, write_frame, FrameHeader, FrameKind, FRAME_HEADER_LEN};
 pub use tokenpath_timeline::{RequestId, WorkerId};
-pub use tokenpath_worker::net::client::RemoteRequest;
 pub use tokenpath_worker::net::server::{serve, ServerConfig};
 pub use tokenpath_worker::net::KvTransport;
 pub use tokenpath_worker::{
@@ -129,7 +129,7 @@ pub fn msg(id: u64, prompt: Vec<u32>, mode: Mode) -> GenerateMsg {
     GenerateMsg {
         id,
         prompt,
-        sampling: SamplingMsg {
+        sampling: SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,

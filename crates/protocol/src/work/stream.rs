@@ -1,7 +1,7 @@
 //! The events of one request on their way to whoever reads them ([`WorkStream`]), and the
 //! count of what is sent but not yet read ([`Backlog`]) that pauses a sequence whose reader
-//! stopped. Kept apart from `handle.rs` (the worker's configuration and its handle): this is the
-//! one piece both the batcher and every reader (the gateway's HTTP layer and its relays) touch.
+//! stopped. Both the producers (a worker's batcher, the gateway's relays of remote workers and
+//! upstreams) and every reader (the gateway's HTTP layer) touch it, so it sits on the boundary.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tokenpath_timeline::RequestId;
 use tokio::sync::mpsc as tmpsc;
 
-use crate::handle::WorkEvent;
+use super::WorkEvent;
 
 /// The events of one request. Dropping it cancels the request: the worker notices at its next
 /// step and frees the sequence's KV blocks.
@@ -21,16 +21,16 @@ pub struct WorkStream {
 }
 
 /// A sequence pauses (is not stepped) while this many of its text events wait unread.
-pub(crate) const PAUSE_AT: usize = 64;
+pub const PAUSE_AT: usize = 64;
 /// A paused sequence resumes once its reader is down to this many.
-pub(crate) const RESUME_AT: usize = 16;
+pub const RESUME_AT: usize = 16;
 
 /// Text events a sequence sent that its reader has not taken yet: generation pauses for a
 /// client that stops reading instead of running ahead of it (security review H7). Shared by the
 /// batcher (which counts sends) and the [`WorkStream`] (which counts takes); a relaxed counter is
 /// enough, since a pause that starts or ends a step late changes nothing but timing.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Backlog(Arc<BacklogState>);
+pub struct Backlog(Arc<BacklogState>);
 
 #[derive(Debug, Default)]
 struct BacklogState {
@@ -40,7 +40,8 @@ struct BacklogState {
 }
 
 impl Backlog {
-    pub(crate) fn sent(&self) {
+    /// One more text event was sent.
+    pub fn sent(&self) {
         self.0.unread.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -51,7 +52,8 @@ impl Backlog {
         }
     }
 
-    pub(crate) fn get(&self) -> usize {
+    /// Text events sent and not yet taken.
+    pub fn get(&self) -> usize {
         self.0.unread.load(Ordering::Relaxed)
     }
 
@@ -99,12 +101,9 @@ impl StreamSender {
 }
 
 impl WorkStream {
-    /// The stream of a request the batcher runs (it counts the sends into `backlog`).
-    pub(crate) fn from_batcher(
-        id: RequestId,
-        rx: tmpsc::UnboundedReceiver<WorkEvent>,
-        backlog: Backlog,
-    ) -> Self {
+    /// The stream of a request whose producer counts its sends into `backlog` itself (a worker's
+    /// batcher, which checks the backlog before stepping the sequence).
+    pub fn from_batcher(id: RequestId, rx: tmpsc::UnboundedReceiver<WorkEvent>, backlog: Backlog) -> Self {
         Self { id, rx, backlog }
     }
 
@@ -139,5 +138,32 @@ impl WorkStream {
         let e = self.rx.blocking_recv();
         self.took(&e);
         e
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A relay (the gateway's, of a remote worker) that waits for `room` reads its source no
+    /// faster than the stream's reader takes events: the reader's pace travels upstream.
+    #[tokio::test]
+    async fn a_relay_waits_while_its_reader_is_behind() {
+        let (tx, mut stream) = WorkStream::channel(tokenpath_timeline::RequestId(1));
+        let text = || WorkEvent::Text { delta: "x".into(), tokens: 1 };
+        for _ in 0..PAUSE_AT {
+            assert!(tx.send(text()));
+        }
+        let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), tx.room()).await;
+        assert!(waiting.is_err(), "room while the reader is {} behind", PAUSE_AT);
+        let room = tokio::spawn(async move {
+            tx.room().await;
+            tx
+        });
+        assert!(matches!(stream.next().await, Some(WorkEvent::Text { .. })));
+        let tx = room.await.unwrap();
+        assert!(tx.send(text()), "the reader took one: room again");
+        drop(stream);
+        tx.closed().await;
     }
 }

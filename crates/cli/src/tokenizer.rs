@@ -1,15 +1,16 @@
-//! `tokenpath bench --tokenizer PATH`: the model's tokenizer and chat template behind the bench
-//! crate's `PromptTokenizer` trait, read from either
-//! - a GGUF file's metadata ([`GgufTokenizer`]): the file is memory-mapped and only its metadata is
-//!   parsed; no weight is read, so pointing it at a multi-gigabyte model costs the vocabulary, not
-//!   the model; or
+//! The model's tokenizer and chat template behind the protocol crate's `PromptTokenizer` trait
+//! (what the gateway admits requests with and `tokenpath bench --tokenizer PATH` cuts prompts
+//! with), read from either
+//! - a GGUF file's metadata (the engine's [`ModelTokenizer`]): the file is memory-mapped and only
+//!   its metadata is parsed; no weight is read, so pointing it at a multi-gigabyte model costs the
+//!   vocabulary, not the model (a cluster gateway tokenizes with this); or
 //! - a Hugging Face `tokenizer.json`, or the directory holding one ([`HfTokenizer`], in `hf.rs`):
 //!   what vLLM and SGLang users have next to their model, with the chat template of the sibling
 //!   `tokenizer_config.json`.
 //!
 //! The kind is told by content: the GGUF magic, or a JSON object. Lives here rather than in the
-//! bench crate because that crate does not depend on the engine (whose chat-template renderer both
-//! kinds use).
+//! bench or gateway crates because neither depends on the engine (whose chat-template renderer
+//! both kinds use).
 
 mod hf;
 
@@ -18,17 +19,15 @@ pub use hf::HfTokenizer;
 use anyhow::Context as _;
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
-use tokenpath_bench::tokens::{ChatMsg, PromptTokenizer};
-use tokenpath_engine::gguf::GgufFile;
-use tokenpath_engine::tokenizer::{
-    chat_template_from_gguf, tokenizer_from_gguf, ChatMessage, ChatTemplate, Tokenizer,
-};
+pub use tokenpath_engine::tokenizer::ModelTokenizer;
+use tokenpath_protocol::tokenize::PromptTokenizer;
+use tokenpath_protocol::{PromptMessage, ProtocolError};
 
 /// The tokenizer `--tokenizer PATH` names, of either kind.
 #[derive(Debug)]
-pub enum BenchTokenizer {
+pub enum FileTokenizer {
     /// From a GGUF file's metadata.
-    Gguf(Box<GgufTokenizer>),
+    Gguf(Box<ModelTokenizer>),
     /// From a Hugging Face `tokenizer.json`.
     Hf(Box<HfTokenizer>),
 }
@@ -79,11 +78,13 @@ impl TokenizerFile {
     }
 }
 
-impl BenchTokenizer {
+impl FileTokenizer {
     /// Opens the tokenizer at `path` (GGUF file, `tokenizer.json`, or a directory holding one).
     pub fn open(path: &Path) -> anyhow::Result<Self> {
         Ok(match TokenizerFile::detect(path)? {
-            TokenizerFile::Gguf(p) => Self::Gguf(Box::new(GgufTokenizer::open(&p)?)),
+            TokenizerFile::Gguf(p) => Self::Gguf(Box::new(
+                ModelTokenizer::open(&p).with_context(|| format!("--tokenizer {}", p.display()))?,
+            )),
             TokenizerFile::HfJson(p) => Self::Hf(Box::new(HfTokenizer::open(&p)?)),
         })
     }
@@ -91,7 +92,7 @@ impl BenchTokenizer {
     /// Whether a chat template was found (without one, prompt counts are not checked).
     pub fn has_chat_template(&self) -> bool {
         match self {
-            Self::Gguf(t) => t.chat.is_some(),
+            Self::Gguf(t) => t.chat().is_some(),
             Self::Hf(t) => t.has_chat_template(),
         }
     }
@@ -101,8 +102,8 @@ impl BenchTokenizer {
         match self {
             Self::Gguf(t) => format!(
                 "GGUF tokenizer, {} tokens, {}",
-                t.tok.vocab_size(),
-                if t.chat.is_some() { "chat template from the file" } else { "no chat template" }
+                t.tokenizer().vocab_size(),
+                if t.chat().is_some() { "chat template from the file" } else { "no chat template" }
             ),
             Self::Hf(t) => t.describe(),
         }
@@ -116,52 +117,17 @@ impl BenchTokenizer {
     }
 }
 
-impl PromptTokenizer for BenchTokenizer {
+impl PromptTokenizer for FileTokenizer {
     fn encode(&self, text: &str) -> Vec<u32> {
         self.inner().encode(text)
     }
     fn decode(&self, ids: &[u32]) -> String {
         self.inner().decode(ids)
     }
-    fn count_chat(&self, messages: &[ChatMsg]) -> Option<usize> {
-        self.inner().count_chat(messages)
+    fn chat_prompt(&self, messages: &[PromptMessage], limit: usize) -> Result<Vec<u32>, ProtocolError> {
+        self.inner().chat_prompt(messages, limit)
     }
-}
-
-/// A GGUF file's tokenizer and chat template.
-#[derive(Debug)]
-pub struct GgufTokenizer {
-    tok: Tokenizer,
-    chat: Option<ChatTemplate>,
-}
-
-impl GgufTokenizer {
-    /// Reads the tokenizer metadata of the GGUF file at `path`.
-    pub fn open(path: &Path) -> anyhow::Result<Self> {
-        let at = || format!("--tokenizer {}", path.display());
-        let file = GgufFile::open(path).map_err(|e| anyhow::anyhow!("{}: {e}", at()))?;
-        let tok = tokenizer_from_gguf(file.index()).with_context(at)?;
-        let chat = chat_template_from_gguf(file.index(), &tok).with_context(at)?;
-        Ok(Self { tok, chat })
-    }
-}
-
-/// The engine's messages for the bench's.
-pub(crate) fn chat_messages(messages: &[ChatMsg]) -> Vec<ChatMessage> {
-    messages.iter().map(|m| ChatMessage::new(m.role, m.content.clone())).collect()
-}
-
-impl PromptTokenizer for GgufTokenizer {
-    fn encode(&self, text: &str) -> Vec<u32> {
-        self.tok.encode(text, false, false).unwrap_or_default()
-    }
-
-    fn decode(&self, ids: &[u32]) -> String {
-        self.tok.decode_lossy(ids, false).unwrap_or_default()
-    }
-
-    fn count_chat(&self, messages: &[ChatMsg]) -> Option<usize> {
-        let text = self.chat.as_ref()?.render(&chat_messages(messages), true).ok()?;
-        self.tok.encode(&text, true, true).ok().map(|ids| ids.len())
+    fn text_prompt(&self, text: &str, limit: usize) -> Result<Vec<u32>, ProtocolError> {
+        self.inner().text_prompt(text, limit)
     }
 }

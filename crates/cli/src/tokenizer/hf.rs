@@ -9,7 +9,7 @@
 //! - `encode`: plain text with `add_special_tokens = false`; special-token text (`<|im_start|>`)
 //!   stays text (`encode_special_tokens`), as the GGUF tokenizer does without `parse_special`;
 //!   non-special added tokens are matched, as llama.cpp's user-defined tokens are.
-//! - `count_chat`: the template rendered with the generation prompt, encoded with special tokens
+//! - `chat_prompt` / `count_chat`: the template rendered with the generation prompt, encoded with special tokens
 //!   matched and `add_special_tokens = false` (what `apply_chat_template` and vLLM's chat path do:
 //!   the template writes its own BOS); then, when `add_bos_token` is set and the rendered prompt
 //!   does not already start with BOS, one BOS is counted first, as a server that adds the model's
@@ -24,8 +24,9 @@
 use anyhow::Context as _;
 use std::path::Path;
 use tokenizers::Tokenizer;
-use tokenpath_bench::tokens::{ChatMsg, PromptTokenizer};
 use tokenpath_engine::tokenizer::ChatTemplate;
+use tokenpath_protocol::tokenize::{too_long, PromptTokenizer};
+use tokenpath_protocol::{PromptMessage, ProtocolError};
 
 /// The chat-relevant part of a `tokenizer_config.json`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -111,6 +112,9 @@ pub struct HfTokenizer {
     bos: Option<u32>,
     /// Where the template came from, or why there is none.
     template_note: String,
+    /// The longest token's text in bytes (an upper bound of the bytes one token covers), so
+    /// text that cannot fit a context is refused before it is encoded.
+    max_token_bytes: usize,
 }
 
 impl HfTokenizer {
@@ -183,7 +187,8 @@ impl HfTokenizer {
         } else {
             None
         };
-        Ok(Self { plain, special, chat, bos, template_note })
+        let max_token_bytes = special.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
+        Ok(Self { plain, special, chat, bos, template_note, max_token_bytes })
     }
 
     /// Whether a chat template was found.
@@ -217,10 +222,36 @@ impl PromptTokenizer for HfTokenizer {
         self.plain.decode(ids, true).unwrap_or_default()
     }
 
-    fn count_chat(&self, messages: &[ChatMsg]) -> Option<usize> {
-        let text = self.chat.as_ref()?.render(&super::chat_messages(messages), true).ok()?;
-        let enc = self.special.encode_fast(text.as_str(), false).ok()?;
-        let ids = enc.get_ids();
-        Some(ids.len() + usize::from(self.bos.is_some_and(|b| ids.first() != Some(&b))))
+    fn chat_prompt(&self, messages: &[PromptMessage], limit: usize) -> Result<Vec<u32>, ProtocolError> {
+        let chat = self.chat.as_ref().ok_or_else(|| ProtocolError::InvalidRequest {
+            param: None,
+            message: format!("The model's tokenizer has no chat template ({}).", self.template_note),
+        })?;
+        let text = chat.render(messages, true).map_err(|e| ProtocolError::InvalidRequest {
+            param: None,
+            message: format!("The prompt cannot be tokenized: {e}"),
+        })?;
+        self.text_prompt(&text, limit)
+    }
+
+    /// Special-token text matched (what the chat template wrote, or a completion prompt's, as
+    /// vLLM encodes one), BOS first when `add_bos_token` asks and the text does not start with it.
+    fn text_prompt(&self, text: &str, limit: usize) -> Result<Vec<u32>, ProtocolError> {
+        if text.len() > limit.saturating_mul(self.max_token_bytes) {
+            return Err(too_long(limit));
+        }
+        let enc = self.special.encode_fast(text, false).map_err(|e| ProtocolError::InvalidRequest {
+            param: None,
+            message: format!("The prompt cannot be tokenized: {e}"),
+        })?;
+        let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
+        if let Some(b) = self.bos.filter(|&b| enc.get_ids().first() != Some(&b)) {
+            ids.push(b);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        if ids.len() > limit {
+            return Err(too_long(limit));
+        }
+        Ok(ids)
     }
 }

@@ -1,0 +1,105 @@
+//! The operator's endpoints (`/admin/*`, behind the admin key in [`crate::guard`]): the
+//! cluster's workers as the router sees them, and workers registering at run time.
+
+use crate::error::Reject;
+use crate::AppState;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use std::sync::Arc;
+use tokenpath_protocol::cluster::WorkerRole;
+use tokenpath_protocol::ApiError;
+
+/// `GET /admin/workers`: the cluster's workers as the router sees them.
+pub(crate) async fn list_workers(State(app): State<Arc<AppState>>) -> Response {
+    let workers: Vec<serde_json::Value> = app
+        .cluster
+        .as_ref()
+        .map(|c| c.registry().workers())
+        .unwrap_or_default()
+        .iter()
+        .map(|w| {
+            serde_json::json!({
+                "addr": w.addr,
+                "role": w.role.to_string(),
+                "up": w.up,
+                "in_flight": w.in_flight,
+                "stats": w.stats,
+            })
+        })
+        .collect();
+    ([(header::CONTENT_TYPE, "application/json")], serde_json::json!({ "workers": workers }).to_string())
+        .into_response()
+}
+
+/// `POST /admin/workers` with `{"addr": "host:port", "role": "prefill|decode|both"}`: a worker
+/// registering at run time. It serves once its first health poll succeeds.
+pub(crate) async fn register_worker(
+    State(app): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Registration {
+        addr: String,
+        role: String,
+    }
+    let parsed = body
+        .map_err(|e| e.body_text())
+        .and_then(|b| serde_json::from_slice::<Registration>(&b).map_err(|e| e.to_string()))
+        .and_then(|r| {
+            let role = r.role.parse::<WorkerRole>().map_err(|e| e.to_string())?;
+            if !worker_addr(&r.addr) {
+                return Err("addr must be host:port (an IP address or a DNS name, and a port)".into());
+            }
+            Ok((r.addr, role))
+        });
+    let (addr, role) = match parsed {
+        Ok(x) => x,
+        Err(message) => return Reject::new(ApiError::invalid_request(message, None)).into_response(),
+    };
+    let Some(cluster) = app.cluster.as_ref() else {
+        return Reject::new(ApiError::invalid_request(
+            "this gateway runs a local worker; start it with --prefill/--decode or --cluster to accept workers",
+            None,
+        ))
+        .into_response();
+    };
+    use crate::cluster::registry::Registered;
+    match cluster.registry().register(addr.clone(), role).await {
+        Ok(Registered::Added | Registered::Known) => (
+            [(header::CONTENT_TYPE, "application/json")],
+            serde_json::json!({ "registered": addr, "role": role.to_string() }).to_string(),
+        )
+            .into_response(),
+        Ok(Registered::Conflict(known)) => Reject::new(ApiError::conflict(format!(
+            "{addr} is registered as a {known} worker; a worker's role cannot change while the gateway runs"
+        )))
+        .into_response(),
+        Ok(Registered::Full) => Reject::insufficient_storage(format!(
+            "the gateway already knows {} workers",
+            crate::cluster::registry::MAX_WORKERS
+        ))
+        .into_response(),
+        Err(e) => Reject::from_backend(&e, "addr").into_response(),
+    }
+}
+
+/// `host:port` with a numeric port and a host that is an IP address or a DNS name (letters,
+/// digits, `-`, `.`), bounded in length: nothing else reaches the registry or its logs.
+fn worker_addr(addr: &str) -> bool {
+    if addr.len() > crate::cluster::registry::MAX_ADDR_LEN {
+        return false;
+    }
+    if addr.parse::<std::net::SocketAddr>().is_ok() {
+        return true;
+    }
+    let Some((host, port)) = addr.rsplit_once(':') else { return false };
+    port.parse::<u16>().is_ok_and(|p| p > 0)
+        && !host.is_empty()
+        && host.split('.').all(|l| {
+            !l.is_empty() && l.len() <= 63 && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+}
