@@ -189,6 +189,7 @@ async fn live_handoff(decode: &WorkerHandle, tokens: usize) -> anyhow::Result<(f
             mode: WorkMode::Full,
             meter: None,
             cache_scope: None,
+            forward: None,
         })
         .await?;
     while let Some(ev) = stream.next().await {

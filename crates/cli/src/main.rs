@@ -11,6 +11,7 @@ mod output;
 mod secret;
 mod serve;
 mod topology;
+mod upstream;
 mod worker;
 
 use anyhow::Context as _;

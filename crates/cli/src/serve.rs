@@ -35,6 +35,8 @@ pub struct ServeArgs {
     http: HttpArgs,
     #[command(flatten)]
     secret: SecretArgs,
+    #[command(flatten)]
+    upstream: crate::upstream::UpstreamArgs,
 }
 
 /// Which processes run the model: one colocated worker in this process (the default), worker
@@ -245,7 +247,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut children = Children::default();
     let mut local = None;
     runtime.block_on(async {
-        let gateway = if args.topology.is_cluster() {
+        let gateway = if let Some(url) = &args.upstream.upstream {
+            anyhow::ensure!(
+                !args.topology.is_cluster(),
+                "--upstream serves through an engine that runs elsewhere; it takes no workers \
+                 (--prefill/--decode/--cluster/--accept-workers)"
+            );
+            args.upstream.gateway(url, path.clone(), gateway_config).await?
+        } else if args.topology.is_cluster() {
             // A cluster gateway reads only the file's tokenizer and limits: the weights stay
             // with the workers.
             let (model, tokenizer) = args.model.open_metadata()?;

@@ -22,6 +22,7 @@ use axum::response::{IntoResponse, Response};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokenpath_protocol::forward::parse_forwarded;
 use tokenpath_protocol::sampling::SamplingParams;
 use tokenpath_protocol::work::{TokenMeter, TokenUsage, WorkEvent, WorkMode, WorkRequest};
 use tokenpath_protocol::{
@@ -31,22 +32,7 @@ use tokenpath_protocol::{
 };
 use tokenpath_timeline::{ClientRecord, FinishReason as Finish, Nanos, RequestId, StreamEvent};
 
-/// Which OpenAI endpoint a request came through.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Endpoint {
-    Chat,
-    Completions,
-}
-
-impl Endpoint {
-    /// The request field that holds the prompt, for error messages.
-    fn prompt_param(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "messages",
-            Endpoint::Completions => "prompt",
-        }
-    }
-}
+pub(crate) use tokenpath_protocol::forward::ApiEndpoint as Endpoint;
 
 /// `POST /v1/chat/completions`.
 pub(crate) async fn chat(
@@ -143,11 +129,18 @@ fn admit(
             Reject::new(ApiError::invalid_request(e.body_text(), None))
         }
     })?;
-    let parsed = match endpoint {
-        Endpoint::Chat => parse_chat_request(&body).and_then(|r| r.validate(&app.limits)),
-        Endpoint::Completions => parse_completion_request(&body).and_then(|r| r.validate(&app.limits)),
+    let (req, forward) = if app.backend.forwards() {
+        // An upstream engine judges the fields we do not know; the ones we act on are checked.
+        let (req, fwd) =
+            parse_forwarded(endpoint, &body, &app.limits).map_err(|e| Reject::new(e.api_error()))?;
+        (req, Some(Arc::new(fwd)))
+    } else {
+        let parsed = match endpoint {
+            Endpoint::Chat => parse_chat_request(&body).and_then(|r| r.validate(&app.limits)),
+            Endpoint::Completions => parse_completion_request(&body).and_then(|r| r.validate(&app.limits)),
+        };
+        (parsed.map_err(|e| Reject::new(e.api_error()))?, None)
     };
-    let req = parsed.map_err(|e| Reject::new(e.api_error()))?;
     if req.model != app.config.served_model_name {
         return Err(Reject::new(ApiError::model_not_found(&req.model)));
     }
@@ -178,6 +171,7 @@ fn admit(
             Some(crate::PrefixScope::Global) => None,
             Some(crate::PrefixScope::Tenant) | None => tenant.map(|t| t.0.clone()),
         },
+        forward,
     };
     Ok(Admitted { id, req, work, meter })
 }
@@ -252,6 +246,7 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
     if req.params.stream {
         let include_usage = req.params.include_usage;
         let format = match endpoint {
+            _ if app.backend.forwards() => SseFormat::Upstream,
             Endpoint::Chat => {
                 SseFormat::Chat(ChatStream::new(chat_completion_id(id.0), created, model, include_usage))
             }
@@ -265,13 +260,15 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
         return sse_response(app, format, stream, meter, id, arrived);
     }
     let mut text = String::new();
+    // An upstream's own response body, passed on whole (forwarding backends).
+    let mut upstream_body: Option<String> = None;
     let mut sent = ClientRecord::new(id, 0, 0, true);
     // Dropped with the handler when the client goes away before the body: counted as 499
     // ("client closed request"); the dropped `stream` cancels the work on the worker.
     let mut guard = CancelGuard { app: &app, armed: true };
     loop {
         let event = stream.next().await;
-        if !matches!(event, Some(WorkEvent::Text { .. })) {
+        if !matches!(event, Some(WorkEvent::Text { .. } | WorkEvent::Body { .. })) {
             guard.armed = false;
         }
         match event {
@@ -279,6 +276,7 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
                 sent.events.push(StreamEvent { at_ns: since(arrived), tokens });
                 text.push_str(&delta);
             }
+            Some(WorkEvent::Body { json }) => upstream_body = Some(json),
             Some(WorkEvent::Finished { reason, usage: u, timing }) => {
                 meter.settle(u.completion_tokens);
                 let (wire_reason, label) = finish_reason(reason);
@@ -296,9 +294,10 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
                         })
                     };
                 }
-                let body = match endpoint {
-                    Endpoint::Chat => respond!(ChatCompletionResponse, chat_completion_id(id.0)),
-                    Endpoint::Completions => respond!(CompletionResponse, completion_id(id.0)),
+                let body = match (upstream_body.take(), endpoint) {
+                    (Some(json), _) => Ok(json.into_bytes()),
+                    (None, Endpoint::Chat) => respond!(ChatCompletionResponse, chat_completion_id(id.0)),
+                    (None, Endpoint::Completions) => respond!(CompletionResponse, completion_id(id.0)),
                 };
                 let body = match body {
                     Ok(b) => b,
@@ -311,8 +310,8 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
                 return resp;
             }
             Some(WorkEvent::Failed { message }) => return server_error(&app, &message),
-            Some(WorkEvent::Kv { .. } | WorkEvent::Handoff { .. }) => {
-                return server_error(&app, "a prefill-only event reached the client path")
+            Some(WorkEvent::Kv { .. } | WorkEvent::Handoff { .. } | WorkEvent::Chunk { .. }) => {
+                return server_error(&app, "a stream-only event reached a non-streamed response")
             }
             None => return server_error(&app, "the worker stopped before the request finished"),
         }

@@ -20,6 +20,7 @@ pub mod metrics;
 mod ratelimit;
 mod server;
 mod stream;
+pub mod upstream;
 
 pub use auth::{AdminKey, ApiKeys, Tenant};
 pub use cluster::Cluster;

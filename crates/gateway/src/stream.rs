@@ -26,13 +26,16 @@ use tokenpath_timeline::{ClientRecord, RequestId, ServerTiming, StreamEvent};
 pub(crate) enum SseFormat {
     Chat(ChatStream),
     Completion(CompletionStream),
+    /// An upstream's chunks, passed on as they come (they carry their own role, finish and
+    /// usage chunks).
+    Upstream,
 }
 
 impl SseFormat {
     fn opening(&self) -> Option<String> {
         match self {
             SseFormat::Chat(s) => Some(sse_event(&s.role_chunk())),
-            SseFormat::Completion(_) => None,
+            SseFormat::Completion(_) | SseFormat::Upstream => None,
         }
     }
 
@@ -40,6 +43,7 @@ impl SseFormat {
         match self {
             SseFormat::Chat(s) => sse_event(&s.content_chunk(delta)),
             SseFormat::Completion(s) => sse_event(&s.text_chunk(delta)),
+            SseFormat::Upstream => String::new(),
         }
     }
 
@@ -54,6 +58,7 @@ impl SseFormat {
             SseFormat::Completion(s) => {
                 s.finish(reason, usage(u), Some(timing)).iter().map(sse_event).collect()
             }
+            SseFormat::Upstream => Vec::new(),
         }
     }
 }
@@ -95,6 +100,12 @@ impl SseState {
                 self.sent.events.push(StreamEvent { at_ns: since(self.arrived), tokens });
                 Some(self.format.text(delta))
             }
+            Some(WorkEvent::Chunk { json, tokens }) => {
+                if tokens > 0 {
+                    self.sent.events.push(StreamEvent { at_ns: since(self.arrived), tokens });
+                }
+                Some(format!("data: {json}\n\n"))
+            }
             Some(WorkEvent::Finished { reason, usage: u, timing }) => {
                 self.closed = true;
                 self.meter.settle(u.completion_tokens);
@@ -107,8 +118,8 @@ impl SseState {
                 self.pending.pop_front()
             }
             Some(WorkEvent::Failed { message }) => Some(self.fail(&message)),
-            Some(WorkEvent::Kv { .. } | WorkEvent::Handoff { .. }) => {
-                Some(self.fail("a prefill-only event reached the client path"))
+            Some(WorkEvent::Kv { .. } | WorkEvent::Handoff { .. } | WorkEvent::Body { .. }) => {
+                Some(self.fail("a non-stream event reached the client's stream"))
             }
             None => Some(self.fail("the worker stopped before the request finished")),
         }

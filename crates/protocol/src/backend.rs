@@ -44,4 +44,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
 
     /// Requests accepted and not finished.
     fn in_flight(&self) -> usize;
+
+    /// Whether this backend forwards the client's body to an HTTP upstream: the gateway then
+    /// keeps unknown request fields (`WorkRequest::forward`) instead of refusing them, and relays
+    /// the upstream's chunks ([`crate::work::WorkEvent::Chunk`]).
+    fn forwards(&self) -> bool {
+        false
+    }
 }

@@ -18,6 +18,7 @@ pub mod chat;
 pub mod cluster;
 pub mod completion;
 pub mod error;
+pub mod forward;
 pub mod frame;
 pub mod params;
 pub mod response;
@@ -45,7 +46,7 @@ pub use stream::{
     sse_event, ChatChunkChoice, ChatCompletionChunk, ChatStream, CompletionChunk, CompletionStream, Delta,
     SSE_DONE,
 };
-pub use view::{parse_response_body, parse_stream_chunk, StreamChunkView};
+pub use view::{parse_response_body, parse_stream_chunk, parse_stream_value, StreamChunkView};
 
 use tokenpath_timeline::{ServerTiming, Stage};
 

@@ -62,6 +62,11 @@ fn bad(message: String) -> ProtocolError {
     ProtocolError::InvalidResponse { message }
 }
 
+/// Reads an already-parsed event payload (a relay that passes the chunk on keeps the value).
+pub fn parse_stream_value(v: Value) -> Result<StreamChunkView, ProtocolError> {
+    view_of(v)
+}
+
 fn view_of(v: Value) -> Result<StreamChunkView, ProtocolError> {
     let Value::Object(mut obj) = v else {
         return Err(bad("expected a JSON object".to_owned()));

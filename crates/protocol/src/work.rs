@@ -90,6 +90,9 @@ pub struct WorkRequest {
     /// scope, so one tenant can neither plant KV for another nor learn from `cached_tokens` or
     /// TTFT what another sent. `None`: the worker-wide namespace.
     pub cache_scope: Option<String>,
+    /// The client's whole body, for a backend that forwards it to an HTTP upstream
+    /// ([`crate::backend::Backend::forwards`]); `None` for every other backend.
+    pub forward: Option<Arc<crate::forward::Forwarded>>,
 }
 
 /// Token counts of a request.
@@ -160,6 +163,21 @@ pub enum WorkEvent {
         /// When the prefill ended (the transfer's remaining time is measured from here, so the
         /// wait for a busy core to pick the event up is counted, not lost).
         at: Instant,
+    },
+    /// An upstream's stream chunk, passed to the client as one SSE `data:` payload (model name
+    /// rewritten, forced usage removed, `timing` added on the finishing chunk), and how many
+    /// generated tokens it carries.
+    Chunk {
+        /// The chunk's JSON.
+        json: String,
+        /// Generated tokens in it (0 for role-only, usage and empty chunks).
+        tokens: u32,
+    },
+    /// An upstream's whole non-streamed response body (rewritten like a chunk), before
+    /// `Finished`.
+    Body {
+        /// The response JSON.
+        json: String,
     },
     /// Generation failed after it was accepted.
     Failed {

@@ -22,7 +22,7 @@ pub use client::{ClientRecord, NOutSource, Outcome, StreamEvent, Usage};
 pub use error::TimelineError;
 pub use hist::LatencyHistogram;
 pub use ids::{RequestId, WorkerId};
-pub use server::{FinishReason, Mark, ServerTimeline, ServerTiming, Stage};
+pub use server::{FinishReason, Mark, ServerTimeline, ServerTiming, Stage, StageSource};
 pub use slo::{goodput, Goodput, SloMetric, SloSpec, SloTarget};
 pub use stats::{percentile, Summary, P999_MIN_SAMPLES};
 pub use tail::{tail_attribution, TailAttribution, TailMetric, OTHER_COMPONENT};

@@ -225,6 +225,23 @@ pub struct ServerTiming {
     /// the prompt itself; its recomputation is inside `decode_queue`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub kv_recomputed: bool,
+    /// Where each stage of a request served by an external engine was measured. Absent for a
+    /// stage: the tokenpath process that ran it measured it (every stage of our own engine).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sources: BTreeMap<Stage, StageSource>,
+}
+
+/// Who measured a stage of a request that an external engine served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageSource {
+    /// The engine reported it (vLLM's per-request `metrics`, llama.cpp's `timings`, a tokenpath
+    /// upstream's `timing`).
+    Engine,
+    /// The gateway measured it on its own clock at the boundaries it sees (bytes sent, first
+    /// and last token received), so it includes the network and whatever the engine did not
+    /// split out.
+    Gateway,
 }
 
 impl ServerTiming {
@@ -246,6 +263,9 @@ impl ServerTiming {
         self.kv_recomputed |= other.kv_recomputed;
         for (role, w) in &other.workers {
             self.workers.entry(role.clone()).or_insert_with(|| w.clone());
+        }
+        for (stage, src) in &other.sources {
+            self.sources.entry(*stage).or_insert(*src);
         }
     }
 }

@@ -30,6 +30,7 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: Option<u32>) -> WorkRequest {
         mode: tokenpath_worker::WorkMode::Full,
         meter: None,
         cache_scope: None,
+        forward: None,
     }
 }
 

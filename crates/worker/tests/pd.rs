@@ -45,6 +45,7 @@ fn request(id: u64, prompt: Vec<u32>, sampling: SamplingParams, mode: WorkMode) 
         mode,
         meter: None,
         cache_scope: None,
+        forward: None,
     }
 }
 

@@ -226,6 +226,7 @@ async fn generate(
         mode,
         meter: None,
         cache_scope: msg.cache_scope.clone(),
+        forward: None,
     };
     let mut stream = match handle.submit(req) {
         Ok(s) => s,
@@ -299,6 +300,10 @@ async fn generate(
                     }
                     WorkEvent::Failed { message } => {
                         return write_control(&mut wr, &FromWorker::Failed { message }).await;
+                    }
+                    // A batcher never relays an upstream's chunks.
+                    WorkEvent::Chunk { .. } | WorkEvent::Body { .. } => {
+                        return write_control(&mut wr, &FromWorker::Failed { message: "an upstream event in a worker".into() }).await;
                     }
                 }
             }

@@ -114,6 +114,7 @@ pub fn decode_request(id: u64, prompt: Vec<u32>, transfer: u64) -> WorkRequest {
         mode: WorkMode::Decode(tr(transfer)),
         meter: None,
         cache_scope: None,
+        forward: None,
     }
 }
 

@@ -1,0 +1,105 @@
+//! `tokenpath serve --upstream URL`: the gateway in front of an engine that is already running
+//! (vLLM, SGLang, llama.cpp's server, another tokenpath — any OpenAI-compatible server). The
+//! gateway tokenizes with the model's tokenizer (`--tokenizer`: a GGUF file's metadata or a
+//! Hugging Face `tokenizer.json`; no weights are loaded) to charge tenants and check the context,
+//! and forwards everything else.
+
+use crate::secret::Secret;
+use anyhow::Context as _;
+use clap::Args;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokenpath_cli::tokenizer::FileTokenizer;
+use tokenpath_gateway::upstream::{OpenAiUpstream, UpstreamConfig, UpstreamKind};
+use tokenpath_gateway::{Gateway, GatewayConfig};
+use tokenpath_protocol::backend::ModelInfo;
+
+/// Where the engine is, when it is not ours.
+#[derive(Debug, Args)]
+pub(crate) struct UpstreamArgs {
+    /// Serve through this running engine instead of loading the model here
+    /// (`http://host:port`; the OpenAI paths are appended).
+    #[arg(long, env = "TOKENPATH_UPSTREAM", value_name = "URL")]
+    pub(crate) upstream: Option<String>,
+    /// The upstream's protocol.
+    #[arg(long, default_value = "openai", env = "TOKENPATH_UPSTREAM_KIND", value_name = "openai")]
+    upstream_kind: UpstreamKind,
+    /// The model name the upstream serves (default: the client's is sent as is).
+    #[arg(long, env = "TOKENPATH_UPSTREAM_MODEL")]
+    upstream_model: Option<String>,
+    /// The upstream's API key (sent as a bearer token; the clients' keys never are). Prefer the
+    /// environment variable.
+    #[arg(long, env = "TOKENPATH_UPSTREAM_API_KEY", hide_env_values = true)]
+    upstream_api_key: Option<Secret>,
+    /// The model's tokenizer: a GGUF file or a Hugging Face `tokenizer.json` (or its directory).
+    /// Default: the --model file's metadata.
+    #[arg(long, env = "TOKENPATH_TOKENIZER", value_name = "PATH")]
+    tokenizer: Option<PathBuf>,
+    /// The upstream model's context length (default: `max_model_len` from its /v1/models).
+    #[arg(long, env = "TOKENPATH_MAX_MODEL_LEN")]
+    max_model_len: Option<usize>,
+    /// Longest wait for the upstream's response headers, seconds.
+    #[arg(long, default_value_t = tokenpath_gateway::upstream::DEFAULT_FIRST_BYTE_TIMEOUT.as_secs(), env = "TOKENPATH_UPSTREAM_FIRST_BYTE_TIMEOUT_S")]
+    upstream_first_byte_timeout_s: u64,
+    /// Longest silence between two chunks of a streamed answer, seconds.
+    #[arg(long, default_value_t = tokenpath_gateway::upstream::DEFAULT_IDLE_TIMEOUT.as_secs(), env = "TOKENPATH_UPSTREAM_IDLE_TIMEOUT_S")]
+    upstream_idle_timeout_s: u64,
+}
+
+impl UpstreamArgs {
+    /// A gateway over the upstream, once it answers `/health`.
+    pub(crate) async fn gateway(
+        &self,
+        url: &str,
+        default_tokenizer: PathBuf,
+        config: GatewayConfig,
+    ) -> anyhow::Result<Gateway> {
+        let path = self.tokenizer.clone().unwrap_or(default_tokenizer);
+        let tokenizer = FileTokenizer::open(&path)?;
+        tracing::info!(tokenizer = %path.display(), "{}", tokenizer.describe());
+        let n_ctx = match self.max_model_len {
+            Some(n) => n,
+            None => max_model_len(url)
+                .await
+                .with_context(|| format!("{url}/v1/models gives no max_model_len; pass --max-model-len"))?,
+        };
+        let upstream = OpenAiUpstream::new(UpstreamConfig {
+            url: url.to_owned(),
+            kind: self.upstream_kind,
+            model: self.upstream_model.clone(),
+            served_model_name: config.served_model_name.clone(),
+            api_key: self.upstream_api_key.as_ref().map(|k| k.expose().to_owned()),
+            // Token ids are the upstream's to check.
+            model_info: ModelInfo { n_ctx, n_vocab: u32::MAX as usize },
+            first_byte_timeout: Duration::from_secs(self.upstream_first_byte_timeout_s.max(1)),
+            idle_timeout: Duration::from_secs(self.upstream_idle_timeout_s.max(1)),
+        })
+        .map_err(anyhow::Error::msg)?;
+        if !upstream.check_health().await {
+            tracing::warn!(
+                upstream = url,
+                "the upstream does not answer /health yet; /ready says so until it does"
+            );
+        }
+        tracing::info!(upstream = url, n_ctx, "serving through the upstream");
+        Ok(Gateway::new(config, Arc::new(upstream), Arc::new(tokenizer))?)
+    }
+}
+
+/// `max_model_len` of the first model the upstream lists (vLLM, SGLang and tokenpath list it).
+async fn max_model_len(url: &str) -> anyhow::Result<usize> {
+    let v: serde_json::Value = reqwest::Client::new()
+        .get(format!("{}/v1/models", url.trim_end_matches('/')))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    v.pointer("/data/0/max_model_len")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|&n| n > 0)
+        .context("no max_model_len")
+}
