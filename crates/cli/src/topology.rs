@@ -183,6 +183,17 @@ impl Launch {
             cmd.args(["--cpus", c]);
         }
         cmd.args(&self.extra).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        // A server killed outright (SIGKILL, OOM) runs no guard: the kernel kills its workers.
+        // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches only the child.
+        unsafe {
+            use std::os::unix::process::CommandExt as _;
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         let mut child = cmd.spawn().with_context(|| format!("starting worker {name}"))?;
         let stdout = child.stdout.take().context("worker stdout")?;
         let (tx, rx) = std::sync::mpsc::channel();

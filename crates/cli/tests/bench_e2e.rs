@@ -31,12 +31,13 @@ fn serve_bench_compare_through_real_processes() {
     let model = dir.join("tiny.gguf");
     let spec = TinySpec { n_ctx: 1024, ..TinySpec::default() };
     std::fs::write(&model, tiny_model_bytes(&spec).unwrap()).unwrap();
-    let support::Served { child: mut server, port, .. } = support::serve(&model, &["--kv-tokens", "4096"]);
+    let mut served = support::serve(&model, &["--kv-tokens", "4096"]);
+    let port = served.port;
     let (a, b) = (dir.join("a.json"), dir.join("b.json"));
     bench(port, &a);
     bench(port, &b);
-    let _ = server.kill();
-    let _ = server.wait();
+    let _ = served.child.kill();
+    let _ = served.child.wait();
 
     let run: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&a).unwrap()).unwrap();
     assert_eq!(run["summary"]["completed"], 12, "{}", run["errors"]);
@@ -78,7 +79,8 @@ fn workloads_tokenizer_ramp_and_rate_search() {
     let model = dir.join("tiny.gguf");
     let spec = TinySpec { n_ctx: 1024, ..TinySpec::default() };
     std::fs::write(&model, tiny_model_bytes(&spec).unwrap()).unwrap();
-    let support::Served { child: mut server, port, .. } = support::serve(&model, &["--kv-tokens", "8192"]);
+    let mut served = support::serve(&model, &["--kv-tokens", "8192"]);
+    let port = served.port;
     let url = format!("http://127.0.0.1:{port}");
     let bench = |extra: &[&str], out: &Path| {
         let o = Command::new(BIN)
@@ -183,8 +185,8 @@ fn workloads_tokenizer_ramp_and_rate_search() {
             .collect::<Vec<_>>(),
         &dir.join("search.json"),
     );
-    let _ = server.kill();
-    let _ = server.wait();
+    let _ = served.child.kill();
+    let _ = served.child.wait();
     let probes = search["find_max_rate"]["probes"].as_array().unwrap();
     assert_eq!(probes.len(), 2, "{search}");
     assert_eq!(search["find_max_rate"]["max_rate"], 4.0, "{search}");

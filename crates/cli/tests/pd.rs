@@ -53,6 +53,35 @@ fn serve(model: &std::path::Path, extra: &[&str]) -> Server {
     Server(Some(support::serve(model, &args)))
 }
 
+/// Regression: a server killed outright (SIGKILL runs no guard) left its worker processes
+/// running; the kernel now kills them with it.
+#[test]
+fn workers_die_with_a_server_killed_outright() {
+    let m = model("orphans");
+    let mut s = serve(&m, &["--prefill", "1", "--decode", "1"]);
+    let pid = s.0.as_ref().unwrap().child.id();
+    let children: Vec<u32> = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(children.len(), 2, "two workers: {children:?}");
+    if let Some(mut served) = s.0.take() {
+        let _ = served.child.kill();
+        let _ = served.child.wait();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for c in children {
+        while std::path::Path::new(&format!("/proc/{c}")).exists()
+            && !std::fs::read_to_string(format!("/proc/{c}/stat")).unwrap_or_default().contains(") Z ")
+        {
+            assert!(Instant::now() < deadline, "worker {c} outlived its server");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let _ = std::fs::remove_file(&m);
+}
+
 /// A greedy completion unless `extra` sets the sampling (`,"temperature":0.9,"seed":1`).
 fn ask(port: u16, prompt: &str, extra: &str) -> Value {
     let sampling = if extra.contains("temperature") { "" } else { r#","temperature":0"# };

@@ -16,8 +16,8 @@ use support::http;
 fn serve_answers_and_exits_cleanly_on_sigterm() {
     let model = std::env::temp_dir().join(format!("tp-cli-serve-{}.gguf", std::process::id()));
     std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
-    let support::Served { mut child, port, logs } =
-        support::serve(&model, &["--served-model-name", "tiny", "--kv-tokens", "1024"]);
+    let mut served = support::serve(&model, &["--served-model-name", "tiny", "--kv-tokens", "1024"]);
+    let port = served.port;
 
     assert_eq!(http(port, "GET", "/health", "").0, 200);
     assert_eq!(http(port, "GET", "/ready", "").0, 200);
@@ -33,17 +33,17 @@ fn serve_answers_and_exits_cleanly_on_sigterm() {
     let (status, body) = http(port, "POST", "/v1/chat/completions", r#"{"model":"other","messages":[]}"#);
     assert!(status == 400 || status == 404, "{status} {body}");
 
-    let term = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let term = Command::new("kill").args(["-TERM", &served.child.id().to_string()]).status().unwrap();
     assert!(term.success());
     let deadline = Instant::now() + Duration::from_secs(60);
     let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
+        if let Some(s) = served.child.try_wait().unwrap() {
             break s;
         }
         assert!(Instant::now() < deadline, "server did not exit after SIGTERM");
         std::thread::sleep(Duration::from_millis(20));
     };
-    let logs = logs.join().unwrap().join("\n");
+    let logs = served.logs();
     assert!(status.success(), "exit {status:?}\n{logs}");
     assert!(logs.contains("draining"), "{logs}");
     let _ = std::fs::remove_file(&model);
@@ -101,7 +101,7 @@ fn serve_survives_running_out_of_file_descriptors() {
     }
     let model = std::env::temp_dir().join(format!("tp-cli-emfile-{}.gguf", std::process::id()));
     std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
-    let served = support::serve(&model, &["--served-model-name", "tiny", "--kv-tokens", "1024"]);
+    let mut served = support::serve(&model, &["--served-model-name", "tiny", "--kv-tokens", "1024"]);
     let (port, pid) = (served.port, served.child.id());
     assert_eq!(http(port, "GET", "/health", "").0, 200);
     let (soft, hard) = nofile(pid);
@@ -127,11 +127,9 @@ fn serve_survives_running_out_of_file_descriptors() {
         r#"{"model":"tiny","prompt":"hi","max_tokens":2,"ignore_eos":true}"#,
     );
     assert_eq!(status, 200, "{body}");
-    let logs_handle = served.logs;
-    let mut child = served.child;
     let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
-    let _ = child.wait();
-    let logs = logs_handle.join().unwrap().join("\n");
+    let _ = served.child.wait();
+    let logs = served.logs();
     assert!(logs.contains("accept failed"), "the EMFILE was logged:\n{logs}");
     let _ = std::fs::remove_file(&model);
 }

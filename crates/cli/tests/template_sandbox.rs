@@ -7,7 +7,7 @@
 
 mod support;
 
-use support::http;
+use support::{http, vm_hwm_kib};
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec, TINY_CHAT_TEMPLATE};
 
 /// Misbehaves when the last message says how; otherwise the tiny model's ChatML.
@@ -38,12 +38,6 @@ fn chat(port: u16, content: &str) -> (u16, String) {
         "model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2, "ignore_eos": true
     });
     http(port, "POST", "/v1/chat/completions", &body.to_string())
-}
-
-fn vm_hwm_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
 #[test]

@@ -279,6 +279,7 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
             Some(WorkEvent::Body { json }) => upstream_body = Some(json),
             Some(WorkEvent::Finished { reason, usage: u, timing }) => {
                 meter.settle(u.completion_tokens);
+                meter.settle_input(u.prompt_tokens);
                 let (wire_reason, label) = finish_reason(reason);
                 log_finished(id, label, u, &timing);
                 sent.usage = Some(usage(u).to_timeline());

@@ -27,7 +27,8 @@
 //! | `tokenpath_requests_total{status, finish_reason}` | `vllm:request_success_total{finished_reason}` (+ errors) |
 //! | `tokenpath_num_requests_waiting` | `vllm:num_requests_waiting` |
 //! | `tokenpath_num_requests_running` | `vllm:num_requests_running` |
-//! | `tokenpath_kv_blocks_used`, `tokenpath_kv_blocks_free` | `vllm:kv_cache_usage_perc` (= used / (used + free)) |
+//! | `tokenpath_kv_blocks_used`, `tokenpath_kv_blocks_free` | `vllm:num_gpu_blocks` (their sum) |
+//! | `tokenpath_kv_cache_usage_perc` | `vllm:kv_cache_usage_perc` (= used / (used + free), 0..1) |
 //! | `tokenpath_num_preemptions_total` | `vllm:num_preemptions_total` |
 //! | `tokenpath_worker_busy_seconds_total`, `tokenpath_worker_flops_total` | — (busy fraction and achieved FLOP/s via `rate()`) |
 //! | `tokenpath_worker_peak_flops` | — (`rate(tokenpath_worker_flops_total[1m]) / tokenpath_worker_peak_flops` = share of peak) |
@@ -75,6 +76,9 @@ pub const NUM_REQUESTS_RUNNING: &str = "tokenpath_num_requests_running";
 pub const KV_BLOCKS_USED: &str = "tokenpath_kv_blocks_used";
 /// KV blocks free.
 pub const KV_BLOCKS_FREE: &str = "tokenpath_kv_blocks_free";
+/// The share of KV blocks in use, 0..=1: what an endpoint picker (llm-d / Gateway API Inference
+/// Extension, vllm-router) reads as KV-cache utilization, named like vLLM's.
+pub const KV_CACHE_USAGE: &str = "tokenpath_kv_cache_usage_perc";
 /// Preemptions (counter).
 pub const NUM_PREEMPTIONS: &str = "tokenpath_num_preemptions";
 /// Seconds the worker spent computing (counter).
@@ -131,6 +135,7 @@ pub struct Metrics {
     running: Gauge,
     kv_used: Gauge,
     kv_free: Gauge,
+    kv_usage: Gauge<f64, std::sync::atomic::AtomicU64>,
     preemptions: Counter,
     busy_seconds: FloatCounter,
     flops: FloatCounter,
@@ -201,6 +206,7 @@ impl Metrics {
             waiting: Gauge::default(),
             running: Gauge::default(),
             kv_used: Gauge::default(),
+            kv_usage: Gauge::default(),
             kv_free: Gauge::default(),
             preemptions: Counter::default(),
             busy_seconds: FloatCounter::default(),
@@ -248,6 +254,7 @@ impl Metrics {
         registry.register(NUM_REQUESTS_RUNNING, "Sequences in the running batch", m.running.clone());
         registry.register(KV_BLOCKS_USED, "KV cache blocks in use", m.kv_used.clone());
         registry.register(KV_BLOCKS_FREE, "KV cache blocks free", m.kv_free.clone());
+        registry.register(KV_CACHE_USAGE, "Share of KV cache blocks in use (0..1)", m.kv_usage.clone());
         registry.register(
             NUM_PREEMPTIONS,
             "Sequences preempted for lack of KV blocks",
@@ -314,6 +321,7 @@ impl Metrics {
         self.running.set(as_i64(stats.running));
         self.kv_used.set(as_i64(stats.kv_blocks_used));
         self.kv_free.set(as_i64(stats.kv_blocks_free));
+        self.kv_usage.set(stats.kv_usage());
         // Counters mirror the worker's monotonic totals, through high-water marks (see them).
         self.preemptions.inc_by(raise(&self.seen_preempted, stats.preempted));
         let busy = raise_f64(&self.seen_busy, stats.busy_seconds);
@@ -406,6 +414,12 @@ mod tests {
         assert!(text.contains("tokenpath_prompt_tokens_total 7"), "{text}");
         assert!(text.contains("tokenpath_requests_total{status=\"503\",finish_reason=\"none\"} 1"), "{text}");
         assert!(text.contains("tokenpath_kv_blocks_used 9"), "{text}");
+        let usage: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(KV_CACHE_USAGE).and_then(|r| r.trim().parse().ok()))
+            .expect("the KV usage gauge");
+        let want = stats.kv_blocks_used as f64 / (stats.kv_blocks_used + stats.kv_blocks_free) as f64;
+        assert!((usage - want).abs() < 1e-9, "{usage} vs {want}");
         assert!(text.contains("tokenpath_tenant_requests_total{tenant=\"alice\"} 1"), "{text}");
         assert!(
             text.contains("tokenpath_rate_limited_requests_total{tenant=\"alice\",limit=\"input_tokens\"} 1"),

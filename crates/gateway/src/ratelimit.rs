@@ -122,7 +122,7 @@ impl RateLimiter {
                 Err(wait) => return Err(RateLimited::new(Limit::Requests, req.per_minute, wait)),
             }
         }
-        Ok(Pass { buckets: Some(Arc::clone(b)), request_cost, input_cost: 0, slot })
+        Ok(Pass { buckets: Some(Arc::clone(b)), request_cost, input_cost: 0, input_tokens: 0, slot })
     }
 
     /// Admits one request with `input_tokens` prompt tokens at once ([`RateLimiter::begin`]
@@ -170,12 +170,14 @@ pub(crate) struct Pass {
     buckets: Option<Arc<TenantBuckets>>,
     request_cost: u64,
     input_cost: u64,
+    /// Prompt tokens charged (for [`OutputMeter::settle_input`]).
+    input_tokens: u64,
     slot: Option<Slot>,
 }
 
 impl Pass {
     fn unlimited() -> Self {
-        Pass { buckets: None, request_cost: 0, input_cost: 0, slot: None }
+        Pass { buckets: None, request_cost: 0, input_cost: 0, input_tokens: 0, slot: None }
     }
 
     /// Charges `tokens` prompt tokens (refused, charging nothing more, when they do not fit).
@@ -191,6 +193,7 @@ impl Pass {
         match input.try_take(tokens, b.clock.now_ns()) {
             Ok(cost) => {
                 self.input_cost += cost;
+                self.input_tokens += tokens;
                 Ok(())
             }
             Err(wait) => Err(RateLimited::new(Limit::InputTokens, input.per_minute, wait)),
@@ -217,6 +220,7 @@ impl Pass {
             charged: AtomicU64::new(0),
             _slot: self.slot,
             refund: (self.request_cost, self.input_cost),
+            input_tokens: self.input_tokens,
         }
     }
 }
@@ -234,6 +238,8 @@ pub(crate) struct OutputMeter {
     _slot: Option<Slot>,
     /// What admission charged, for [`OutputMeter::refund`].
     refund: (u64, u64),
+    /// Prompt tokens admission charged (the gateway's count).
+    input_tokens: u64,
 }
 
 impl OutputMeter {
@@ -253,6 +259,19 @@ impl OutputMeter {
         let rest = completion_tokens.saturating_sub(self.charged.load(Ordering::Acquire));
         if rest > 0 {
             self.charge(u32::try_from(rest).unwrap_or(u32::MAX));
+        }
+    }
+
+    /// The request finished with `prompt_tokens` in its usage: an upstream engine that counted
+    /// its prompt otherwise than the gateway (another template, another BOS rule) is believed,
+    /// the difference charged or given back.
+    pub(crate) fn settle_input(&self, prompt_tokens: u64) {
+        let Some(b) = &self.buckets else { return };
+        let Some(input) = &b.input else { return };
+        match prompt_tokens.cmp(&self.input_tokens) {
+            std::cmp::Ordering::Greater => input.charge(prompt_tokens - self.input_tokens, b.clock.now_ns()),
+            std::cmp::Ordering::Less => input.refund(input.cost_ns(self.input_tokens - prompt_tokens)),
+            std::cmp::Ordering::Equal => {}
         }
     }
 
@@ -404,8 +423,23 @@ mod tests {
         clock.advance(SECOND_NS);
         let meter = l.admit(Some(&t), 10).unwrap();
         meter.settle(0);
+        meter.settle_input(10);
         // The unlimited meter charges nobody.
         Pass::unlimited().into_meter().charge(1000);
+    }
+
+    /// An upstream that counted the prompt otherwise is believed: more is charged, fewer given
+    /// back, so the next admission sees the engine's count.
+    #[test]
+    fn input_tokens_are_settled_with_the_engines_count() {
+        let (l, _clock, t) = limiter(RateLimits { input_tokens_per_minute: Some(100), ..Default::default() });
+        let meter = l.admit(Some(&t), 50).unwrap();
+        meter.settle_input(80);
+        assert_eq!(l.admit(Some(&t), 21).unwrap_err().limit, Limit::InputTokens, "80 charged, 20 left");
+        let meter = l.admit(Some(&t), 20).unwrap();
+        meter.settle_input(10);
+        assert!(l.admit(Some(&t), 10).is_ok(), "10 given back");
+        assert_eq!(l.admit(Some(&t), 1).unwrap_err().limit, Limit::InputTokens);
     }
 
     #[test]

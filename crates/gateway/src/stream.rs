@@ -109,6 +109,7 @@ impl SseState {
             Some(WorkEvent::Finished { reason, usage: u, timing }) => {
                 self.closed = true;
                 self.meter.settle(u.completion_tokens);
+                self.meter.settle_input(u.prompt_tokens);
                 let (wire, label) = finish_reason(reason);
                 log_finished(self.work.id(), label, u, &timing);
                 self.sent.usage = Some(usage(u).to_timeline());

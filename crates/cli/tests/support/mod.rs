@@ -26,6 +26,13 @@ pub fn default_model() -> Option<std::path::PathBuf> {
     None
 }
 
+/// A process's peak resident memory (`VmHWM`), KiB.
+pub fn vm_hwm_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
 /// The cluster secret the test processes share (servers and workers alike).
 pub const TEST_CLUSTER_SECRET: &str = "tokenpath-test-cluster-secret";
 
@@ -34,7 +41,14 @@ pub struct Served {
     pub child: Child,
     pub port: u16,
     /// Every log line the server writes after announcing its address, returned when it exits.
-    pub logs: JoinHandle<Vec<String>>,
+    logs: Option<JoinHandle<Vec<String>>>,
+}
+
+impl Served {
+    /// The log lines written after the address, once the server has exited.
+    pub fn logs(&mut self) -> String {
+        self.logs.take().map(|h| h.join().unwrap().join("\n")).unwrap_or_default()
+    }
 }
 
 /// Starts `tokenpath serve --port 0 --model MODEL EXTRA...`.
@@ -59,12 +73,22 @@ pub fn serve_on(port: u16, model: &Path, extra: &[&str]) -> Served {
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let port = loop {
         let line = lines.next().expect("server exited before listening").unwrap();
-        if let Some(rest) = line.split("http://127.0.0.1:").nth(1) {
+        if let Some(rest) = line.split("serving the OpenAI API on http://127.0.0.1:").nth(1) {
             break rest.split('/').next().unwrap().parse().unwrap();
         }
     };
     let logs = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
-    Served { child, port, logs }
+    Served { child, port, logs: Some(logs) }
+}
+
+impl Drop for Served {
+    /// A test that panics leaves no server behind (one would hold the test's output pipe open).
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
 }
 
 /// One plain HTTP/1.1 request over a `TcpStream` (no client dependency): status and body.

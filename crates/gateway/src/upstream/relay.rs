@@ -310,7 +310,8 @@ fn engine_stages(v: &Value, out: &mut BTreeMap<Stage, f64>) {
         take(Stage::Decode, t.get("predicted_ms"));
     }
     if let Some(stages) = v.pointer("/timing/stages_ms").and_then(Value::as_object) {
-        for stage in Stage::ALL {
+        // A tokenpath upstream's own gateway stage is not ours: ours is measured here.
+        for stage in Stage::ALL.into_iter().filter(|s| *s != Stage::Gateway) {
             take(stage, stages.get(stage.name()));
         }
     }
