@@ -21,12 +21,15 @@ fn the_gateway_in_front_of_a_running_engine_serves_its_answers() {
     let url = format!("http://127.0.0.1:{}", engine.port);
     let gateway = serve(&model, &["--upstream", &url]);
     let name = model.file_stem().unwrap().to_string_lossy().into_owned();
-    let body = json!({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 12, "temperature": 0}).to_string();
+    let body =
+        json!({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 12, "temperature": 0})
+        .to_string();
     let (s1, direct) = http(engine.port, "POST", "/v1/chat/completions", &body);
     let (s2, through) = http(gateway.port, "POST", "/v1/chat/completions", &body);
     assert_eq!((s1, s2), (200, 200), "{direct}\n{through}");
-    let (direct, through): (Value, Value) = (serde_json::from_str(&direct).unwrap(), serde_json::from_str(&through).unwrap());
+    let (direct, through): (Value, Value) =
+        (serde_json::from_str(&direct).unwrap(), serde_json::from_str(&through).unwrap());
     assert_eq!(through["choices"][0]["message"]["content"], direct["choices"][0]["message"]["content"]);
     assert_eq!(through["usage"]["prompt_tokens"], direct["usage"]["prompt_tokens"]);
     assert_eq!(through["usage"]["completion_tokens"], direct["usage"]["completion_tokens"]);
@@ -34,11 +37,15 @@ fn the_gateway_in_front_of_a_running_engine_serves_its_answers() {
     for stage in ["queue", "prefill", "decode"] {
         assert_eq!(timing["sources"][stage], "engine", "{timing}");
     }
-    assert!(timing["stages_ms"].get("gateway").is_some() && timing["sources"].get("gateway").is_none(), "{timing}");
+    assert!(
+        timing["stages_ms"].get("gateway").is_some() && timing["sources"].get("gateway").is_none(),
+        "{timing}"
+    );
     // Forwarded, not judged here: tokenpath's strict API refuses a field it does not know, and
     // that refusal is what the client gets.
     let extra = json!({"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-        "min_tokens": 1}).to_string();
+        "min_tokens": 1})
+    .to_string();
     let (status, refusal) = http(gateway.port, "POST", "/v1/chat/completions", &extra);
     assert_eq!(status, 400, "{refusal}");
     assert!(refusal.contains("min_tokens"), "{refusal}");

@@ -119,6 +119,13 @@ async fn fake_upstream() -> (String, Arc<Seen>) {
     let seen = Arc::new(Seen::default());
     let app = Router::new()
         .route("/health", get(|| async { "ok" }))
+        .route(
+            "/metrics",
+            get(|| async {
+                "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\"} 3\n\
+                 vllm:num_requests_running{engine=\"0\"} 2\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n"
+            }),
+        )
         .route("/v1/chat/completions", post(completions))
         .route("/v1/completions", post(completions))
         .with_state(Arc::clone(&seen));
@@ -204,6 +211,14 @@ async fn a_stream_is_forwarded_whole_and_comes_back_as_the_upstream_sent_it() {
     assert!(timing["ttft_ms"].as_f64().unwrap() <= timing["e2e_ms"].as_f64().unwrap());
     // The tenant was charged the upstream's output tokens.
     server.wait_metrics("output tokens", |m| m.contains("tokenpath_generation_tokens_total")).await;
+    // The upstream's own load, scraped from its /metrics, is what ours exports.
+    server
+        .wait_metrics("the upstream's load", |m| {
+            common::metric(m, "tokenpath_num_requests_waiting") == Some(3.0)
+                && common::metric(m, "tokenpath_num_requests_running") == Some(2.0)
+                && common::metric(m, "tokenpath_kv_cache_usage_perc") == Some(0.5)
+        })
+        .await;
     server.shutdown().await.unwrap();
 }
 

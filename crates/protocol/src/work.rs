@@ -222,6 +222,10 @@ pub struct WorkerStats {
     pub kv_imports: u64,
     /// KV transfers that failed and were recomputed here (decode mode).
     pub kv_fallbacks: u64,
+    /// The KV usage fraction a backend reports without block counts (an HTTP upstream's
+    /// `/metrics`); preferred by [`WorkerStats::kv_usage`] when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_usage_reported: Option<f64>,
 }
 
 impl WorkerStats {
@@ -237,6 +241,9 @@ impl WorkerStats {
     /// The share of KV blocks in use, 0..=1 (what an endpoint picker reads as KV usage); 0
     /// when the backend reports no blocks.
     pub fn kv_usage(&self) -> f64 {
+        if let Some(u) = self.kv_usage_reported {
+            return u;
+        }
         let total = self.kv_blocks_used.saturating_add(self.kv_blocks_free);
         if total == 0 {
             0.0
@@ -274,6 +281,7 @@ impl WorkerStats {
         for v in [&mut self.busy_seconds, &mut self.uptime_seconds, &mut self.flops] {
             *v = if v.is_finite() { v.clamp(0.0, 1e30) } else { 0.0 };
         }
+        self.kv_usage_reported = self.kv_usage_reported.filter(|u| u.is_finite()).map(|u| u.clamp(0.0, 1.0));
     }
 
     /// Adds `other`'s counts and gauges to these (a cluster's sum over its workers).
@@ -294,6 +302,11 @@ impl WorkerStats {
         self.kv_blocks_cached = self.kv_blocks_cached.saturating_add(o.kv_blocks_cached);
         self.kv_imports = self.kv_imports.saturating_add(o.kv_imports);
         self.kv_fallbacks = self.kv_fallbacks.saturating_add(o.kv_fallbacks);
+        // A fraction does not add up: the fullest backend's.
+        self.kv_usage_reported = match (self.kv_usage_reported, o.kv_usage_reported) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
     }
 }
 

@@ -15,6 +15,7 @@
 //! instead. Every wait on the upstream is bounded: connecting, the first byte of the response,
 //! and silence between chunks.
 
+mod load;
 mod relay;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -84,6 +85,8 @@ struct Shared {
     client: reqwest::Client,
     in_flight: AtomicUsize,
     healthy: AtomicBool,
+    /// The upstream's own load, published by the health task after each scrape.
+    load: tokio::sync::watch::Receiver<load::Load>,
 }
 
 impl OpenAiUpstream {
@@ -102,19 +105,23 @@ impl OpenAiUpstream {
             .pool_idle_timeout(Duration::from_secs(60))
             .build()
             .map_err(|e| ProtocolError::Unavailable { message: format!("HTTP client: {e}") })?;
+        let (publish, load) = tokio::sync::watch::channel(load::Load::default());
         let shared = Arc::new(Shared {
             config: UpstreamConfig { url, ..config },
             client,
             in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(false),
+            load,
         });
         let weak = Arc::downgrade(&shared);
+        // The health task owns the upstream's load: it scrapes and publishes; readers borrow.
         tokio::spawn(async move {
             while let Some(s) = weak.upgrade() {
                 let ok = s.probe_health().await;
                 if ok != s.healthy.swap(ok, Ordering::Relaxed) {
                     tracing::info!(upstream = %s.config.url, healthy = ok, "upstream health changed");
                 }
+                publish.send_replace(if ok { s.scrape_load().await } else { load::Load::default() });
                 drop(s);
                 tokio::time::sleep(HEALTH_INTERVAL).await;
             }
@@ -135,6 +142,26 @@ impl Shared {
         let url = format!("{}/health", self.config.url);
         let req = self.client.get(url).timeout(Duration::from_secs(2));
         matches!(req.send().await, Ok(r) if r.status().is_success())
+    }
+
+    /// The upstream's `/metrics`, read up to [`load::MAX_METRICS_BYTES`]; nothing known when it
+    /// has none or does not answer in time.
+    async fn scrape_load(&self) -> load::Load {
+        let url = format!("{}/metrics", self.config.url);
+        let Ok(mut resp) = self.client.get(url).timeout(Duration::from_secs(2)).send().await else {
+            return load::Load::default();
+        };
+        if !resp.status().is_success() {
+            return load::Load::default();
+        }
+        let mut body = Vec::new();
+        while let Ok(Some(chunk)) = resp.chunk().await {
+            if body.len() + chunk.len() > load::MAX_METRICS_BYTES {
+                return load::Load::default();
+            }
+            body.extend_from_slice(&chunk);
+        }
+        load::parse(&String::from_utf8_lossy(&body))
     }
 
     async fn start(self: &Arc<Self>, work: WorkRequest) -> Result<WorkStream, ProtocolError> {
@@ -248,9 +275,17 @@ impl Backend for OpenAiUpstream {
         self.shared.config.model_info
     }
 
-    /// What the gateway knows without scraping the upstream: its requests in flight.
+    /// The upstream's own gauges when its `/metrics` has them; else what the gateway knows:
+    /// its requests in flight there.
     fn stats(&self) -> WorkerStats {
-        WorkerStats { running: self.shared.in_flight.load(Ordering::Relaxed), ..WorkerStats::default() }
+        let load = *self.shared.load.borrow();
+        let count = |v: Option<f64>| v.map(|v| v.min(1e12) as usize);
+        WorkerStats {
+            waiting: count(load.waiting).unwrap_or(0),
+            running: count(load.running).unwrap_or_else(|| self.shared.in_flight.load(Ordering::Relaxed)),
+            kv_usage_reported: load.kv_usage,
+            ..WorkerStats::default()
+        }
     }
 
     fn is_ready(&self) -> bool {
