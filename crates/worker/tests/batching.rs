@@ -323,8 +323,21 @@ fn a_reader_that_stops_pauses_its_sequence_and_never_holds_kv_others_need() {
     let before = handle.stats().generated_tokens;
     let slow = handle.submit(unread(2)).expect("submit");
     wait_until(&handle, "the reader to fall behind", |s| s.generated_tokens >= before + 64);
+    // The pause takes effect at the step that sees 64 unread text events, which may be a step
+    // or two after 64 tokens (a token can end inside a UTF-8 sequence and send no event yet):
+    // wait (bounded) for the count to stop moving, then it must stay put.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut held = handle.stats().generated_tokens;
+    loop {
+        std::thread::sleep(Duration::from_millis(50));
+        let now = handle.stats().generated_tokens;
+        if now == held {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "generation never paused for a reader that stopped");
+        held = now;
+    }
     // Paused: a few hundred milliseconds pass and not one token more is generated.
-    let held = handle.stats().generated_tokens;
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(handle.stats().generated_tokens, held, "generation ran ahead of a reader that stopped");
     assert!(held - before < 300);
