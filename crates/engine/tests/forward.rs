@@ -77,6 +77,28 @@ fn chunked_prefill_equals_whole_prefill_and_decode_matches_all_logits() {
     }
 }
 
+/// Chunks of every size after a prefix, against the dense reference: a last chunk of 1, 5 or 31
+/// rows after 32 cached tokens (what a prefix-cache hit or `--prefill-chunk 32` runs) gives the
+/// logits a whole prefill does, on both sides of attention's 32-row switch.
+#[test]
+fn a_short_chunk_after_a_long_prefix_matches_the_reference() {
+    let m = tiny(GgmlType::F32);
+    let bytes = tiny_model_bytes(&TinySpec::default()).unwrap();
+    let gguf = tokenpath_engine::gguf::Gguf::parse(bytes).unwrap();
+    for (prefix, rest) in [(32usize, 5usize), (32, 1), (8, 29), (33, 31), (40, 2)] {
+        let tokens: Vec<u32> =
+            (0..prefix + rest).map(|i| (i as u32 * 29 + 7) % m.config().n_vocab as u32).collect();
+        let want = support::reference_logits(&gguf, m.config(), &tokens);
+        let mut kv = cache(&m, 64);
+        let mut t = BlockTable::default();
+        run(&m, &mut kv, &mut t, &tokens[..prefix], false);
+        let got = run(&m, &mut kv, &mut t, &tokens[prefix..], false);
+        let diff = max_diff(&got, &want);
+        assert!(diff < 1e-3, "{prefix} + {rest} tokens: max logit difference {diff}");
+        kv.free_table(&mut t).unwrap();
+    }
+}
+
 #[test]
 fn a_batch_gives_each_sequence_its_solo_logits() {
     let m = tiny(GgmlType::Q8_0);
