@@ -54,6 +54,10 @@ pub struct WorkerArgs {
     /// Seconds running requests get to finish after SIGTERM / Ctrl-C.
     #[arg(long, default_value_t = 30, env = "TOKENPATH_SHUTDOWN_GRACE_S")]
     shutdown_grace_s: u64,
+    /// Serve `/metrics` (waiting, running, KV usage) and `/health` over HTTP on this address,
+    /// for an endpoint picker in front of the workers (open: bind it where only it reaches).
+    #[arg(long, env = "TOKENPATH_METRICS_LISTEN", value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     secret: SecretArgs,
     #[command(flatten)]
@@ -152,6 +156,13 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
             draining: Arc::clone(&draining),
         };
         let handle = worker.handle();
+        if let Some(addr) = args.metrics_listen {
+            let ml = tokenpath_gateway::bind(&addr.to_string()).await?;
+            let at = ml.local_addr().context("reading the metrics address")?;
+            tracing::info!(metrics = %at, "serving /metrics and /health on http://{at}");
+            let backend = Arc::new(handle.clone()) as Arc<dyn tokenpath_gateway::Backend>;
+            tokio::spawn(tokenpath_gateway::serve_backend_metrics(ml, backend, Default::default()));
+        }
         let serving = tokio::spawn(serve(listener, handle.clone(), server));
         tokenpath_gateway::shutdown_signal().await;
         // Drain: new requests are refused (the gateway routes elsewhere), the running ones —

@@ -320,6 +320,34 @@ fn workers_can_register_at_run_time() {
     s.stop();
 }
 
+/// A worker exports what an endpoint picker scrapes (waiting, running, the KV-usage fraction)
+/// and answers /health, on a listener of its own; served from its live stats.
+#[test]
+fn a_worker_exports_its_load_for_an_endpoint_picker() {
+    let m = model("epp");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _w = worker(&m, "both", &["--metrics-listen", &format!("127.0.0.1:{port}")]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            drop(s);
+            break http(port, "GET", "/metrics", "").1;
+        }
+        assert!(Instant::now() < deadline, "no metrics listener");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    for series in [
+        "tokenpath_num_requests_waiting 0",
+        "tokenpath_num_requests_running 0",
+        "tokenpath_kv_cache_usage_perc 0",
+    ] {
+        assert!(text.contains(series), "{series} in\n{text}");
+    }
+    assert!(text.contains("tokenpath_kv_blocks_free "), "{text}");
+    assert_eq!(http(port, "GET", "/health", "").0, 200);
+    assert_eq!(http(port, "GET", "/v1/models", "").0, 404, "nothing else on it");
+}
+
 #[test]
 fn a_worker_without_the_cluster_secret_never_serves() {
     let m = model("secret");

@@ -282,6 +282,49 @@ impl Gateway {
     }
 }
 
+/// Serves `/metrics` (the worker gauges of `backend`'s stats: waiting, running, KV blocks and
+/// usage fraction, busy time, FLOPs) and `/health` (200 while `backend` is ready, else 503) on
+/// `listener` until the process ends: what an endpoint picker (llm-d's, vllm-router,
+/// sglang-router) scrapes from a `tokenpath worker` that has no gateway of its own in front.
+pub async fn serve_backend_metrics(listener: TcpListener, backend: Arc<dyn Backend>, limits: HttpLimits) {
+    use axum::http::StatusCode;
+    use axum::response::IntoResponse;
+    let metrics = Arc::new(metrics::Metrics::with_peak_flops(None));
+    let for_health = Arc::clone(&backend);
+    let router = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let (metrics, backend) = (Arc::clone(&metrics), Arc::clone(&backend));
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        metrics.render(&backend.stats()),
+                    )
+                        .into_response()
+                }
+            }),
+        )
+        .route(
+            "/health",
+            get(move || {
+                let ready = for_health.is_ready();
+                async move {
+                    if ready {
+                        (StatusCode::OK, "{\"status\":\"ok\"}").into_response()
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "{\"status\":\"worker_down\"}").into_response()
+                    }
+                }
+            }),
+        )
+        .fallback(api::fallback);
+    server::serve(listener, router, limits, std::future::pending()).await;
+}
+
 /// Binds `addr` (e.g. `127.0.0.1:8000`).
 pub async fn bind(addr: &str) -> Result<TcpListener, GatewayError> {
     TcpListener::bind(addr).await.map_err(|source| GatewayError::Bind { addr: addr.to_owned(), source })
