@@ -224,8 +224,13 @@ async fn a_stream_is_forwarded_whole_and_comes_back_as_the_upstream_sent_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_the_client_asked_for_is_passed_with_the_engines_stages() {
-    let (url, _seen) = fake_upstream().await;
+    let (url, seen) = fake_upstream().await;
     let server = gateway_over(&url, Duration::from_secs(10)).await;
+    // `stream_options: null` is no options: usage is still forced upstream, and not passed on.
+    let resp = chat(&server, &base(json!({"stream": true, "stream_options": null}))).await;
+    let events = Events::new(resp).rest().await.unwrap();
+    assert!(events.iter().all(|e| e.get("usage").is_none()), "{events:?}");
+    assert_eq!(seen.requests.lock().unwrap().last().unwrap().2["stream_options"]["include_usage"], true);
     let resp = chat(&server, &base(json!({"stream": true, "stream_options": {"include_usage": true}}))).await;
     let events = Events::new(resp).rest().await.unwrap();
     let last = events.last().unwrap();

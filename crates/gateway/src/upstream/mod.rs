@@ -185,6 +185,10 @@ impl Shared {
         }
         if stream {
             let opts = body.entry("stream_options").or_insert_with(|| serde_json::json!({}));
+            if !opts.is_object() {
+                // `null` (validated as "no options" already): replaced, so usage is forced.
+                *opts = serde_json::json!({});
+            }
             if let Some(o) = opts.as_object_mut() {
                 o.insert("include_usage".into(), true.into());
             }
