@@ -19,6 +19,7 @@ use tokenpath_engine::sampling::{Sampler, SamplerState};
 use tokenpath_engine::Engine;
 use tokenpath_protocol::work::Transfer;
 use tokenpath_protocol::work::{validate_request, Backlog, WorkRequest, WorkStream, WorkerStats};
+use tokenpath_protocol::ProtocolError;
 use tokenpath_timeline::WorkerId;
 use tokio::sync::{mpsc as tmpsc, watch, Semaphore};
 
@@ -236,18 +237,18 @@ impl WorkerHandle {
 
     /// Validates `req` and queues it. The returned stream yields its events; dropping the stream
     /// cancels the request.
-    pub fn submit(&self, req: WorkRequest) -> Result<WorkStream, WorkerError> {
+    pub fn submit(&self, req: WorkRequest) -> Result<WorkStream, ProtocolError> {
         let max_tokens = validate_request(&req, self.facts.n_ctx, self.facts.n_vocab)?;
-        let sampler =
-            Sampler::new(req.sampling.clone()).map_err(|e| WorkerError::InvalidRequest(e.to_string()))?;
+        let sampler = Sampler::new(req.sampling.clone())
+            .map_err(|e| ProtocolError::InvalidRequest { param: None, message: e.to_string() })?;
         let permit = Arc::clone(&self.queue)
             .try_acquire_owned()
-            .map_err(|_| WorkerError::Overloaded { max: self.max_queue })?;
+            .map_err(|_| ProtocolError::Overloaded { max: self.max_queue })?;
         let (events, rx) = tmpsc::unbounded_channel();
         let id = req.id;
         let backlog = Backlog::default();
         let sub = Submission { req, max_tokens, sampler, events, backlog: backlog.clone(), permit };
-        self.tx.send(Command::Submit(Box::new(sub))).map_err(|_| WorkerError::Stopped)?;
+        self.tx.send(Command::Submit(Box::new(sub))).map_err(|_| ProtocolError::Stopped)?;
         Ok(WorkStream::from_batcher(id, rx, backlog))
     }
 }

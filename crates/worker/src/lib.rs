@@ -11,7 +11,7 @@
 //! [`WorkerStats`] snapshot after every step on a watch channel, so reading stats never waits for
 //! a step to end. Admission is a semaphore of `max_queue` permits taken at submit time and given
 //! back when the request leaves the waiting queue, so overload is answered synchronously
-//! (`WorkerError::Overloaded`) without asking the busy thread.
+//! (`ProtocolError::Overloaded`, the boundary's refusal) without asking the busy thread.
 
 mod batcher;
 mod handle;
@@ -36,26 +36,6 @@ use tokenpath_protocol::ProtocolError;
 /// Errors of the worker layer.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
-    /// The waiting queue is full; the client should retry later.
-    #[error("the worker's queue is full ({max} requests waiting)")]
-    Overloaded {
-        /// The queue bound.
-        max: usize,
-    },
-    /// The prompt, or the prompt plus `max_tokens`, does not fit the model's context.
-    #[error("{prompt_tokens} prompt tokens + {max_tokens} completion tokens exceed the context of {limit}")]
-    ContextOverflow {
-        /// Prompt length in tokens.
-        prompt_tokens: usize,
-        /// Requested completion tokens (0 when none was requested).
-        max_tokens: usize,
-        /// The model's context length.
-        limit: usize,
-    },
-    /// A request the worker cannot run (empty prompt, token id outside the vocabulary, bad
-    /// sampling parameters).
-    #[error("invalid request: {0}")]
-    InvalidRequest(String),
     /// A configuration that cannot work (zero-sized limits, KV smaller than one context).
     #[error("invalid worker configuration: {0}")]
     Config(String),
@@ -68,39 +48,12 @@ pub enum WorkerError {
     /// A remote worker could not be reached, broke the protocol or refused for its own reasons.
     #[error("remote worker {0}")]
     Remote(String),
+    /// A request refused at the boundary (queue full, context overflow, invalid request).
+    #[error(transparent)]
+    Refused(#[from] ProtocolError),
     /// The worker thread is gone (shut down or crashed).
     #[error("the worker has stopped")]
     Stopped,
-}
-
-impl From<ProtocolError> for WorkerError {
-    fn from(e: ProtocolError) -> Self {
-        match e {
-            ProtocolError::ContextOverflow { prompt_tokens, max_tokens, limit } => {
-                WorkerError::ContextOverflow { prompt_tokens, max_tokens, limit }
-            }
-            ProtocolError::Overloaded { max } => WorkerError::Overloaded { max },
-            ProtocolError::Stopped => WorkerError::Stopped,
-            ProtocolError::InvalidRequest { message, .. } => WorkerError::InvalidRequest(message),
-            other => WorkerError::Remote(other.to_string()),
-        }
-    }
-}
-
-impl From<WorkerError> for ProtocolError {
-    /// The boundary's refusal for a worker's (what [`tokenpath_protocol::backend::Backend`]
-    /// callers see).
-    fn from(e: WorkerError) -> Self {
-        match e {
-            WorkerError::ContextOverflow { prompt_tokens, max_tokens, limit } => {
-                ProtocolError::ContextOverflow { prompt_tokens, max_tokens, limit }
-            }
-            WorkerError::Overloaded { max } => ProtocolError::Overloaded { max },
-            WorkerError::Stopped => ProtocolError::Stopped,
-            WorkerError::InvalidRequest(message) => ProtocolError::InvalidRequest { param: None, message },
-            other => ProtocolError::Unavailable { message: other.to_string() },
-        }
-    }
 }
 
 impl tokenpath_protocol::backend::Backend for WorkerHandle {
@@ -108,8 +61,7 @@ impl tokenpath_protocol::backend::Backend for WorkerHandle {
         &self,
         work: WorkRequest,
     ) -> tokenpath_protocol::backend::BoxFuture<'_, Result<WorkStream, ProtocolError>> {
-        let started = WorkerHandle::submit(self, work).map_err(ProtocolError::from);
-        Box::pin(std::future::ready(started))
+        Box::pin(std::future::ready(WorkerHandle::submit(self, work)))
     }
 
     fn model(&self) -> tokenpath_protocol::backend::ModelInfo {

@@ -8,6 +8,7 @@ use tokenpath_engine::model::Model;
 use tokenpath_engine::sampling::SamplingParams;
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 use tokenpath_engine::{Engine, GenerateRequest};
+use tokenpath_protocol::ProtocolError;
 use tokenpath_timeline::{FinishReason, RequestId, Stage};
 use tokenpath_worker::{WorkEvent, WorkRequest, Worker, WorkerConfig, WorkerError, WorkerHandle};
 
@@ -212,7 +213,7 @@ fn full_queue_is_overloaded_and_recovers() {
     let b = handle.submit(request(1, prompt(1, 8), Some(2))).expect("second");
     let c = handle.submit(request(2, prompt(2, 8), Some(2))).expect("third");
     let err = handle.submit(request(3, prompt(3, 8), Some(2))).expect_err("queue is full");
-    assert!(matches!(err, WorkerError::Overloaded { max: 2 }), "{err}");
+    assert!(matches!(err, ProtocolError::Overloaded { max: 2 }), "{err}");
     drop(first.blocking_next());
     drop(first);
     collect(b);
@@ -226,18 +227,18 @@ fn oversized_requests_are_rejected_before_any_work() {
     let worker = Worker::spawn(Arc::clone(&engine), WorkerConfig::default()).expect("worker");
     let handle = worker.handle();
     let err = handle.submit(request(0, prompt(0, 256), None)).expect_err("prompt fills the context");
-    assert!(matches!(err, WorkerError::ContextOverflow { prompt_tokens: 256, limit: 256, .. }), "{err}");
+    assert!(matches!(err, ProtocolError::ContextOverflow { prompt_tokens: 256, limit: 256, .. }), "{err}");
     let err = handle.submit(request(1, prompt(1, 200), Some(57))).expect_err("prompt + max_tokens");
-    assert!(matches!(err, WorkerError::ContextOverflow { max_tokens: 57, .. }), "{err}");
+    assert!(matches!(err, ProtocolError::ContextOverflow { max_tokens: 57, .. }), "{err}");
     let err = handle.submit(request(2, vec![], Some(1))).expect_err("empty");
-    assert!(matches!(err, WorkerError::InvalidRequest(_)), "{err}");
+    assert!(matches!(err, ProtocolError::InvalidRequest { .. }), "{err}");
     let err = handle.submit(request(3, vec![99_999], Some(1))).expect_err("bad id");
-    assert!(matches!(err, WorkerError::InvalidRequest(_)), "{err}");
+    assert!(matches!(err, ProtocolError::InvalidRequest { .. }), "{err}");
     // Stop strings are work on every token: bounded here too, not only at the gateway.
     for stop in [vec!["x".repeat(1025)], (0..5).map(|i| i.to_string()).collect()] {
         let err =
             handle.submit(WorkRequest { stop, ..request(5, prompt(5, 10), Some(4)) }).expect_err("stops");
-        assert!(matches!(err, WorkerError::InvalidRequest(_)), "{err}");
+        assert!(matches!(err, ProtocolError::InvalidRequest { .. }), "{err}");
     }
     // Exactly at the limit is fine; no context end means "until the context is full".
     let ok = collect(handle.submit(request(4, prompt(4, 200), Some(56))).expect("fits"));

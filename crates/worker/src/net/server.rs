@@ -168,11 +168,11 @@ async fn to_gateway<W: tokio::io::AsyncWrite + Unpin>(
     })?
 }
 
-fn reject_of(e: &WorkerError) -> (RejectKind, String) {
+fn reject_of(e: &ProtocolError) -> (RejectKind, String) {
     let kind = match e {
-        WorkerError::Overloaded { .. } => RejectKind::Overloaded,
-        WorkerError::ContextOverflow { .. } => RejectKind::ContextOverflow,
-        WorkerError::InvalidRequest(_) => RejectKind::Invalid,
+        ProtocolError::Overloaded { .. } => RejectKind::Overloaded,
+        ProtocolError::ContextOverflow { .. } => RejectKind::ContextOverflow,
+        ProtocolError::InvalidRequest { .. } => RejectKind::Invalid,
         _ => RejectKind::Unavailable,
     };
     (kind, e.to_string())
