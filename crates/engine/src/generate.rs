@@ -233,4 +233,8 @@ impl tokenpath_protocol::tokenize::PromptTokenizer for Engine {
     ) -> std::result::Result<Vec<u32>, tokenpath_protocol::ProtocolError> {
         self.prompts.text_prompt(text, limit)
     }
+
+    fn count_chat(&self, messages: &[PromptMessage]) -> Option<usize> {
+        self.prompts.count_chat(messages)
+    }
 }

@@ -10,7 +10,7 @@
 //! in [`Forwarded`].
 
 use crate::params::{GenerationRequest, Limits};
-use crate::{parse_chat_request, parse_completion_request, ProtocolError};
+use crate::{ChatCompletionRequest, CompletionRequest, ProtocolError};
 use serde_json::{Map, Value};
 
 /// The two OpenAI generation endpoints.
@@ -89,10 +89,15 @@ pub fn parse_forwarded(
             core.insert(key.to_owned(), core_value(key, v));
         }
     }
-    let core = serde_json::to_vec(&Value::Object(core)).map_err(|e| crate::wire::request_json_error(&e))?;
+    // Straight from the value: the body is parsed once.
+    let core = Value::Object(core);
     let req = match endpoint {
-        ApiEndpoint::Chat => parse_chat_request(&core)?.validate(limits)?,
-        ApiEndpoint::Completions => parse_completion_request(&core)?.validate(limits)?,
+        ApiEndpoint::Chat => serde_json::from_value::<ChatCompletionRequest>(core)
+            .map_err(|e| crate::wire::request_json_error(&e))?
+            .validate(limits)?,
+        ApiEndpoint::Completions => serde_json::from_value::<CompletionRequest>(core)
+            .map_err(|e| crate::wire::request_json_error(&e))?
+            .validate(limits)?,
     };
     Ok((req, Forwarded { endpoint, body: map }))
 }

@@ -49,13 +49,13 @@ pub fn parse_stream_chunk(data: &str) -> Result<StreamChunkView, ProtocolError> 
         return Ok(StreamChunkView { done: true, ..Default::default() });
     }
     let v: Value = serde_json::from_str(data).map_err(|e| bad(format!("event is not JSON: {e}")))?;
-    view_of(v)
+    view_of(&v)
 }
 
 /// Reads a non-streamed chat or completion body (or an error body) the same way.
 pub fn parse_response_body(body: &[u8]) -> Result<StreamChunkView, ProtocolError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| bad(format!("body is not JSON: {e}")))?;
-    view_of(v)
+    view_of(&v)
 }
 
 fn bad(message: String) -> ProtocolError {
@@ -63,15 +63,16 @@ fn bad(message: String) -> ProtocolError {
 }
 
 /// Reads an already-parsed event payload (a relay that passes the chunk on keeps the value).
-pub fn parse_stream_value(v: Value) -> Result<StreamChunkView, ProtocolError> {
+pub fn parse_stream_value(v: &Value) -> Result<StreamChunkView, ProtocolError> {
     view_of(v)
 }
 
-fn view_of(v: Value) -> Result<StreamChunkView, ProtocolError> {
-    let Value::Object(mut obj) = v else {
+fn view_of(v: &Value) -> Result<StreamChunkView, ProtocolError> {
+    use serde::Deserialize as _;
+    let Value::Object(obj) = v else {
         return Err(bad("expected a JSON object".to_owned()));
     };
-    let mut view = StreamChunkView { error: error_of(&mut obj), ..Default::default() };
+    let mut view = StreamChunkView { error: error_of(obj), ..Default::default() };
     match obj.get("choices") {
         None | Some(Value::Null) => {}
         Some(Value::Array(choices)) => {
@@ -81,12 +82,12 @@ fn view_of(v: Value) -> Result<StreamChunkView, ProtocolError> {
         }
         Some(_) => return Err(bad("`choices` is not an array".to_owned())),
     }
-    match obj.remove("usage") {
+    match obj.get("usage") {
         None | Some(Value::Null) => {}
-        Some(u) => view.usage = Some(serde_json::from_value(u).map_err(|e| bad(format!("`usage`: {e}")))?),
+        Some(u) => view.usage = Some(Usage::deserialize(u).map_err(|e| bad(format!("`usage`: {e}")))?),
     }
-    if let Some(t) = obj.remove(crate::TIMING_FIELD) {
-        view.timing = serde_json::from_value(t).ok();
+    if let Some(t) = obj.get(crate::TIMING_FIELD) {
+        view.timing = ServerTiming::deserialize(t).ok();
     }
     Ok(view)
 }
@@ -107,25 +108,30 @@ fn read_choice(c: &Value, view: &mut StreamChunkView) {
 }
 
 /// `{"error": {...}}`, `{"error": "text"}`, or old vLLM's top-level `{"object": "error", ...}`.
-fn error_of(obj: &mut Map<String, Value>) -> Option<ErrorDetail> {
-    let lenient = |v: Value| {
-        let text = v.to_string();
-        serde_json::from_value::<ErrorDetail>(v).unwrap_or(ErrorDetail {
-            message: text,
+fn error_of(obj: &Map<String, Value>) -> Option<ErrorDetail> {
+    use serde::Deserialize as _;
+    let lenient = |v: &Value| {
+        ErrorDetail::deserialize(v).unwrap_or_else(|_| ErrorDetail {
+            message: v.to_string(),
             kind: String::new(),
             param: None,
             code: None,
         })
     };
-    match obj.remove("error") {
+    match obj.get("error") {
         Some(Value::Null) | None => {}
         Some(Value::String(message)) => {
-            return Some(ErrorDetail { message, kind: String::new(), param: None, code: None })
+            return Some(ErrorDetail {
+                message: message.clone(),
+                kind: String::new(),
+                param: None,
+                code: None,
+            })
         }
         Some(e) => return Some(lenient(e)),
     }
     if obj.get("object").and_then(Value::as_str) == Some("error") {
-        return Some(lenient(Value::Object(obj.clone())));
+        return Some(lenient(&Value::Object(obj.clone())));
     }
     None
 }

@@ -118,7 +118,7 @@ impl Relay {
         let Ok(mut v) = serde_json::from_str::<Value>(data) else {
             return Flow::Failed("it sent a chunk that is not JSON".into());
         };
-        let view = match parse_stream_value(v.clone()) {
+        let view = match parse_stream_value(&v) {
             Ok(view) => view,
             Err(e) => return Flow::Failed(format!("it sent a chunk we cannot read: {e}")),
         };
@@ -193,7 +193,7 @@ impl Relay {
         let Ok(mut v) = serde_json::from_slice::<Value>(&body) else {
             return self.fail(tx, "its body is not JSON".into());
         };
-        let view: StreamChunkView = match parse_stream_value(v.clone()) {
+        let view: StreamChunkView = match parse_stream_value(&v) {
             Ok(view) => view,
             Err(e) => return self.fail(tx, format!("its body cannot be read: {e}")),
         };

@@ -59,9 +59,8 @@ pub fn local_gateway(
 pub fn cluster_gateway(config: GatewayConfig) -> Result<Gateway, tokenpath_gateway::GatewayError> {
     use tokenpath_gateway::cluster::{Cluster, Registry};
     let engine = engine();
-    let model = tokenpath_protocol::backend::Backend::model(
-        &Worker::spawn(Arc::clone(&engine), WorkerConfig::default()).expect("worker").handle(),
-    );
+    let c = engine.model().config();
+    let model = tokenpath_protocol::backend::ModelInfo { n_ctx: c.n_ctx, n_vocab: c.n_vocab };
     let registry = Registry::start(Vec::new(), tokenpath_protocol::auth::ClusterSecret::open());
     Gateway::with_cluster(config, Arc::new(Cluster::new(registry, model)), engine)
 }
