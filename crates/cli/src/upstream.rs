@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokenpath_cli::tokenizer::FileTokenizer;
-use tokenpath_gateway::upstream::{OpenAiUpstream, UpstreamConfig, UpstreamKind};
+use tokenpath_gateway::upstream::{PoolConfig, UpstreamKind, UpstreamPool, UpstreamSpec};
 use tokenpath_gateway::{Gateway, GatewayConfig};
 use tokenpath_protocol::backend::ModelInfo;
 
@@ -64,18 +64,20 @@ impl UpstreamArgs {
                 .await
                 .with_context(|| format!("{url}/v1/models gives no max_model_len; pass --max-model-len"))?,
         };
-        let upstream = OpenAiUpstream::new(UpstreamConfig {
-            url: url.to_owned(),
-            kind: self.upstream_kind,
-            model: self.upstream_model.clone(),
+        let pool = PoolConfig {
             served_model_name: config.served_model_name.clone(),
             api_key: self.upstream_api_key.as_ref().map(|k| k.expose().to_owned()),
             // Token ids are the upstream's to check.
             model_info: ModelInfo { n_ctx, n_vocab: u32::MAX as usize },
             first_byte_timeout: Duration::from_secs(self.upstream_first_byte_timeout_s.max(1)),
             idle_timeout: Duration::from_secs(self.upstream_idle_timeout_s.max(1)),
-        })
-        .map_err(anyhow::Error::msg)?;
+        };
+        let spec = UpstreamSpec {
+            kind: self.upstream_kind,
+            model: self.upstream_model.clone(),
+            ..UpstreamSpec::openai(url)
+        };
+        let upstream = UpstreamPool::new(pool, vec![spec]).map_err(anyhow::Error::msg)?;
         if !upstream.check_health().await {
             tracing::warn!(
                 upstream = url,

@@ -18,6 +18,7 @@ mod guard;
 mod keyfile;
 pub mod metrics;
 mod ratelimit;
+mod route;
 mod server;
 mod stream;
 pub mod upstream;

@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokenpath_gateway::upstream::{OpenAiUpstream, UpstreamConfig, UpstreamKind};
+use tokenpath_gateway::upstream::{PoolConfig, UpstreamPool, UpstreamSpec};
 use tokenpath_gateway::{Gateway, GatewayConfig};
 use tokenpath_protocol::backend::ModelInfo;
 
@@ -136,16 +136,16 @@ async fn fake_upstream() -> (String, Arc<Seen>) {
 }
 
 async fn gateway_over(url: &str, idle: Duration) -> common::Server {
-    let upstream = OpenAiUpstream::new(UpstreamConfig {
-        url: url.to_owned(),
-        kind: UpstreamKind::OpenAi,
-        model: Some("fake-model".into()),
-        served_model_name: MODEL.into(),
-        api_key: Some("upstream-key".into()),
-        model_info: ModelInfo { n_ctx: 4096, n_vocab: u32::MAX as usize },
-        first_byte_timeout: Duration::from_secs(10),
-        idle_timeout: idle,
-    })
+    let upstream = UpstreamPool::new(
+        PoolConfig {
+            served_model_name: MODEL.into(),
+            api_key: Some("upstream-key".into()),
+            model_info: ModelInfo { n_ctx: 4096, n_vocab: u32::MAX as usize },
+            first_byte_timeout: Duration::from_secs(10),
+            idle_timeout: idle,
+        },
+        vec![UpstreamSpec { model: Some("fake-model".into()), ..UpstreamSpec::openai(url.to_owned()) }],
+    )
     .unwrap();
     assert!(upstream.check_health().await, "the upstream answers /health");
     let config = GatewayConfig {
@@ -296,9 +296,9 @@ async fn upstream_failures_are_the_right_errors_and_nothing_hangs() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     server.shutdown().await.unwrap();
-    // An upstream that is not there: a 500 at once, not a hang.
+    // An upstream that is not there: a 503 at once (no upstream is up), not a hang.
     let dead = gateway_over_dead().await;
-    assert_eq!(chat(&dead, &base(json!({}))).await.status(), 500);
+    assert_eq!(chat(&dead, &base(json!({}))).await.status(), 503);
     let ready = dead.client.get(dead.url("/ready")).send().await.unwrap().status();
     assert_eq!(ready, 503, "not ready while the upstream is down");
     dead.shutdown().await.unwrap();
@@ -308,16 +308,16 @@ async fn gateway_over_dead() -> common::Server {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     drop(l);
-    let upstream = OpenAiUpstream::new(UpstreamConfig {
-        url,
-        kind: UpstreamKind::OpenAi,
-        model: None,
-        served_model_name: MODEL.into(),
-        api_key: None,
-        model_info: ModelInfo { n_ctx: 4096, n_vocab: u32::MAX as usize },
-        first_byte_timeout: Duration::from_secs(5),
-        idle_timeout: Duration::from_secs(5),
-    })
+    let upstream = UpstreamPool::new(
+        PoolConfig {
+            served_model_name: MODEL.into(),
+            api_key: None,
+            model_info: ModelInfo { n_ctx: 4096, n_vocab: u32::MAX as usize },
+            first_byte_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(5),
+        },
+        vec![UpstreamSpec::openai(url)],
+    )
     .unwrap();
     let config = GatewayConfig { served_model_name: MODEL.into(), ..GatewayConfig::default() };
     common::serve_gateway(Gateway::new(config, Arc::new(upstream), common::engine()).unwrap()).await
@@ -329,16 +329,16 @@ async fn gateway_over_dead() -> common::Server {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tokenpath_server_as_an_openai_upstream_gives_the_same_answer() {
     let inner = common::start_default().await;
-    let upstream = OpenAiUpstream::new(UpstreamConfig {
-        url: inner.base.clone(),
-        kind: UpstreamKind::OpenAi,
-        model: None,
-        served_model_name: MODEL.into(),
-        api_key: None,
-        model_info: ModelInfo { n_ctx: common::N_CTX, n_vocab: u32::MAX as usize },
-        first_byte_timeout: Duration::from_secs(30),
-        idle_timeout: Duration::from_secs(30),
-    })
+    let upstream = UpstreamPool::new(
+        PoolConfig {
+            served_model_name: MODEL.into(),
+            api_key: None,
+            model_info: ModelInfo { n_ctx: common::N_CTX, n_vocab: u32::MAX as usize },
+            first_byte_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(30),
+        },
+        vec![UpstreamSpec { model: None, ..UpstreamSpec::openai(inner.base.clone()) }],
+    )
     .unwrap();
     assert!(upstream.check_health().await);
     let outer = common::serve_gateway(

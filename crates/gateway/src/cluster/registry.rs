@@ -7,14 +7,14 @@
 //! the cluster file at start or register at run time; adding one never touches the others.
 //!
 //! Routing (PD): the prefill worker with the longest cached prefix of the prompt wins, unless it
-//! already carries [`BALANCE_THRESHOLD`] more requests than the least-loaded one — a cache-aware
-//! router without that bound sends every request sharing a hot system prompt to one worker and
-//! melts it. The decode worker is the one with the fewest running plus routed sequences among
+//! already carries [`BALANCE_THRESHOLD`] more requests than the least-loaded one (the choice
+//! written once in [`crate::route`], shared with the HTTP upstreams). The decode worker is the one with the fewest running plus routed sequences among
 //! those whose free KV blocks hold the prompt.
 
-use std::collections::HashMap;
+pub use crate::route::BALANCE_THRESHOLD;
+use crate::route::{cache_aware, Candidate, PrefixIndex};
 use std::time::Duration;
-use tokenpath_kv::{block_hashes, BlockHash, PrefixCache};
+use tokenpath_kv::BlockHash;
 use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_protocol::cluster::StatsMsg;
 use tokenpath_protocol::cluster::WorkerRole as Role;
@@ -25,13 +25,6 @@ use tokio::sync::{mpsc, oneshot, watch};
 pub const POLL_INTERVAL: Duration = Duration::from_millis(500);
 /// How long a poll may take.
 pub const POLL_TIMEOUT: Duration = Duration::from_secs(2);
-/// How many more in-flight requests the prefix-preferred prefill worker may carry than the
-/// least-loaded one before the router ignores the prefix.
-pub const BALANCE_THRESHOLD: usize = 4;
-/// Block size the router hashes prompts with (must match the workers' for prefix affinity).
-const ROUTER_BLOCK: usize = 16;
-/// Most prefix entries remembered per prefill worker.
-const MAX_PREFIX_ENTRIES: usize = 65_536;
 /// Most workers one gateway knows (registrations beyond are refused).
 pub const MAX_WORKERS: usize = 256;
 /// Longest worker address accepted (a DNS name of 253 characters and a port).
@@ -128,7 +121,7 @@ impl Registry {
         let (view_tx, view) = watch::channel(Vec::new());
         let state = State {
             workers: Vec::new(),
-            prefixes: HashMap::new(),
+            prefixes: PrefixIndex::default(),
             view: view_tx,
             tx: tx.clone(),
             secret: secret.clone(),
@@ -203,7 +196,7 @@ fn ready(w: &[WorkerView]) -> bool {
 
 struct State {
     workers: Vec<WorkerView>,
-    prefixes: HashMap<String, PrefixCache<()>>,
+    prefixes: PrefixIndex,
     view: watch::Sender<Vec<WorkerView>>,
     tx: mpsc::UnboundedSender<Cmd>,
     secret: ClusterSecret,
@@ -293,7 +286,7 @@ impl State {
                     }
                     w.up = false;
                 }
-                self.prefixes.remove(&addr);
+                self.prefixes.forget(&addr);
             }
             Cmd::Done { addr } => {
                 if let Some(w) = self.find(&addr) {
@@ -312,8 +305,7 @@ impl State {
         scope: Option<&str>,
         avoid: &[String],
     ) -> Result<Route, ProtocolError> {
-        let root = BlockHash::namespace(&[b"router"]).scoped(scope);
-        let hashes = block_hashes(root, prompt, ROUTER_BLOCK).unwrap_or_default();
+        let hashes = PrefixIndex::hashes(prompt, scope);
         let usable = |w: &WorkerView, role: Role| {
             w.up && w.role == role && !avoid.contains(&w.addr) && w.stats.as_ref().is_none_or(|s| !s.draining)
         };
@@ -330,7 +322,7 @@ impl State {
             Route::Colocated(c) => (c.clone(), None),
             Route::Disaggregated { prefill, decode } => (prefill.clone(), Some(decode.clone())),
         };
-        self.remember(&first, &hashes);
+        self.prefixes.remember(&first, &hashes);
         for addr in std::iter::once(first).chain(second) {
             if let Some(w) = self.find(&addr) {
                 w.in_flight = w.in_flight.saturating_add(1);
@@ -344,14 +336,17 @@ impl State {
     }
 
     fn pick_prefill(&self, hashes: &[BlockHash], ok: impl Fn(&WorkerView) -> bool) -> Option<String> {
-        let candidates: Vec<&WorkerView> = self.workers.iter().filter(|w| ok(w)).collect();
-        let least = candidates.iter().map(|w| Self::load(w)).min()?;
-        let matched = |w: &WorkerView| self.prefixes.get(&w.addr).map_or(0, |p| p.matched(hashes));
-        candidates
+        let candidates: Vec<Candidate<'_>> = self
+            .workers
             .iter()
-            .filter(|w| Self::load(w) <= least.saturating_add(BALANCE_THRESHOLD as u64))
-            .max_by(|a, b| matched(a).cmp(&matched(b)).then(Self::load(b).cmp(&Self::load(a))))
-            .map(|w| w.addr.clone())
+            .filter(|w| ok(w))
+            .map(|w| Candidate {
+                key: &w.addr,
+                load: Self::load(w),
+                matched: self.prefixes.matched(&w.addr, hashes),
+            })
+            .collect();
+        cache_aware(&candidates).map(str::to_owned)
     }
 
     fn pick_decode(&self, prompt_len: usize, ok: impl Fn(&WorkerView) -> bool) -> Option<String> {
@@ -370,20 +365,6 @@ impl State {
                 )
             })
             .map(|w| w.addr.clone())
-    }
-
-    fn remember(&mut self, addr: &str, hashes: &[BlockHash]) {
-        let p = self.prefixes.entry(addr.to_owned()).or_default();
-        let mut parent = None;
-        for h in hashes {
-            p.insert(parent, *h, ());
-            parent = Some(*h);
-        }
-        while p.len() > MAX_PREFIX_ENTRIES {
-            if p.evict(|()| true).is_none() {
-                break;
-            }
-        }
     }
 }
 

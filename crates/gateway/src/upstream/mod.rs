@@ -1,246 +1,203 @@
-//! HTTP upstreams: engines the gateway fronts instead of running them (kind `openai`: vLLM,
-//! SGLang, TensorRT-LLM's or Dynamo's OpenAI frontend, llama.cpp's server, another tokenpath —
-//! any OpenAI-compatible server).
+//! HTTP upstreams: engines the gateway fronts instead of running them — vLLM, SGLang,
+//! TensorRT-LLM, Dynamo's frontend, llama.cpp's server, another tokenpath gateway — one or
+//! many, colocated or prefill/decode-disaggregated in each engine's own protocol.
 //!
-//! [`OpenAiUpstream`] is a [`Backend`]: the gateway admits a request exactly as for its own
+//! [`UpstreamPool`] is a [`Backend`]: the gateway admits a request exactly as for its own
 //! engine (API key, tenant limits charged from its own tokenization, validation of the fields it
-//! acts on), then the client's body goes on whole — unknown fields included, `model` rewritten
-//! to the upstream's name, `stream_options.include_usage` forced on a stream so output tokens are
-//! charged as they arrive. The upstream's chunks come back to the client as they are, except
-//! that the model name is ours, the forced usage chunk is dropped when the client did not ask
-//! for it, and the last chunk the client gets carries our `timing` (the engine's own is taken
-//! in): the stages the gateway saw on its own clock, and those the engine reported (`relay.rs`).
+//! acts on), the pool picks where it goes ([`pool`]: health, load from each upstream's own
+//! `/metrics`, the gateway's prefix index with the balance bound, outlier ejection, a retry on
+//! another upstream only before the client got a byte), and the request runs in its kind's
+//! sequence ([`legs`]): one call for `openai` and `tokenpath`; for `vllm-pd` a prefill leg whose
+//! `kv_transfer_params` go verbatim to the decode leg; for `sglang-pd` both legs at once,
+//! joined by a bootstrap room; for `trtllm-pd` a `context_only` leg, then `generation_only`.
+//! The client's body goes on whole — unknown fields included, `model` rewritten to the
+//! upstream's name, `stream_options.include_usage` forced on a stream so output tokens are
+//! charged as they arrive — and the answer comes back as the engine sent it, with our model
+//! name, our `timing` on the last chunk ([`relay`]) and, in PD, the prefill leg's cached tokens.
 //!
-//! The client's credentials never reach the upstream; the upstream's own key (if any) is sent
-//! instead. Every wait on the upstream is bounded: connecting, the first byte of the response,
+//! The client's credentials never reach an upstream; the upstream's own key (if any) is sent
+//! instead. Every wait on an upstream is bounded: connecting, the first byte of the response,
 //! and silence between chunks.
 
+mod discover;
+mod endpoint;
+mod legs;
 mod load;
+mod pool;
 mod relay;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+pub use discover::DNS_INTERVAL;
+pub use pool::{Added, UpstreamPool, UpstreamView, MAX_UPSTREAMS};
+
 use std::time::Duration;
-use tokenpath_protocol::backend::{Backend, BoxFuture, ModelInfo};
-use tokenpath_protocol::cluster::peer_message;
-use tokenpath_protocol::work::{validate_request, WorkRequest, WorkStream, WorkerStats};
+use tokenpath_protocol::backend::ModelInfo;
+use tokenpath_protocol::cluster::{peer_message, WorkerRole};
 use tokenpath_protocol::ProtocolError;
 
 /// How long connecting to an upstream and getting its response headers may take.
 pub const DEFAULT_FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long a streaming upstream may stay silent between chunks.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
-/// How often the upstream's `/health` is asked.
-const HEALTH_INTERVAL: Duration = Duration::from_secs(5);
 /// Largest non-streamed response body taken from an upstream.
 pub const MAX_BODY_BYTES: usize = 64 << 20;
+/// Longest upstream URL accepted.
+pub const MAX_URL_LEN: usize = 300;
 
 /// Which protocol an upstream speaks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum UpstreamKind {
     /// Any OpenAI-compatible server, one call per request.
     OpenAi,
+    /// Another tokenpath gateway (tiered gateways): OpenAI calls, readiness from `/ready`, its
+    /// `timing` absorbed stage by stage.
+    Tokenpath,
+    /// vLLM with a KV connector (NIXL): prefill leg, then decode leg with its transfer params.
+    VllmPd,
+    /// SGLang in PD mode: both legs at once with one bootstrap room.
+    SglangPd,
+    /// `trtllm-serve` context and generation servers: `disaggregated_params`.
+    TrtllmPd,
+}
+
+impl UpstreamKind {
+    /// The name in flags, files and the admin API.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::OpenAi => "openai",
+            Self::Tokenpath => "tokenpath",
+            Self::VllmPd => "vllm-pd",
+            Self::SglangPd => "sglang-pd",
+            Self::TrtllmPd => "trtllm-pd",
+        }
+    }
+
+    /// Whether its upstreams run one half of a request (role prefill or decode).
+    pub fn disaggregated(self) -> bool {
+        matches!(self, Self::VllmPd | Self::SglangPd | Self::TrtllmPd)
+    }
+}
+
+impl std::fmt::Display for UpstreamKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 impl std::str::FromStr for UpstreamKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "openai" => Ok(Self::OpenAi),
-            other => Err(format!("unknown upstream kind {other:?}: expected openai")),
-        }
+        [Self::OpenAi, Self::Tokenpath, Self::VllmPd, Self::SglangPd, Self::TrtllmPd]
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown upstream kind {s:?}: expected openai, tokenpath, vllm-pd, sglang-pd or trtllm-pd"
+                )
+            })
     }
 }
 
-/// One upstream engine.
-#[derive(Clone, Debug)]
-pub struct UpstreamConfig {
+/// One upstream server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UpstreamSpec {
     /// Base URL (`http://10.0.0.5:8000`); the endpoint paths are appended.
     pub url: String,
     /// The protocol it speaks.
     pub kind: UpstreamKind,
-    /// The model name the upstream serves; `None`: the client's is sent as is.
+    /// Its part: `both` for `openai`/`tokenpath`, `prefill` or `decode` for the PD kinds.
+    pub role: WorkerRole,
+    /// The model name it serves; `None`: the client's is sent as is.
     pub model: Option<String>,
+    /// SGLang prefill servers: the bootstrap port (`None`: the engine's default, sent as null).
+    pub bootstrap_port: Option<u16>,
+    /// Sent as `Authorization: Bearer` (never the client's key); `None`: the pool's.
+    pub api_key: Option<String>,
+}
+
+impl UpstreamSpec {
+    /// A colocated OpenAI upstream at `url`.
+    pub fn openai(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            kind: UpstreamKind::OpenAi,
+            role: WorkerRole::Both,
+            model: None,
+            bootstrap_port: None,
+            api_key: None,
+        }
+    }
+
+    /// Checks the URL (http or https, bounded, no credentials or query), the role against the
+    /// kind, and that only an SGLang prefill server has a bootstrap port; the URL comes back
+    /// without a trailing `/`.
+    pub fn validated(mut self) -> Result<Self, ProtocolError> {
+        let bad = |param: &str, message: String| ProtocolError::InvalidRequest {
+            param: Some(param.into()),
+            message,
+        };
+        self.url = self.url.trim_end_matches('/').to_owned();
+        let parsed = reqwest::Url::parse(&self.url)
+            .map_err(|e| bad("url", format!("{:?}: {e}", peer_message(&self.url))))?;
+        if self.url.len() > MAX_URL_LEN
+            || !matches!(parsed.scheme(), "http" | "https")
+            || parsed.host_str().is_none()
+            || !parsed.username().is_empty()
+            || parsed.password().is_some()
+            || parsed.query().is_some()
+            || parsed.fragment().is_some()
+        {
+            return Err(bad(
+                "url",
+                format!(
+                    "an upstream URL is http:// or https://, a host and an optional port and path, at most {MAX_URL_LEN} bytes, not {:?}",
+                    peer_message(&self.url)
+                ),
+            ));
+        }
+        let role_ok = match self.kind {
+            UpstreamKind::OpenAi | UpstreamKind::Tokenpath => self.role == WorkerRole::Both,
+            _ => self.role != WorkerRole::Both,
+        };
+        if !role_ok {
+            let want = if self.kind.disaggregated() { "prefill or decode" } else { "both" };
+            return Err(bad("role", format!("a {} upstream has role {want}, not {}", self.kind, self.role)));
+        }
+        if self.bootstrap_port.is_some()
+            && !(self.kind == UpstreamKind::SglangPd && self.role == WorkerRole::Prefill)
+        {
+            return Err(bad(
+                "bootstrap_port",
+                "only an sglang-pd prefill upstream has a bootstrap port".into(),
+            ));
+        }
+        if self.model.as_ref().is_some_and(|m| m.is_empty() || m.len() > 256) {
+            return Err(bad("model", "an upstream model name is 1 to 256 bytes".into()));
+        }
+        Ok(self)
+    }
+
+    /// The host part of its URL (SGLang's `bootstrap_host`).
+    pub(crate) fn host(&self) -> String {
+        reqwest::Url::parse(&self.url)
+            .ok()
+            .and_then(|u| u.host_str().map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned()))
+            .unwrap_or_default()
+    }
+}
+
+/// What every upstream of a pool shares.
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
     /// The name clients use (ours), written into every chunk and body passed back.
     pub served_model_name: String,
-    /// Sent as `Authorization: Bearer` to the upstream (never the client's key).
+    /// Sent as `Authorization: Bearer` to upstreams that have no key of their own.
     pub api_key: Option<String>,
     /// The model's limits (context length; token ids are the upstream's to check).
     pub model_info: ModelInfo,
-    /// Connect + response headers.
+    /// Connect + response headers (each leg).
     pub first_byte_timeout: Duration,
     /// Silence between chunks.
     pub idle_timeout: Duration,
-}
-
-/// An OpenAI-compatible upstream behind the gateway.
-#[derive(Debug)]
-pub struct OpenAiUpstream {
-    shared: Arc<Shared>,
-}
-
-#[derive(Debug)]
-struct Shared {
-    config: UpstreamConfig,
-    client: reqwest::Client,
-    in_flight: AtomicUsize,
-    healthy: AtomicBool,
-    /// The upstream's own load, published by the health task after each scrape.
-    load: tokio::sync::watch::Receiver<load::Load>,
-}
-
-impl OpenAiUpstream {
-    /// An upstream; its `/health` is polled in the background (on the current runtime) from now.
-    pub fn new(config: UpstreamConfig) -> Result<Self, ProtocolError> {
-        let url = config.url.trim_end_matches('/').to_owned();
-        if !(url.starts_with("http://") || url.starts_with("https://")) {
-            return Err(ProtocolError::InvalidRequest {
-                param: Some("url".into()),
-                message: format!("an upstream URL must start with http:// or https://, not {url:?}"),
-            });
-        }
-        let client = reqwest::Client::builder()
-            .connect_timeout(config.first_byte_timeout.min(Duration::from_secs(10)))
-            .tcp_nodelay(true)
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build()
-            .map_err(|e| ProtocolError::Unavailable { message: format!("HTTP client: {e}") })?;
-        let (publish, load) = tokio::sync::watch::channel(load::Load::default());
-        let shared = Arc::new(Shared {
-            config: UpstreamConfig { url, ..config },
-            client,
-            in_flight: AtomicUsize::new(0),
-            healthy: AtomicBool::new(false),
-            load,
-        });
-        let weak = Arc::downgrade(&shared);
-        // The health task owns the upstream's load: it scrapes and publishes; readers borrow.
-        tokio::spawn(async move {
-            while let Some(s) = weak.upgrade() {
-                let ok = s.probe_health().await;
-                if ok != s.healthy.swap(ok, Ordering::Relaxed) {
-                    tracing::info!(upstream = %s.config.url, healthy = ok, "upstream health changed");
-                }
-                publish.send_replace(if ok { s.scrape_load().await } else { load::Load::default() });
-                drop(s);
-                tokio::time::sleep(HEALTH_INTERVAL).await;
-            }
-        });
-        Ok(Self { shared })
-    }
-
-    /// Asks `/health` now (start-up waits for the first yes).
-    pub async fn check_health(&self) -> bool {
-        let ok = self.shared.probe_health().await;
-        self.shared.healthy.store(ok, Ordering::Relaxed);
-        ok
-    }
-}
-
-impl Shared {
-    async fn probe_health(&self) -> bool {
-        let url = format!("{}/health", self.config.url);
-        let req = self.client.get(url).timeout(Duration::from_secs(2));
-        matches!(req.send().await, Ok(r) if r.status().is_success())
-    }
-
-    /// The upstream's `/metrics`, read up to [`load::MAX_METRICS_BYTES`]; nothing known when it
-    /// has none or does not answer in time.
-    async fn scrape_load(&self) -> load::Load {
-        let url = format!("{}/metrics", self.config.url);
-        let Ok(mut resp) = self.client.get(url).timeout(Duration::from_secs(2)).send().await else {
-            return load::Load::default();
-        };
-        if !resp.status().is_success() {
-            return load::Load::default();
-        }
-        let mut body = Vec::new();
-        while let Ok(Some(chunk)) = resp.chunk().await {
-            if body.len() + chunk.len() > load::MAX_METRICS_BYTES {
-                return load::Load::default();
-            }
-            body.extend_from_slice(&chunk);
-        }
-        load::parse(&String::from_utf8_lossy(&body))
-    }
-
-    async fn start(self: &Arc<Self>, work: WorkRequest) -> Result<WorkStream, ProtocolError> {
-        let c = &self.config;
-        validate_request(&work, c.model_info.n_ctx, c.model_info.n_vocab)?;
-        let Some(fwd) = work.forward.clone() else {
-            return Err(ProtocolError::InvalidRequest {
-                param: None,
-                message: "an upstream backend needs the client's body".into(),
-            });
-        };
-        let mut body = fwd.body.clone();
-        let stream = body.get("stream").and_then(serde_json::Value::as_bool).unwrap_or(false);
-        let client_usage = body
-            .get("stream_options")
-            .and_then(|o| o.get("include_usage"))
-            .and_then(serde_json::Value::as_bool)
-            .unwrap_or(false);
-        if let Some(m) = &c.model {
-            body.insert("model".into(), m.clone().into());
-        }
-        if stream {
-            let opts = body.entry("stream_options").or_insert_with(|| serde_json::json!({}));
-            if !opts.is_object() {
-                // `null` (validated as "no options" already): replaced, so usage is forced.
-                *opts = serde_json::json!({});
-            }
-            if let Some(o) = opts.as_object_mut() {
-                o.insert("include_usage".into(), true.into());
-            }
-        }
-        let mut req = self
-            .client
-            .post(format!("{}{}", c.url, fwd.endpoint.path()))
-            .header("x-request-id", format!("tokenpath-{}", work.id.0))
-            .json(&body)
-            .timeout(c.first_byte_timeout);
-        if let Some(key) = &c.api_key {
-            req = req.bearer_auth(key);
-        }
-        let sent = std::time::Instant::now();
-        let resp = req.send().await.map_err(|e| unreachable(&c.url, &e))?;
-        let status = resp.status();
-        if !status.is_success() {
-            let text = resp.text().await.unwrap_or_default();
-            return Err(refusal(&c.url, status.as_u16(), &text));
-        }
-        let (tx, out) = WorkStream::channel(work.id);
-        let ctx = relay::Relay {
-            shared: Arc::clone(self) as Arc<dyn relay::Names>,
-            arrived: work.arrived,
-            admitted: work.admitted,
-            sent,
-            prompt_tokens: work.prompt.len() as u64,
-            meter: work.meter.clone(),
-            client_usage,
-        };
-        let me = Arc::clone(self);
-        me.in_flight.fetch_add(1, Ordering::Relaxed);
-        let idle = c.idle_timeout;
-        tokio::spawn(async move {
-            if stream {
-                ctx.stream(resp, &tx, idle).await;
-            } else {
-                ctx.body(resp, &tx).await;
-            }
-            me.in_flight.fetch_sub(1, Ordering::Relaxed);
-        });
-        Ok(out)
-    }
-}
-
-impl relay::Names for Shared {
-    fn served_model_name(&self) -> &str {
-        &self.config.served_model_name
-    }
-    fn url(&self) -> &str {
-        &self.config.url
-    }
 }
 
 /// The upstream could not be reached or did not answer in time.
@@ -270,41 +227,6 @@ fn refusal(url: &str, status: u16, body: &str) -> ProtocolError {
     }
 }
 
-impl Backend for OpenAiUpstream {
-    fn submit(&self, work: WorkRequest) -> BoxFuture<'_, Result<WorkStream, ProtocolError>> {
-        Box::pin(self.shared.start(work))
-    }
-
-    fn model(&self) -> ModelInfo {
-        self.shared.config.model_info
-    }
-
-    /// The upstream's own gauges when its `/metrics` has them; else what the gateway knows:
-    /// its requests in flight there.
-    fn stats(&self) -> WorkerStats {
-        let load = *self.shared.load.borrow();
-        let count = |v: Option<f64>| v.map(|v| v.min(1e12) as usize);
-        WorkerStats {
-            waiting: count(load.waiting).unwrap_or(0),
-            running: count(load.running).unwrap_or_else(|| self.shared.in_flight.load(Ordering::Relaxed)),
-            kv_usage_reported: load.kv_usage,
-            ..WorkerStats::default()
-        }
-    }
-
-    fn is_ready(&self) -> bool {
-        self.shared.healthy.load(Ordering::Relaxed)
-    }
-
-    fn in_flight(&self) -> usize {
-        self.shared.in_flight.load(Ordering::Relaxed)
-    }
-
-    fn forwards(&self) -> bool {
-        true
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,7 +248,36 @@ mod tests {
         assert!(matches!(refusal("u", 503, ""), ProtocolError::Overloaded { .. }));
         assert!(matches!(refusal("u", 401, ""), ProtocolError::Unavailable { .. }));
         assert!(matches!(refusal("u", 500, "boom"), ProtocolError::Unavailable { .. }));
-        assert_eq!("openai".parse::<UpstreamKind>(), Ok(UpstreamKind::OpenAi));
+    }
+
+    #[test]
+    fn kinds_parse_by_name_and_specs_check_role_url_and_port() {
+        for k in ["openai", "tokenpath", "vllm-pd", "sglang-pd", "trtllm-pd"] {
+            assert_eq!(k.parse::<UpstreamKind>().unwrap().name(), k);
+        }
         assert!("vllm".parse::<UpstreamKind>().is_err());
+        let ok = UpstreamSpec::openai("http://127.0.0.1:8000/").validated().unwrap();
+        assert_eq!(ok.url, "http://127.0.0.1:8000");
+        for url in [
+            "ftp://x",
+            "http://u:p@h:1",
+            "http://h:1/?a=b",
+            "nonsense",
+            &format!("http://{}", "a".repeat(400)),
+        ] {
+            assert!(UpstreamSpec::openai(url).validated().is_err(), "{url}");
+        }
+        let pd = |kind, role, port| UpstreamSpec {
+            kind,
+            role,
+            bootstrap_port: port,
+            ..UpstreamSpec::openai("http://[::1]:30000")
+        };
+        assert!(pd(UpstreamKind::VllmPd, WorkerRole::Both, None).validated().is_err());
+        assert!(pd(UpstreamKind::OpenAi, WorkerRole::Prefill, None).validated().is_err());
+        assert!(pd(UpstreamKind::VllmPd, WorkerRole::Prefill, Some(8998)).validated().is_err());
+        assert!(pd(UpstreamKind::SglangPd, WorkerRole::Decode, Some(8998)).validated().is_err());
+        let s = pd(UpstreamKind::SglangPd, WorkerRole::Prefill, Some(8998)).validated().unwrap();
+        assert_eq!(s.host(), "::1");
     }
 }

@@ -3,13 +3,18 @@
 //! its whole body; the model name rewritten, the forced usage chunk dropped unless the client
 //! asked for usage, tokens charged as they arrive, and one timeline per request.
 //!
-//! The timeline: the `gateway` stage is ours as always; `prefill` (admitted → first token) and
-//! `decode` (first → last token) are measured here, on the gateway's clock, and marked
-//! `gateway`; stages the engine reports — vLLM's per-request `metrics` (`queue_time_ms`,
+//! The timeline: the `gateway` stage is ours as always. Colocated, `prefill` (admitted → first
+//! token) and `decode` (first → last token) are measured here, on the gateway's clock, and
+//! marked `gateway`; stages the engine reports — vLLM's per-request `metrics` (`queue_time_ms`,
 //! `time_to_first_token_ms`, `generation_time_ms`), llama.cpp's `timings` (`prompt_ms`,
-//! `predicted_ms`), a tokenpath upstream's `timing` — replace them, marked `engine`. Nothing
-//! is invented: a stage nobody measured is absent (there is no `kv_transfer` for an engine that
-//! does not report one, and a non-streamed answer has no first token to split at).
+//! `predicted_ms`), a tokenpath upstream's `timing` — replace them, marked `engine`. In PD the
+//! prefill leg is `prefill` (admitted → its answer; its engine's queue and prefill replace it
+//! when reported), `decode_queue` is the prefill's end → the decode leg's first token (KV
+//! transfer, the decode engine's queue and first step: one stage, since no engine reports the
+//! split per request), and the decode leg gives `decode` (the decode engine's own
+//! `generation_time_ms`/`predicted_ms` replaces ours). Nothing is invented: a stage nobody
+//! measured is absent — there is no `kv_transfer` for an engine that does not report one, and a
+//! non-streamed answer has no first token to split at.
 
 use futures_util::StreamExt as _;
 use serde_json::Value;
@@ -19,22 +24,18 @@ use std::time::{Duration, Instant};
 use tokenpath_protocol::cluster::peer_message;
 use tokenpath_protocol::work::{StreamSender, TokenMeter, TokenUsage, WorkEvent};
 use tokenpath_protocol::{
-    parse_stream_value, FinishReason as WireFinish, SseDecoder, StreamChunkView, Usage,
+    parse_stream_value, FinishReason as WireFinish, SseDecoder, SseEvent, StreamChunkView, Usage,
 };
 use tokenpath_timeline::{FinishReason, ServerTiming, Stage, StageSource};
-
-/// What the relay needs of its upstream.
-pub(super) trait Names: Send + Sync + std::fmt::Debug {
-    /// Our model name, written into what goes back.
-    fn served_model_name(&self) -> &str;
-    /// For messages.
-    fn url(&self) -> &str;
-}
+use tokio::sync::oneshot;
 
 /// One request's relay.
 #[derive(Debug)]
 pub(super) struct Relay {
-    pub(super) shared: Arc<dyn Names>,
+    /// Our model name, written into what goes back.
+    pub(super) served_model_name: Arc<str>,
+    /// The answering upstream, for messages.
+    pub(super) url: String,
     pub(super) arrived: Instant,
     pub(super) admitted: Instant,
     /// When the request went out (for logs of slow upstreams).
@@ -44,6 +45,79 @@ pub(super) struct Relay {
     pub(super) meter: Option<Arc<dyn TokenMeter>>,
     /// The client asked for `stream_options.include_usage`.
     pub(super) client_usage: bool,
+    /// PD: the prefill leg.
+    pub(super) prefill: Prefill,
+}
+
+/// The prefill leg of a PD request, as the relay of its decode leg knows it.
+#[derive(Debug)]
+pub(super) enum Prefill {
+    /// Colocated: the upstream runs it all.
+    None,
+    /// Ended before the decode leg went out (vLLM, TensorRT-LLM).
+    Done(PrefillLeg),
+    /// Running beside the decode leg (SGLang): its end, or why it failed — which fails the
+    /// decode leg too. Dropping the receiver cancels it.
+    Concurrent(oneshot::Receiver<Result<PrefillLeg, String>>),
+    /// The concurrent prefill leg, still running (the relay holds its receiver).
+    Pending,
+}
+
+/// What the prefill leg gave.
+#[derive(Clone, Debug)]
+pub(super) struct PrefillLeg {
+    /// When its answer ended, on our clock.
+    pub(super) done: Instant,
+    /// Its cached prompt tokens (the decode engine counts every transferred token as cached;
+    /// the client is told the prefill's count).
+    pub(super) cached_tokens: Option<u64>,
+    /// The stages its engine reported.
+    pub(super) engine: BTreeMap<Stage, f64>,
+}
+
+/// How a relay ended, for the pool's record of the upstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Ended {
+    /// The answer went through.
+    Finished,
+    /// The client left (not the upstream's fault).
+    Gone,
+    /// The upstream broke its answer.
+    Failed,
+    /// The concurrent prefill leg failed (its upstream is blamed where it failed).
+    PrefillFailed,
+}
+
+/// A streamed answer whose first event has arrived: until then, nothing reached the client and
+/// another upstream may be tried.
+pub(super) struct Opened {
+    bytes: futures_util::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
+    sse: SseDecoder,
+    pending: Vec<SseEvent>,
+}
+
+impl std::fmt::Debug for Opened {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Opened")
+    }
+}
+
+/// Reads `resp` until its first SSE event (or its end, or `idle` of silence).
+pub(super) async fn open(resp: reqwest::Response, idle: Duration) -> Result<Opened, String> {
+    let mut opened =
+        Opened { bytes: resp.bytes_stream().boxed(), sse: SseDecoder::new(), pending: Vec::new() };
+    while opened.pending.is_empty() {
+        match tokio::time::timeout(idle, opened.bytes.next()).await {
+            Err(_) => return Err(format!("no first chunk for {} s", idle.as_secs())),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(format!("reading the stream: {e}")),
+            Ok(Some(Ok(b))) => opened
+                .sse
+                .feed(&b, &mut opened.pending)
+                .map_err(|e| format!("its stream broke the SSE framing: {e}"))?,
+        }
+    }
+    Ok(opened)
 }
 
 /// What a stream has shown so far.
@@ -68,22 +142,52 @@ enum Flow {
 }
 
 impl Relay {
-    /// Relays an SSE response until `[DONE]`, an error, a silence of `idle` or the client's
-    /// going away (which drops the response: the upstream sees its connection close).
-    pub(super) async fn stream(self, resp: reqwest::Response, tx: &StreamSender, idle: Duration) {
-        let mut bytes = resp.bytes_stream();
-        let mut sse = SseDecoder::new();
-        let mut events = Vec::new();
+    /// Relays an opened SSE answer until `[DONE]`, an error, a silence of `idle`, the prefill
+    /// leg's failure or the client's going away (which drops the response: the upstream sees its
+    /// connection close, and a concurrent prefill leg is cancelled).
+    pub(super) async fn stream(mut self, opened: Opened, tx: &StreamSender, idle: Duration) -> Ended {
+        let Opened { mut bytes, mut sse, pending } = opened;
+        let mut events = pending;
         let mut seen = Seen::default();
+        let mut concurrent = match std::mem::replace(&mut self.prefill, Prefill::Pending) {
+            Prefill::Concurrent(rx) => Some(rx),
+            other => {
+                self.prefill = other;
+                None
+            }
+        };
         loop {
+            for ev in events.drain(..) {
+                match self.event(&ev.data, &mut seen, tx) {
+                    Flow::More => {}
+                    Flow::Gone => return Ended::Gone,
+                    Flow::Done => return self.finish(tx, &seen, Instant::now()),
+                    Flow::Failed(m) => return self.fail(tx, m),
+                }
+            }
             // Read the upstream only while the client keeps up (its socket then fills, and an
             // engine that pauses slow readers does).
             tokio::select! {
-                () = tx.closed() => return,
+                () = tx.closed() => return Ended::Gone,
                 () = tx.room() => {}
             }
             let next = tokio::select! {
-                () = tx.closed() => return,
+                () = tx.closed() => return Ended::Gone,
+                p = async { concurrent.as_mut().expect("guarded").await }, if concurrent.is_some() => {
+                    concurrent = None;
+                    match p {
+                        Ok(Ok(leg)) => self.prefill = Prefill::Done(leg),
+                        Ok(Err(why)) => {
+                            self.fail(tx, format!("the prefill leg failed: {why}"));
+                            return Ended::PrefillFailed;
+                        }
+                        Err(_) => {
+                            self.fail(tx, "the prefill leg was lost".into());
+                            return Ended::PrefillFailed;
+                        }
+                    }
+                    continue;
+                }
                 n = tokio::time::timeout(idle, bytes.next()) => n,
             };
             let chunk = match next {
@@ -95,19 +199,11 @@ impl Relay {
             if let Err(e) = sse.feed(&chunk, &mut events) {
                 return self.fail(tx, format!("its stream broke the SSE framing: {e}"));
             }
-            for ev in events.drain(..) {
-                match self.event(&ev.data, &mut seen, tx) {
-                    Flow::More => {}
-                    Flow::Gone => return,
-                    Flow::Done => return self.finish(tx, &seen, Instant::now()),
-                    Flow::Failed(m) => return self.fail(tx, m),
-                }
-            }
         }
         if seen.reason.is_some() {
-            self.finish(tx, &seen, Instant::now());
+            self.finish(tx, &seen, Instant::now())
         } else {
-            self.fail(tx, "it closed the stream before the request finished".into());
+            self.fail(tx, "it closed the stream before the request finished".into())
         }
     }
 
@@ -125,7 +221,7 @@ impl Relay {
         if let Some(err) = &view.error {
             return Flow::Failed(format!("it sent an error: {}", peer_message(&err.message)));
         }
-        engine_stages(&v, &mut seen.engine);
+        self.engine_stages(&v, &mut seen.engine);
         let now = Instant::now();
         let mut tokens = 0u32;
         if view.carries_tokens() {
@@ -147,6 +243,7 @@ impl Relay {
         let usage_only = view.usage.is_some() && no_choices(&v);
         if let Some(u) = view.usage {
             seen.usage = Some(u);
+            self.rewrite_cached(&mut v);
         }
         if let Some(r) = view.finish_reason.clone() {
             seen.reason = Some(r);
@@ -172,27 +269,22 @@ impl Relay {
         }
     }
 
-    /// Relays a non-streamed body (read up to [`super::MAX_BODY_BYTES`]).
-    pub(super) async fn body(self, resp: reqwest::Response, tx: &StreamSender) {
-        let mut bytes = resp.bytes_stream();
-        let mut body = Vec::new();
-        loop {
-            let next = tokio::select! {
-                () = tx.closed() => return,
-                n = bytes.next() => n,
-            };
-            match next {
-                None => break,
-                Some(Err(e)) => return self.fail(tx, format!("reading the body: {e}")),
-                Some(Ok(b)) if body.len() + b.len() > super::MAX_BODY_BYTES => {
-                    return self.fail(tx, format!("its body is over {} bytes", super::MAX_BODY_BYTES))
-                }
-                Some(Ok(b)) => body.extend_from_slice(&b),
+    /// Relays chunks that did not come as SSE (a PD answer that ended in its prefill leg, sent
+    /// to a client that asked for a stream), then ends.
+    pub(super) fn replay(self, chunks: Vec<Value>, tx: &StreamSender) -> Ended {
+        let mut seen = Seen::default();
+        for c in chunks {
+            match self.event(&c.to_string(), &mut seen, tx) {
+                Flow::More | Flow::Done => {}
+                Flow::Gone => return Ended::Gone,
+                Flow::Failed(m) => return self.fail(tx, m),
             }
         }
-        let Ok(mut v) = serde_json::from_slice::<Value>(&body) else {
-            return self.fail(tx, "its body is not JSON".into());
-        };
+        self.finish(tx, &seen, Instant::now())
+    }
+
+    /// Relays a non-streamed answer (read whole by [`read_json`]).
+    pub(super) fn body(self, mut v: Value, tx: &StreamSender) -> Ended {
         let view: StreamChunkView = match parse_stream_value(&v) {
             Ok(view) => view,
             Err(e) => return self.fail(tx, format!("its body cannot be read: {e}")),
@@ -201,14 +293,52 @@ impl Relay {
             return self.fail(tx, format!("it answered with an error: {}", peer_message(&err.message)));
         }
         let mut seen = Seen { usage: view.usage, reason: view.finish_reason.clone(), ..Seen::default() };
-        engine_stages(&v, &mut seen.engine);
+        self.engine_stages(&v, &mut seen.engine);
         let now = Instant::now();
         self.rewrite(&mut v);
+        self.rewrite_cached(&mut v);
         if let Ok(t) = serde_json::to_value(self.timing(&seen, now)) {
             v["timing"] = t;
         }
         if tx.send(WorkEvent::Body { json: v.to_string() }) {
-            self.finish(tx, &seen, now);
+            self.finish(tx, &seen, now)
+        } else {
+            Ended::Gone
+        }
+    }
+
+    /// In PD the client is told the prefill leg's cached tokens (the decode engine counts every
+    /// transferred token as cached): set, or removed when the prefill reported none.
+    fn rewrite_cached(&self, v: &mut Value) {
+        let Prefill::Done(leg) = &self.prefill else { return };
+        let Some(usage) = v.get_mut("usage").and_then(Value::as_object_mut) else { return };
+        match leg.cached_tokens {
+            Some(n) => {
+                let details = usage.entry("prompt_tokens_details").or_insert_with(|| serde_json::json!({}));
+                if !details.is_object() {
+                    *details = serde_json::json!({});
+                }
+                details["cached_tokens"] = n.into();
+            }
+            None => {
+                if let Some(d) = usage.get_mut("prompt_tokens_details").and_then(Value::as_object_mut) {
+                    d.remove("cached_tokens");
+                }
+            }
+        }
+    }
+
+    /// The engine's stages in a chunk or body; of a PD decode leg only its decode time (its
+    /// queue and first token are not the request's: the prefill leg had those).
+    fn engine_stages(&self, v: &Value, out: &mut BTreeMap<Stage, f64>) {
+        if matches!(self.prefill, Prefill::None) {
+            engine_stages(v, out);
+        } else {
+            let mut all = BTreeMap::new();
+            engine_stages(v, &mut all);
+            if let Some(d) = all.remove(&Stage::Decode) {
+                out.insert(Stage::Decode, d);
+            }
         }
     }
 
@@ -217,7 +347,7 @@ impl Relay {
         if let Some(o) = v.as_object_mut() {
             o.remove("timing");
             if let Some(m) = o.get_mut("model") {
-                *m = Value::String(self.shared.served_model_name().to_owned());
+                *m = Value::String(self.served_model_name.to_string());
             }
         }
     }
@@ -226,37 +356,58 @@ impl Relay {
     fn timing(&self, seen: &Seen, now: Instant) -> ServerTiming {
         let mut t = ServerTiming::default();
         t.stages_ms.insert(Stage::Gateway, ms(self.admitted.saturating_duration_since(self.arrived)));
+        let mut gateway = |stage: Stage, d: Duration| {
+            t.stages_ms.insert(stage, ms(d));
+            t.sources.insert(stage, StageSource::Gateway);
+        };
+        let prefill = match &self.prefill {
+            Prefill::Done(leg) => Some(leg),
+            _ => None,
+        };
+        if let Some(leg) = prefill {
+            gateway(Stage::Prefill, leg.done.saturating_duration_since(self.admitted));
+        }
         if let Some(first) = seen.first {
             let last = seen.last.unwrap_or(first);
-            for (stage, d) in [
-                (Stage::Prefill, first.saturating_duration_since(self.admitted)),
-                (Stage::Decode, last.saturating_duration_since(first)),
-            ] {
-                t.stages_ms.insert(stage, ms(d));
-                t.sources.insert(stage, StageSource::Gateway);
+            match prefill {
+                None => gateway(Stage::Prefill, first.saturating_duration_since(self.admitted)),
+                // Legs that overlap (SGLang) have no handoff to measure when the decode's
+                // first token came before the prefill's answer ended.
+                Some(leg) if first > leg.done => gateway(Stage::DecodeQueue, first - leg.done),
+                Some(_) => {}
             }
+            gateway(Stage::Decode, last.saturating_duration_since(first));
             t.ttft_ms = Some(ms(first.saturating_duration_since(self.arrived)));
         }
-        for (stage, v) in &seen.engine {
+        let engine = prefill.map(|l| &l.engine).into_iter().flatten().chain(&seen.engine);
+        for (stage, v) in engine {
             t.stages_ms.insert(*stage, *v);
             t.sources.insert(*stage, StageSource::Engine);
         }
         t.e2e_ms = Some(ms(now.saturating_duration_since(self.arrived)));
-        t.cached_tokens = seen.usage.as_ref().map_or(0, cached);
+        t.cached_tokens = self.cached_tokens(seen);
         t
     }
 
-    fn finish(&self, tx: &StreamSender, seen: &Seen, now: Instant) {
+    /// The request's cached prompt tokens: the prefill leg's in PD, else the upstream's.
+    fn cached_tokens(&self, seen: &Seen) -> u64 {
+        match &self.prefill {
+            Prefill::Done(leg) => leg.cached_tokens.unwrap_or(0),
+            _ => seen.usage.as_ref().map_or(0, cached),
+        }
+    }
+
+    fn finish(&self, tx: &StreamSender, seen: &Seen, now: Instant) -> Ended {
         let usage = match &seen.usage {
             Some(u) => TokenUsage {
                 prompt_tokens: u.prompt_tokens,
                 completion_tokens: u.completion_tokens,
-                cached_tokens: cached(u),
+                cached_tokens: self.cached_tokens(seen),
             },
             None => TokenUsage {
                 prompt_tokens: self.prompt_tokens,
                 completion_tokens: seen.counted,
-                cached_tokens: 0,
+                cached_tokens: self.cached_tokens(seen),
             },
         };
         let reason = match seen.reason {
@@ -264,18 +415,38 @@ impl Relay {
             _ => FinishReason::Stop,
         };
         tracing::debug!(
-            upstream = self.shared.url(),
+            upstream = %self.url,
             upstream_ms = ms(now.saturating_duration_since(self.sent)),
             "upstream request finished"
         );
         tx.send(WorkEvent::Finished { reason, usage, timing: self.timing(seen, now) });
+        Ended::Finished
     }
 
-    fn fail(&self, tx: &StreamSender, why: String) {
-        let message = format!("upstream {}: {why}", self.shared.url());
+    fn fail(&self, tx: &StreamSender, why: String) -> Ended {
+        let message = format!("upstream {}: {why}", self.url);
         tracing::warn!("{message}");
         tx.send(WorkEvent::Failed { message });
+        Ended::Failed
     }
+}
+
+/// Reads a whole JSON answer (at most [`super::MAX_BODY_BYTES`], no silence over `idle`).
+pub(super) async fn read_json(resp: reqwest::Response, idle: Duration) -> Result<Value, String> {
+    let mut bytes = resp.bytes_stream();
+    let mut body = Vec::new();
+    loop {
+        match tokio::time::timeout(idle, bytes.next()).await {
+            Err(_) => return Err(format!("no byte of its body for {} s", idle.as_secs())),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(format!("reading the body: {e}")),
+            Ok(Some(Ok(b))) if body.len() + b.len() > super::MAX_BODY_BYTES => {
+                return Err(format!("its body is over {} bytes", super::MAX_BODY_BYTES))
+            }
+            Ok(Some(Ok(b))) => body.extend_from_slice(&b),
+        }
+    }
+    serde_json::from_slice::<Value>(&body).map_err(|_| "its body is not JSON".to_owned())
 }
 
 /// Milliseconds of a duration.
@@ -294,7 +465,7 @@ fn no_choices(v: &Value) -> bool {
 
 /// The stage durations an engine put in a chunk or body (see the module docs), in ms; finite,
 /// non-negative numbers only.
-fn engine_stages(v: &Value, out: &mut BTreeMap<Stage, f64>) {
+pub(super) fn engine_stages(v: &Value, out: &mut BTreeMap<Stage, f64>) {
     let mut take = |stage: Stage, x: Option<&Value>| {
         if let Some(ms) = x.and_then(Value::as_f64).filter(|m| m.is_finite() && *m >= 0.0) {
             out.insert(stage, ms);

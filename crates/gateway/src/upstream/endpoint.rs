@@ -1,0 +1,150 @@
+//! One upstream server: its spec, its health (polled in the background by a task that lives
+//! as long as the endpoint), its own load from `/metrics`, and the gateway's requests in
+//! flight there (counted by a guard, so every path that ends a leg ends the count).
+
+use super::load::{self, Load};
+use super::UpstreamSpec;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How often each upstream's health is asked.
+pub(super) const HEALTH_INTERVAL: Duration = Duration::from_secs(5);
+/// How long a health probe or a metrics scrape may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One upstream server.
+#[derive(Debug)]
+pub(super) struct Endpoint {
+    pub(super) spec: UpstreamSpec,
+    pub(super) client: reqwest::Client,
+    /// The key sent to it (its own, else the pool's).
+    pub(super) api_key: Option<String>,
+    healthy: AtomicBool,
+    in_flight: AtomicUsize,
+    /// Its own load, published by the health task after each scrape.
+    load: tokio::sync::watch::Receiver<Load>,
+}
+
+/// One leg in flight on an endpoint; the count drops with it.
+#[derive(Debug)]
+pub(super) struct InFlight(Arc<Endpoint>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Endpoint {
+    /// An endpoint whose health and load are polled (on the current runtime) from now until
+    /// the last reference to it is gone.
+    pub(super) fn start(spec: UpstreamSpec, client: reqwest::Client, api_key: Option<String>) -> Arc<Self> {
+        let (publish, load) = tokio::sync::watch::channel(Load::default());
+        let ep = Arc::new(Self {
+            spec,
+            client,
+            api_key,
+            healthy: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            load,
+        });
+        let weak = Arc::downgrade(&ep);
+        tokio::spawn(async move {
+            while let Some(ep) = weak.upgrade() {
+                let ok = ep.probe_health().await;
+                if ok != ep.healthy.swap(ok, Ordering::Relaxed) {
+                    tracing::info!(upstream = %ep.spec.url, healthy = ok, "upstream health changed");
+                }
+                publish.send_replace(if ok { ep.scrape_load().await } else { Load::default() });
+                drop(ep);
+                tokio::time::sleep(HEALTH_INTERVAL).await;
+            }
+        });
+        ep
+    }
+
+    pub(super) fn url(&self) -> &str {
+        &self.spec.url
+    }
+
+    pub(super) fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn load(&self) -> Load {
+        *self.load.borrow()
+    }
+
+    /// What routing compares: the gateway's own requests there, or the upstream's own count of
+    /// running and waiting requests when it is higher (other gateways send it work too).
+    pub(super) fn busy(&self) -> u64 {
+        let l = self.load();
+        let theirs = l.waiting.unwrap_or(0.0) + l.running.unwrap_or(0.0);
+        (self.in_flight() as u64).max(theirs.clamp(0.0, 1e12) as u64)
+    }
+
+    /// Counts a leg until the guard drops.
+    pub(super) fn begin(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(Arc::clone(self))
+    }
+
+    /// Asks now (start-up waits for the first yes).
+    pub(super) async fn check_health(&self) -> bool {
+        let ok = self.probe_health().await;
+        self.healthy.store(ok, Ordering::Relaxed);
+        ok
+    }
+
+    /// `/health`; a tokenpath gateway's `/ready` (its `/health` is up before its backend is).
+    async fn probe_health(&self) -> bool {
+        let path = if self.spec.kind == super::UpstreamKind::Tokenpath { "/ready" } else { "/health" };
+        let req = self.client.get(format!("{}{path}", self.spec.url)).timeout(PROBE_TIMEOUT);
+        matches!(req.send().await, Ok(r) if r.status().is_success())
+    }
+
+    /// The upstream's `/metrics`, read up to [`load::MAX_METRICS_BYTES`]; nothing known when it
+    /// has none or does not answer in time.
+    async fn scrape_load(&self) -> Load {
+        let url = format!("{}/metrics", self.spec.url);
+        let Ok(mut resp) = self.client.get(url).timeout(PROBE_TIMEOUT).send().await else {
+            return Load::default();
+        };
+        if !resp.status().is_success() {
+            return Load::default();
+        }
+        let mut body = Vec::new();
+        while let Ok(Some(chunk)) = resp.chunk().await {
+            if body.len() + chunk.len() > load::MAX_METRICS_BYTES {
+                return Load::default();
+            }
+            body.extend_from_slice(&chunk);
+        }
+        load::parse(&String::from_utf8_lossy(&body))
+    }
+
+    /// A POST of `body` to `path` with the request id and this upstream's key. No reqwest
+    /// timeout: that one covers the whole body, and a stream may rightly run for longer than
+    /// its first byte may take (the legs bound the headers and each silence themselves).
+    pub(super) fn post(
+        &self,
+        path: &str,
+        request_id: &str,
+        body: &serde_json::Map<String, serde_json::Value>,
+    ) -> reqwest::RequestBuilder {
+        let mut req = self
+            .client
+            .post(format!("{}{path}", self.spec.url))
+            .header("x-request-id", request_id)
+            .json(body);
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(key);
+        }
+        req
+    }
+}
