@@ -1,7 +1,9 @@
 //! The operator's endpoints (`/admin/*`, behind the admin key in [`crate::guard`]): the
-//! cluster's workers as the router sees them, and workers registering at run time.
+//! cluster's workers as the router sees them and workers registering at run time; the HTTP
+//! upstreams of a pool, added and removed at run time.
 
 use crate::error::Reject;
+use crate::upstream::{Added, UpstreamKind, UpstreamSpec, MAX_UPSTREAMS};
 use crate::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -102,4 +104,106 @@ fn worker_addr(addr: &str) -> bool {
         && host.split('.').all(|l| {
             !l.is_empty() && l.len() <= 63 && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
         })
+}
+
+/// A JSON body of `T` (unknown fields refused), or the 400 that says why.
+fn json_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, Response> {
+    body.map_err(|e| e.body_text())
+        .and_then(|b| serde_json::from_slice::<T>(&b).map_err(|e| e.to_string()))
+        .map_err(|message| Reject::new(ApiError::invalid_request(message, None)).into_response())
+}
+
+fn no_pool() -> Response {
+    Reject::new(ApiError::invalid_request(
+        "this gateway does not front HTTP upstreams; start it with --upstream or [[upstream]] tables to accept them",
+        None,
+    ))
+    .into_response()
+}
+
+fn json_ok(v: serde_json::Value) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+}
+
+/// `GET /admin/upstreams`: the pool's upstreams (health, ejection, failures, legs in flight).
+pub(crate) async fn list_upstreams(State(app): State<Arc<AppState>>) -> Response {
+    let Some(pool) = app.upstreams.as_ref() else { return no_pool() };
+    json_ok(serde_json::json!({ "upstreams": pool.upstreams().await }))
+}
+
+/// `POST /admin/upstreams` with `{"url", "kind", "role", "model", "bootstrap_port", "api_key"}`
+/// (kind default `openai`, role default `both`): an upstream added at run time. It serves once
+/// its health probe says yes.
+pub(crate) async fn register_upstream(
+    State(app): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Registration {
+        url: String,
+        #[serde(default)]
+        kind: Option<String>,
+        #[serde(default)]
+        role: Option<String>,
+        #[serde(default)]
+        model: Option<String>,
+        #[serde(default)]
+        bootstrap_port: Option<u16>,
+        #[serde(default)]
+        api_key: Option<String>,
+    }
+    let r: Registration = match json_body(body) {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    let Some(pool) = app.upstreams.as_ref() else { return no_pool() };
+    let kind = match r.kind.as_deref().unwrap_or("openai").parse::<UpstreamKind>() {
+        Ok(k) => k,
+        Err(m) => return Reject::new(ApiError::invalid_request(m, Some("kind".into()))).into_response(),
+    };
+    let role = match r.role.as_deref().unwrap_or("both").parse::<WorkerRole>() {
+        Ok(role) => role,
+        Err(e) => return Reject::from_backend(&e, "role").into_response(),
+    };
+    let spec = UpstreamSpec {
+        url: r.url,
+        kind,
+        role,
+        model: r.model,
+        bootstrap_port: r.bootstrap_port,
+        api_key: r.api_key,
+    };
+    match pool.add(spec).await {
+        Ok(Added::Added | Added::Known) => json_ok(serde_json::json!({ "registered": true })),
+        Ok(Added::Conflict(why)) => Reject::new(ApiError::conflict(why)).into_response(),
+        Ok(Added::Full) => {
+            Reject::insufficient_storage(format!("the gateway already knows {MAX_UPSTREAMS} upstreams")).into_response()
+        }
+        Err(e) => Reject::from_backend(&e, "url").into_response(),
+    }
+}
+
+/// `DELETE /admin/upstreams` with `{"url": ...}`: the upstream takes no new requests (those in
+/// flight finish).
+pub(crate) async fn remove_upstream(State(app): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Removal {
+        url: String,
+    }
+    let r: Removal = match json_body(body) {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    let Some(pool) = app.upstreams.as_ref() else { return no_pool() };
+    match pool.remove(&r.url).await {
+        Ok(true) => json_ok(serde_json::json!({ "removed": true })),
+        Ok(false) => Reject::new(ApiError::invalid_request(
+            format!("no upstream at {:?}", tokenpath_protocol::cluster::peer_message(&r.url)),
+            Some("url".into()),
+        ))
+        .into_response(),
+        Err(e) => Reject::from_backend(&e, "url").into_response(),
+    }
 }

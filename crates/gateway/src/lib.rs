@@ -119,6 +119,8 @@ pub(crate) struct AppState {
     backend: Arc<dyn Backend>,
     /// The same backend when it is a cluster of worker processes (registration, `/admin`).
     cluster: Option<Arc<Cluster>>,
+    /// The same backend when it is a pool of HTTP upstreams (registration, `/admin`).
+    upstreams: Option<upstream::UpstreamPool>,
     /// The model's tokenizer and chat template (never its weights).
     tokenizer: Arc<dyn PromptTokenizer>,
     metrics: metrics::Metrics,
@@ -159,7 +161,16 @@ impl Gateway {
         backend: Arc<dyn Backend>,
         tokenizer: Arc<dyn PromptTokenizer>,
     ) -> Result<Self, GatewayError> {
-        Self::build(config, backend, None, tokenizer)
+        Self::build(config, backend, None, None, tokenizer)
+    }
+
+    /// A gateway for a pool of HTTP upstreams (which can also be registered at run time).
+    pub fn with_upstreams(
+        config: GatewayConfig,
+        pool: upstream::UpstreamPool,
+        tokenizer: Arc<dyn PromptTokenizer>,
+    ) -> Result<Self, GatewayError> {
+        Self::build(config, Arc::new(pool.clone()), None, Some(pool), tokenizer)
     }
 
     /// A gateway for a cluster of worker processes (which can also register at run time).
@@ -168,13 +179,14 @@ impl Gateway {
         cluster: Arc<Cluster>,
         tokenizer: Arc<dyn PromptTokenizer>,
     ) -> Result<Self, GatewayError> {
-        Self::build(config, Arc::clone(&cluster) as Arc<dyn Backend>, Some(cluster), tokenizer)
+        Self::build(config, Arc::clone(&cluster) as Arc<dyn Backend>, Some(cluster), None, tokenizer)
     }
 
     fn build(
         config: GatewayConfig,
         backend: Arc<dyn Backend>,
         cluster: Option<Arc<Cluster>>,
+        upstreams: Option<upstream::UpstreamPool>,
         tokenizer: Arc<dyn PromptTokenizer>,
     ) -> Result<Self, GatewayError> {
         if config.served_model_name.is_empty() {
@@ -204,6 +216,7 @@ impl Gateway {
             limits,
             backend,
             cluster,
+            upstreams,
             tokenizer,
             metrics,
             next_id: AtomicU64::new(1),
@@ -223,7 +236,11 @@ impl Gateway {
             .route("/v1/models", get(api::models))
             .route("/health", get(api::health))
             .route("/ready", get(api::ready))
-            .route("/admin/workers", get(admin::list_workers).post(admin::register_worker));
+            .route("/admin/workers", get(admin::list_workers).post(admin::register_worker))
+            .route(
+                "/admin/upstreams",
+                get(admin::list_upstreams).post(admin::register_upstream).delete(admin::remove_upstream),
+            );
         if !self.state.config.metrics_elsewhere {
             r = r.route("/metrics", get(api::metrics));
         }
