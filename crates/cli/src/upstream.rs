@@ -22,8 +22,9 @@ pub(crate) struct UpstreamArgs {
     /// (`http://host:port`; the OpenAI paths are appended).
     #[arg(long, env = "TOKENPATH_UPSTREAM", value_name = "URL")]
     pub(crate) upstream: Option<String>,
-    /// The upstream's protocol.
-    #[arg(long, default_value = "openai", env = "TOKENPATH_UPSTREAM_KIND", value_name = "openai")]
+    /// The upstream's protocol: `openai`, or `tokenpath` (another tokenpath gateway). The PD
+    /// kinds (`vllm-pd`, `sglang-pd`, `trtllm-pd`) are added through `POST /admin/upstreams`.
+    #[arg(long, default_value = "openai", env = "TOKENPATH_UPSTREAM_KIND", value_name = "KIND")]
     upstream_kind: UpstreamKind,
     /// The model name the upstream serves (default: the client's is sent as is).
     #[arg(long, env = "TOKENPATH_UPSTREAM_MODEL")]

@@ -107,10 +107,12 @@ fn worker_addr(addr: &str) -> bool {
 }
 
 /// A JSON body of `T` (unknown fields refused), or the 400 that says why.
-fn json_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, Response> {
+fn json_body<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, Box<Response>> {
     body.map_err(|e| e.body_text())
         .and_then(|b| serde_json::from_slice::<T>(&b).map_err(|e| e.to_string()))
-        .map_err(|message| Reject::new(ApiError::invalid_request(message, None)).into_response())
+        .map_err(|message| Box::new(Reject::new(ApiError::invalid_request(message, None)).into_response()))
 }
 
 fn no_pool() -> Response {
@@ -155,7 +157,7 @@ pub(crate) async fn register_upstream(
     }
     let r: Registration = match json_body(body) {
         Ok(r) => r,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     let Some(pool) = app.upstreams.as_ref() else { return no_pool() };
     let kind = match r.kind.as_deref().unwrap_or("openai").parse::<UpstreamKind>() {
@@ -178,7 +180,8 @@ pub(crate) async fn register_upstream(
         Ok(Added::Added | Added::Known) => json_ok(serde_json::json!({ "registered": true })),
         Ok(Added::Conflict(why)) => Reject::new(ApiError::conflict(why)).into_response(),
         Ok(Added::Full) => {
-            Reject::insufficient_storage(format!("the gateway already knows {MAX_UPSTREAMS} upstreams")).into_response()
+            Reject::insufficient_storage(format!("the gateway already knows {MAX_UPSTREAMS} upstreams"))
+                .into_response()
         }
         Err(e) => Reject::from_backend(&e, "url").into_response(),
     }
@@ -186,7 +189,10 @@ pub(crate) async fn register_upstream(
 
 /// `DELETE /admin/upstreams` with `{"url": ...}`: the upstream takes no new requests (those in
 /// flight finish).
-pub(crate) async fn remove_upstream(State(app): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+pub(crate) async fn remove_upstream(
+    State(app): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Removal {
@@ -194,7 +200,7 @@ pub(crate) async fn remove_upstream(State(app): State<Arc<AppState>>, body: Resu
     }
     let r: Removal = match json_body(body) {
         Ok(r) => r,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     let Some(pool) = app.upstreams.as_ref() else { return no_pool() };
     match pool.remove(&r.url).await {

@@ -93,7 +93,8 @@ fn source(t: &Value, stage: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_pd_sends_the_prefill_legs_transfer_params_verbatim_to_decode() {
     let (pf, df, server) =
-        pd_pair(Persona::VllmPrefill, Persona::VllmDecode, UpstreamKind::VllmPd, Duration::from_secs(10)).await;
+        pd_pair(Persona::VllmPrefill, Persona::VllmDecode, UpstreamKind::VllmPd, Duration::from_secs(10))
+            .await;
     let body = base(json!({"stream": true, "min_tokens": 2, "stream_options": {"include_usage": true},
         "max_completion_tokens": 3}));
     let resp = chat(&server, &body).await;
@@ -112,7 +113,10 @@ async fn vllm_pd_sends_the_prefill_legs_transfer_params_verbatim_to_decode() {
     let params = &d.body["kv_transfer_params"];
     assert_eq!(params["remote_engine_id"], "engine-p");
     assert_eq!(params["remote_block_ids"], json!([[3, 4, 5]]));
-    assert_eq!((params["remote_host"].clone(), params["remote_port"].clone()), (json!("10.1.2.3"), json!(5600)));
+    assert_eq!(
+        (params["remote_host"].clone(), params["remote_port"].clone()),
+        (json!("10.1.2.3"), json!(5600))
+    );
     assert_eq!(params["do_remote_prefill"], true);
     assert_eq!((d.body["stream"].clone(), d.body["min_tokens"].clone()), (json!(true), json!(2)));
     assert_eq!(d.body["max_completion_tokens"], 3);
@@ -148,7 +152,8 @@ async fn vllm_pd_sends_the_prefill_legs_transfer_params_verbatim_to_decode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_pd_falls_back_to_decode_only_when_the_prefill_leg_fails() {
     let (pf, df, server) =
-        pd_pair(Persona::VllmPrefill, Persona::VllmDecode, UpstreamKind::VllmPd, Duration::from_secs(10)).await;
+        pd_pair(Persona::VllmPrefill, Persona::VllmDecode, UpstreamKind::VllmPd, Duration::from_secs(10))
+            .await;
     for mode in [Mode::Fail500, Mode::NoParams] {
         pf.set_mode(mode);
         let resp = chat(&server, &base(json!({"stream": true}))).await;
@@ -166,9 +171,13 @@ async fn vllm_pd_falls_back_to_decode_only_when_the_prefill_leg_fails() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_pd_sends_one_body_with_one_room_to_both_legs_at_once() {
-    let (pf, df, server) =
-        pd_pair(Persona::SglangPrefill, Persona::SglangDecode, UpstreamKind::SglangPd, Duration::from_secs(10))
-            .await;
+    let (pf, df, server) = pd_pair(
+        Persona::SglangPrefill,
+        Persona::SglangDecode,
+        UpstreamKind::SglangPd,
+        Duration::from_secs(10),
+    )
+    .await;
     let resp = chat(&server, &base(json!({"stream": true, "stream_options": {"include_usage": true}}))).await;
     assert_eq!(resp.status(), 200);
     let events = Events::new(resp).rest().await.unwrap();
@@ -192,9 +201,13 @@ async fn sglang_pd_sends_one_body_with_one_room_to_both_legs_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_pd_cancels_the_other_leg_when_one_fails() {
-    let (pf, df, server) =
-        pd_pair(Persona::SglangPrefill, Persona::SglangDecode, UpstreamKind::SglangPd, Duration::from_secs(10))
-            .await;
+    let (pf, df, server) = pd_pair(
+        Persona::SglangPrefill,
+        Persona::SglangDecode,
+        UpstreamKind::SglangPd,
+        Duration::from_secs(10),
+    )
+    .await;
     // The prefill refuses: the decode leg (waiting on its room) is dropped, the client told.
     pf.set_mode(Mode::Fail500);
     df.set_mode(Mode::StallBeforeFirst);
@@ -209,22 +222,28 @@ async fn sglang_pd_cancels_the_other_leg_when_one_fails() {
     assert_eq!(resp.status(), 200);
     let events = Events::new(resp).rest().await.unwrap();
     assert_eq!(common::streamed_text(&events), fake_engine::WORDS.concat(), "decode's answer stands");
-    wait_for(|| pf.cut.load(Ordering::SeqCst) == before + 1, "the prefill leg dropped with the request").await;
+    wait_for(|| pf.cut.load(Ordering::SeqCst) == before + 1, "the prefill leg dropped with the request")
+        .await;
     server.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_and_a_stalled_decode_leave_nothing_open() {
-    let (pf, df, server) =
-        pd_pair(Persona::SglangPrefill, Persona::SglangDecode, UpstreamKind::SglangPd, Duration::from_secs(1))
-            .await;
+    let (pf, df, server) = pd_pair(
+        Persona::SglangPrefill,
+        Persona::SglangDecode,
+        UpstreamKind::SglangPd,
+        Duration::from_secs(1),
+    )
+    .await;
     pf.set_mode(Mode::StallAfterFirst);
     df.set_mode(Mode::StallAfterFirst);
     let resp = chat(&server, &base(json!({"stream": true}))).await;
     let mut ev = Events::new(resp);
     assert!(ev.next().await.unwrap().is_some(), "the first chunk arrives");
     drop(ev);
-    wait_for(|| pf.cut.load(Ordering::SeqCst) == 1 && df.cut.load(Ordering::SeqCst) == 1, "both legs closed").await;
+    wait_for(|| pf.cut.load(Ordering::SeqCst) == 1 && df.cut.load(Ordering::SeqCst) == 1, "both legs closed")
+        .await;
     // A decode leg that goes silent ends the client's stream with an error after the idle bound.
     pf.set_mode(Mode::Normal);
     let started = Instant::now();
@@ -242,7 +261,8 @@ async fn a_client_that_leaves_and_a_stalled_decode_leave_nothing_open() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trtllm_pd_runs_context_only_then_generation_only() {
     let (pf, df, server) =
-        pd_pair(Persona::TrtContext, Persona::TrtGeneration, UpstreamKind::TrtllmPd, Duration::from_secs(10)).await;
+        pd_pair(Persona::TrtContext, Persona::TrtGeneration, UpstreamKind::TrtllmPd, Duration::from_secs(10))
+            .await;
     let resp = chat(&server, &base(json!({"stream": true}))).await;
     assert_eq!(resp.status(), 200);
     let events = Events::new(resp).rest().await.unwrap();
@@ -252,7 +272,10 @@ async fn trtllm_pd_runs_context_only_then_generation_only() {
     assert_eq!((p.body["stream"].clone(), p.body["stream_options"].clone()), (json!(false), Value::Null));
     let g = &d.body["disaggregated_params"];
     assert_eq!(g["request_type"], "generation_only");
-    assert_eq!((g["ctx_request_id"].clone(), g["encoded_opaque_state"].clone()), (json!(42), json!("b3BhcXVl")));
+    assert_eq!(
+        (g["ctx_request_id"].clone(), g["encoded_opaque_state"].clone()),
+        (json!(42), json!("b3BhcXVl"))
+    );
     assert_eq!(g["first_gen_tokens"], json!([11]));
     assert_eq!(d.body["stream"], true);
     // An answer that finished in the context leg is the answer (as a stream when asked).

@@ -131,7 +131,12 @@ pub const WORDS: [&str; 3] = [" tok0", " tok1", " tok2"];
 /// The prompt size the fakes report.
 pub const PROMPT_TOKENS: u64 = 40;
 
-async fn generate(State(fake): State<Arc<Fake>>, headers: HeaderMap, uri: axum::http::Uri, body: String) -> Response {
+async fn generate(
+    State(fake): State<Arc<Fake>>,
+    headers: HeaderMap,
+    uri: axum::http::Uri,
+    body: String,
+) -> Response {
     let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
     let header = |k: &str| headers.get(k).and_then(|h| h.to_str().ok()).map(str::to_owned);
     fake.got.lock().unwrap().push(Got {
@@ -170,7 +175,8 @@ async fn generate(State(fake): State<Arc<Fake>>, headers: HeaderMap, uri: axum::
         _ => {}
     }
     // Decode/generation servers report every transferred prompt token as cached.
-    let cached = if matches!(fake.persona, Persona::Plain | Persona::SglangPrefill) { 2 } else { PROMPT_TOKENS };
+    let cached =
+        if matches!(fake.persona, Persona::Plain | Persona::SglangPrefill) { 2 } else { PROMPT_TOKENS };
     let usage = json!({"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 3,
         "total_tokens": PROMPT_TOKENS + 3, "prompt_tokens_details": {"cached_tokens": cached}});
     if v["stream"] != json!(true) {
@@ -188,33 +194,40 @@ async fn generate(State(fake): State<Arc<Fake>>, headers: HeaderMap, uri: axum::
     let words = if fake.persona == Persona::SglangPrefill { &WORDS[..1] } else { &WORDS[..] };
     for (i, w) in words.iter().enumerate() {
         let last = i + 1 == words.len();
-        events.push(chunk(json!({"content": w}), if last { json!("length") } else { Value::Null }).to_string());
+        events
+            .push(chunk(json!({"content": w}), if last { json!("length") } else { Value::Null }).to_string());
     }
     if v["stream_options"]["include_usage"] == json!(true) {
-        events.push(json!({"id": id, "object": "chat.completion.chunk", "created": 1, "model": model,
-            "choices": [], "usage": usage}).to_string());
+        events.push(
+            json!({"id": id, "object": "chat.completion.chunk", "created": 1, "model": model,
+            "choices": [], "usage": usage})
+            .to_string(),
+        );
     }
     events.push("[DONE]".into());
     let flag = EndFlag { fake: Arc::clone(&fake), finished: false };
     let gap = fake.gap;
-    let stream = futures_util::stream::unfold((events.into_iter(), 0usize, flag), move |(mut it, n, mut flag)| async move {
-        let stall = match mode {
-            Mode::StallBeforeFirst => n == 0,
-            Mode::StallAfterFirst => n == 1,
-            Mode::CloseBeforeFirst => return None,
-            _ => false,
-        };
-        if stall {
-            std::future::pending::<()>().await;
-        }
-        tokio::time::sleep(gap).await;
-        let Some(next) = it.next() else {
-            flag.finished = true;
-            drop(flag);
-            return None;
-        };
-        Some((Ok::<_, std::convert::Infallible>(format!("data: {next}\n\n")), (it, n + 1, flag)))
-    });
+    let stream = futures_util::stream::unfold(
+        (events.into_iter(), 0usize, flag),
+        move |(mut it, n, mut flag)| async move {
+            let stall = match mode {
+                Mode::StallBeforeFirst => n == 0,
+                Mode::StallAfterFirst => n == 1,
+                Mode::CloseBeforeFirst => return None,
+                _ => false,
+            };
+            if stall {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(gap).await;
+            let Some(next) = it.next() else {
+                flag.finished = true;
+                drop(flag);
+                return None;
+            };
+            Some((Ok::<_, std::convert::Infallible>(format!("data: {next}\n\n")), (it, n + 1, flag)))
+        },
+    );
     ([("content-type", "text/event-stream")], Body::from_stream(stream)).into_response()
 }
 
