@@ -48,20 +48,19 @@ pub(crate) async fn register_worker(
         addr: String,
         role: String,
     }
-    let parsed = body
-        .map_err(|e| e.body_text())
-        .and_then(|b| serde_json::from_slice::<Registration>(&b).map_err(|e| e.to_string()))
-        .and_then(|r| {
-            let role = r.role.parse::<WorkerRole>().map_err(|e| e.to_string())?;
-            if !worker_addr(&r.addr) {
-                return Err("addr must be host:port (an IP address or a DNS name, and a port)".into());
-            }
-            Ok((r.addr, role))
-        });
-    let (addr, role) = match parsed {
-        Ok(x) => x,
-        Err(message) => return Reject::new(ApiError::invalid_request(message, None)).into_response(),
+    let r: Registration = match json_body(body) {
+        Ok(r) => r,
+        Err(resp) => return *resp,
     };
+    let role = match r.role.parse::<WorkerRole>() {
+        Ok(role) => role,
+        Err(e) => return Reject::new(ApiError::invalid_request(e.to_string(), None)).into_response(),
+    };
+    if !worker_addr(&r.addr) {
+        let message = "addr must be host:port (an IP address or a DNS name, and a port)";
+        return Reject::new(ApiError::invalid_request(message, None)).into_response();
+    }
+    let addr = r.addr;
     let Some(cluster) = app.cluster.as_ref() else {
         return Reject::new(ApiError::invalid_request(
             "this gateway runs a local worker; start it with --prefill/--decode or --cluster to accept workers",

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
 mod common;
+mod fake_engine;
 
 use axum::body::Body;
 use axum::extract::State;
@@ -14,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use common::{Events, MODEL};
+use fake_engine::{base, chat};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -136,45 +138,8 @@ async fn fake_upstream() -> (String, Arc<Seen>) {
 }
 
 async fn gateway_over(url: &str, idle: Duration) -> common::Server {
-    let upstream = UpstreamPool::new(
-        PoolConfig {
-            served_model_name: MODEL.into(),
-            api_key: Some("upstream-key".into()),
-            model_info: ModelInfo { n_ctx: 4096, n_vocab: u32::MAX as usize },
-            first_byte_timeout: Duration::from_secs(10),
-            idle_timeout: idle,
-        },
-        vec![UpstreamSpec { model: Some("fake-model".into()), ..UpstreamSpec::openai(url.to_owned()) }],
-    )
-    .unwrap();
-    assert!(upstream.check_health().await, "the upstream answers /health");
-    let config = GatewayConfig {
-        served_model_name: MODEL.into(),
-        api_keys: tokenpath_gateway::ApiKeys::parse("alice:sk-client-0001").unwrap(),
-        admin_key: Some(tokenpath_gateway::AdminKey::new(common::ADMIN_KEY).unwrap()),
-        ..GatewayConfig::default()
-    };
-    let gateway = Gateway::new(config, Arc::new(upstream), common::engine()).unwrap();
-    common::serve_gateway(gateway).await
-}
-
-async fn chat(server: &common::Server, body: &Value) -> reqwest::Response {
-    server
-        .client
-        .post(server.url("/v1/chat/completions"))
-        .bearer_auth("sk-client-0001")
-        .json(body)
-        .send()
-        .await
-        .unwrap()
-}
-
-fn base(extra: Value) -> Value {
-    let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
-    for (k, v) in extra.as_object().unwrap() {
-        b[k] = v.clone();
-    }
-    b
+    let spec = UpstreamSpec { model: Some("fake-model".into()), ..UpstreamSpec::openai(url.to_owned()) };
+    fake_engine::pool_gateway(vec![spec], idle).await.0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

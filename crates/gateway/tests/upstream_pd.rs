@@ -10,38 +10,14 @@ mod common;
 mod fake_engine;
 
 use common::{Events, MODEL};
+use fake_engine::{base, chat, pool_gateway};
 use fake_engine::{Fake, Mode, Persona};
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokenpath_gateway::upstream::{PoolConfig, UpstreamKind, UpstreamPool, UpstreamSpec};
-use tokenpath_gateway::{Gateway, GatewayConfig};
-use tokenpath_protocol::backend::ModelInfo;
+use tokenpath_gateway::upstream::{UpstreamKind, UpstreamSpec};
 use tokenpath_protocol::cluster::WorkerRole;
-
-async fn pool_gateway(specs: Vec<UpstreamSpec>, idle: Duration) -> (common::Server, UpstreamPool) {
-    let pool = UpstreamPool::new(
-        PoolConfig {
-            served_model_name: MODEL.into(),
-            api_key: Some("upstream-key".into()),
-            model_info: ModelInfo { n_ctx: 4096, n_vocab: u32::MAX as usize },
-            first_byte_timeout: Duration::from_secs(10),
-            idle_timeout: idle,
-        },
-        specs,
-    )
-    .unwrap();
-    assert!(pool.wait_ready(Duration::from_secs(10)).await, "the pool's upstreams answer /health");
-    let config = GatewayConfig {
-        served_model_name: MODEL.into(),
-        api_keys: tokenpath_gateway::ApiKeys::parse("alice:sk-client-0001").unwrap(),
-        admin_key: Some(tokenpath_gateway::AdminKey::new(common::ADMIN_KEY).unwrap()),
-        ..GatewayConfig::default()
-    };
-    let gateway = Gateway::with_upstreams(config, pool.clone(), common::engine()).unwrap();
-    (common::serve_gateway(gateway).await, pool)
-}
 
 fn spec(f: &Fake, kind: UpstreamKind, role: WorkerRole) -> UpstreamSpec {
     UpstreamSpec { kind, role, model: Some("big-model".into()), ..UpstreamSpec::openai(f.url.clone()) }
@@ -60,25 +36,6 @@ async fn pd_pair(
     }
     let (server, _) = pool_gateway(vec![ps, spec(&df, kind, WorkerRole::Decode)], idle).await;
     (pf, df, server)
-}
-
-async fn chat(server: &common::Server, body: &Value) -> reqwest::Response {
-    server
-        .client
-        .post(server.url("/v1/chat/completions"))
-        .bearer_auth("sk-client-0001")
-        .json(body)
-        .send()
-        .await
-        .unwrap()
-}
-
-fn base(extra: Value) -> Value {
-    let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
-    for (k, v) in extra.as_object().unwrap() {
-        b[k] = v.clone();
-    }
-    b
 }
 
 /// The `timing` of the last event that has one.

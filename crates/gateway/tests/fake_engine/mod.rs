@@ -6,6 +6,7 @@
 
 #![allow(dead_code, clippy::unwrap_used)] // each test file uses part of it
 
+use crate::common::{self, MODEL};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -16,6 +17,9 @@ use serde_json::{json, Value};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokenpath_gateway::upstream::{PoolConfig, UpstreamPool, UpstreamSpec};
+use tokenpath_gateway::{Gateway, GatewayConfig};
+use tokenpath_protocol::backend::ModelInfo;
 
 /// Which part it plays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -240,4 +244,48 @@ fn one_token(id: &str, model: &str, finish: &str, cached: u64) -> Value {
 
 fn json_response(v: &Value) -> Response {
     ([("content-type", "application/json")], v.to_string()).into_response()
+}
+
+/// A gateway (tenant key `sk-client-0001`, the admin key) over a pool of `specs`, once they
+/// answer `/health`.
+pub async fn pool_gateway(specs: Vec<UpstreamSpec>, idle: Duration) -> (common::Server, UpstreamPool) {
+    let pool = UpstreamPool::new(
+        PoolConfig {
+            served_model_name: MODEL.into(),
+            api_key: Some("upstream-key".into()),
+            model_info: ModelInfo { n_ctx: 4096, n_vocab: u32::MAX as usize },
+            first_byte_timeout: Duration::from_secs(10),
+            idle_timeout: idle,
+        },
+        specs,
+    )
+    .unwrap();
+    assert!(pool.wait_ready(Duration::from_secs(10)).await, "the pool's upstreams answer /health");
+    let config = GatewayConfig {
+        served_model_name: MODEL.into(),
+        api_keys: tokenpath_gateway::ApiKeys::parse("alice:sk-client-0001").unwrap(),
+        admin_key: Some(tokenpath_gateway::AdminKey::new(common::ADMIN_KEY).unwrap()),
+        ..GatewayConfig::default()
+    };
+    let gateway = Gateway::with_upstreams(config, pool.clone(), common::engine()).unwrap();
+    (common::serve_gateway(gateway).await, pool)
+}
+
+pub async fn chat(server: &common::Server, body: &Value) -> reqwest::Response {
+    server
+        .client
+        .post(server.url("/v1/chat/completions"))
+        .bearer_auth("sk-client-0001")
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+pub fn base(extra: Value) -> Value {
+    let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b
 }
