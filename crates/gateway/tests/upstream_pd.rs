@@ -29,7 +29,19 @@ async fn pd_pair(
     kind: UpstreamKind,
     idle: Duration,
 ) -> (Arc<Fake>, Arc<Fake>, common::Server) {
-    let (pf, df) = (fake_engine::start(p, "p").await, fake_engine::start(d, "d").await);
+    pd_pair_paced(p, d, kind, idle, Duration::from_millis(5)).await
+}
+
+/// The same, the prefill engine pausing `prefill_gap` between its stream's events.
+async fn pd_pair_paced(
+    p: Persona,
+    d: Persona,
+    kind: UpstreamKind,
+    idle: Duration,
+    prefill_gap: Duration,
+) -> (Arc<Fake>, Arc<Fake>, common::Server) {
+    let pf = fake_engine::start_with_gap(p, "p", prefill_gap).await;
+    let df = fake_engine::start(d, "d").await;
     let mut ps = spec(&pf, kind, WorkerRole::Prefill);
     if kind == UpstreamKind::SglangPd {
         ps.bootstrap_port = Some(8998);
@@ -156,6 +168,33 @@ async fn sglang_pd_sends_one_body_with_one_room_to_both_legs_at_once() {
     server.shutdown().await.unwrap();
 }
 
+/// Regression: the decode leg's usage came before the (slower) prefill leg ended, and the
+/// client was told the decode engine's count (every transferred token) as cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_pd_waits_for_a_slow_prefill_leg_before_usage() {
+    let (_pf, _df, server) = pd_pair_paced(
+        Persona::SglangPrefill,
+        Persona::SglangDecode,
+        UpstreamKind::SglangPd,
+        Duration::from_secs(10),
+        Duration::from_millis(150),
+    )
+    .await;
+    for stream in [true, false] {
+        let body = base(json!({"stream": stream, "stream_options": {"include_usage": true}}));
+        let body = if stream { body } else { base(json!({})) };
+        let resp = chat(&server, &body).await;
+        assert_eq!(resp.status(), 200);
+        let events = if stream { Events::new(resp).rest().await.unwrap() } else { vec![resp.json().await.unwrap()] };
+        let usage = events.iter().find_map(|e| e.get("usage").filter(|u| u.is_object())).unwrap();
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 2, "stream {stream}: the prefill leg's count");
+        let t = timing_of(&events);
+        assert!(t["stages_ms"]["prefill"].is_number(), "{t}");
+        assert_eq!(source(&t, "prefill").as_deref(), Some("gateway"), "the prefill leg's end, measured: {t}");
+    }
+    server.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_pd_cancels_the_other_leg_when_one_fails() {
     let (pf, df, server) = pd_pair(
@@ -171,7 +210,8 @@ async fn sglang_pd_cancels_the_other_leg_when_one_fails() {
     let resp = chat(&server, &base(json!({"stream": true}))).await;
     assert_eq!(resp.status(), 500);
     wait_for(|| df.cut.load(Ordering::SeqCst) == 1, "the decode leg cancelled").await;
-    // The decode leg ends while the prefill leg still streams: the prefill leg is cancelled.
+    // The decode leg ends while the prefill leg still streams: the answer stands (after a
+    // bounded wait for the prefill), its cached count unknown, the prefill leg cancelled.
     pf.set_mode(Mode::StallAfterFirst);
     df.set_mode(Mode::Normal);
     let before = pf.cut.load(Ordering::SeqCst);
@@ -179,6 +219,7 @@ async fn sglang_pd_cancels_the_other_leg_when_one_fails() {
     assert_eq!(resp.status(), 200);
     let events = Events::new(resp).rest().await.unwrap();
     assert_eq!(common::streamed_text(&events), fake_engine::WORDS.concat(), "decode's answer stands");
+    assert!(events.last().is_some_and(|e| e.get("error").is_none()), "{events:?}");
     wait_for(|| pf.cut.load(Ordering::SeqCst) == before + 1, "the prefill leg dropped with the request")
         .await;
     server.shutdown().await.unwrap();

@@ -395,8 +395,14 @@ impl Call<'_> {
 async fn run(r: Relay, answer: Answer, tx: &StreamSender, idle: Duration) -> Ended {
     match answer {
         Answer::Stream(opened) => r.stream(opened, tx, idle).await,
-        Answer::Body(v) => r.body(v, tx),
-        Answer::Chunks(c) => r.replay(c, tx),
+        Answer::Body(v) => match r.settled(idle, tx).await {
+            Ok(r) => r.body(v, tx),
+            Err(end) => end,
+        },
+        Answer::Chunks(c) => match r.settled(idle, tx).await {
+            Ok(r) => r.replay(c, tx),
+            Err(end) => end,
+        },
     }
 }
 

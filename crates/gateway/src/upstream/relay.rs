@@ -58,10 +58,22 @@ pub(super) enum Prefill {
     Done(PrefillLeg),
     /// Running beside the decode leg (SGLang): its end, or why it failed — which fails the
     /// decode leg too. Dropping the receiver cancels it.
-    Concurrent(oneshot::Receiver<Result<PrefillLeg, String>>),
+    Concurrent(PrefillEnd),
     /// The concurrent prefill leg, still running (the relay holds its receiver).
     Pending,
+    /// The concurrent prefill leg had not ended [`PREFILL_GRACE`] after the decode leg's
+    /// answer: the answer stands, the prefill's counts are unknown (and not replaced by the
+    /// decode engine's).
+    Unknown,
 }
+
+/// How long a finished decode answer waits for a concurrent prefill leg still running. Its
+/// HTTP answer ends when the prompt is computed — before the decode engine can even start —
+/// so one still running then is stuck, and a complete answer is not held for it.
+pub(super) const PREFILL_GRACE: Duration = Duration::from_secs(2);
+
+/// Where a concurrent prefill leg's end arrives.
+pub(super) type PrefillEnd = oneshot::Receiver<Result<PrefillLeg, String>>;
 
 /// What the prefill leg gave.
 #[derive(Clone, Debug)]
@@ -139,6 +151,9 @@ enum Flow {
     Done,
     Gone,
     Failed(String),
+    /// The event carries usage or ends the answer while the concurrent prefill leg still runs:
+    /// its end is awaited first (its cached tokens and timing go on this event).
+    Settle,
 }
 
 impl Relay {
@@ -157,12 +172,21 @@ impl Relay {
             }
         };
         loop {
-            for ev in events.drain(..) {
-                match self.event(&ev.data, &mut seen, tx) {
+            for ev in std::mem::take(&mut events) {
+                let mut flow = self.event(&ev.data, &mut seen, tx);
+                if matches!(flow, Flow::Settle) {
+                    let Some(rx) = concurrent.take() else { return self.fail(tx, "the prefill leg was lost".into()) };
+                    if let Err(end) = self.settle(rx, idle, tx).await {
+                        return end;
+                    }
+                    flow = self.event(&ev.data, &mut seen, tx);
+                }
+                match flow {
                     Flow::More => {}
                     Flow::Gone => return Ended::Gone,
                     Flow::Done => return self.finish(tx, &seen, Instant::now()),
                     Flow::Failed(m) => return self.fail(tx, m),
+                    Flow::Settle => return self.fail(tx, "the prefill leg was lost".into()),
                 }
             }
             // Read the upstream only while the client keeps up (its socket then fills, and an
@@ -175,16 +199,8 @@ impl Relay {
                 () = tx.closed() => return Ended::Gone,
                 p = async { concurrent.as_mut().expect("guarded").await }, if concurrent.is_some() => {
                     concurrent = None;
-                    match p {
-                        Ok(Ok(leg)) => self.prefill = Prefill::Done(leg),
-                        Ok(Err(why)) => {
-                            self.fail(tx, format!("the prefill leg failed: {why}"));
-                            return Ended::PrefillFailed;
-                        }
-                        Err(_) => {
-                            self.fail(tx, "the prefill leg was lost".into());
-                            return Ended::PrefillFailed;
-                        }
+                    if let Err(end) = self.prefill_ended(p, tx) {
+                        return end;
                     }
                     continue;
                 }
@@ -208,8 +224,9 @@ impl Relay {
     }
 
     fn event(&self, data: &str, seen: &mut Seen, tx: &StreamSender) -> Flow {
+        let pending = matches!(self.prefill, Prefill::Pending);
         if data.trim() == "[DONE]" {
-            return Flow::Done;
+            return if pending { Flow::Settle } else { Flow::Done };
         }
         let Ok(mut v) = serde_json::from_str::<Value>(data) else {
             return Flow::Failed("it sent a chunk that is not JSON".into());
@@ -218,6 +235,9 @@ impl Relay {
             Ok(view) => view,
             Err(e) => return Flow::Failed(format!("it sent a chunk we cannot read: {e}")),
         };
+        if pending && (view.usage.is_some() || view.finish_reason.is_some()) {
+            return Flow::Settle;
+        }
         if let Some(err) = &view.error {
             return Flow::Failed(format!("it sent an error: {}", peer_message(&err.message)));
         }
@@ -278,6 +298,8 @@ impl Relay {
                 Flow::More | Flow::Done => {}
                 Flow::Gone => return Ended::Gone,
                 Flow::Failed(m) => return self.fail(tx, m),
+                // Settled before (`settled`): never pending here.
+                Flow::Settle => return self.fail(tx, "the prefill leg was lost".into()),
             }
         }
         self.finish(tx, &seen, Instant::now())
@@ -310,9 +332,13 @@ impl Relay {
     /// In PD the client is told the prefill leg's cached tokens (the decode engine counts every
     /// transferred token as cached): set, or removed when the prefill reported none.
     fn rewrite_cached(&self, v: &mut Value) {
-        let Prefill::Done(leg) = &self.prefill else { return };
+        let known = match &self.prefill {
+            Prefill::Done(leg) => leg.cached_tokens,
+            Prefill::Unknown => None,
+            _ => return,
+        };
         let Some(usage) = v.get_mut("usage").and_then(Value::as_object_mut) else { return };
-        match leg.cached_tokens {
+        match known {
             Some(n) => {
                 let details = usage.entry("prompt_tokens_details").or_insert_with(|| serde_json::json!({}));
                 if !details.is_object() {
@@ -393,6 +419,7 @@ impl Relay {
     fn cached_tokens(&self, seen: &Seen) -> u64 {
         match &self.prefill {
             Prefill::Done(leg) => leg.cached_tokens.unwrap_or(0),
+            Prefill::Unknown => 0,
             _ => seen.usage.as_ref().map_or(0, cached),
         }
     }
@@ -421,6 +448,48 @@ impl Relay {
         );
         tx.send(WorkEvent::Finished { reason, usage, timing: self.timing(seen, now) });
         Ended::Finished
+    }
+
+    /// Waits (at most [`PREFILL_GRACE`], or `idle` when shorter) for the concurrent prefill leg
+    /// to end; past it the prefill is dropped (which cancels it) and its counts are unknown.
+    async fn settle(&mut self, rx: PrefillEnd, idle: Duration, tx: &StreamSender) -> Result<(), Ended> {
+        match tokio::time::timeout(PREFILL_GRACE.min(idle), rx).await {
+            Ok(p) => self.prefill_ended(p, tx),
+            Err(_) => {
+                tracing::warn!(upstream = %self.url, "the prefill leg outlived its decode answer; dropped");
+                self.prefill = Prefill::Unknown;
+                Ok(())
+            }
+        }
+    }
+
+    /// Takes the concurrent prefill leg's end: its record, or the failure that fails this
+    /// request too.
+    fn prefill_ended(
+        &mut self,
+        p: Result<Result<PrefillLeg, String>, oneshot::error::RecvError>,
+        tx: &StreamSender,
+    ) -> Result<(), Ended> {
+        let why = match p {
+            Ok(Ok(leg)) => {
+                self.prefill = Prefill::Done(leg);
+                return Ok(());
+            }
+            Ok(Err(why)) => format!("the prefill leg failed: {why}"),
+            Err(_) => "the prefill leg was lost".into(),
+        };
+        self.fail(tx, why);
+        Err(Ended::PrefillFailed)
+    }
+
+    /// Before a whole answer is relayed (a body, replayed chunks), the concurrent prefill
+    /// leg's end.
+    pub(super) async fn settled(mut self, idle: Duration, tx: &StreamSender) -> Result<Self, Ended> {
+        match std::mem::replace(&mut self.prefill, Prefill::Pending) {
+            Prefill::Concurrent(rx) => self.settle(rx, idle, tx).await?,
+            other => self.prefill = other,
+        }
+        Ok(self)
     }
 
     fn fail(&self, tx: &StreamSender, why: String) -> Ended {
