@@ -8,7 +8,8 @@
 
 use crate::generate::ModelArgs;
 use crate::secret::Secret;
-use crate::topology::{load_cluster_file, Children, CpuList, SecretArgs};
+use crate::topology::{Children, CpuList, SecretArgs};
+use tokenpath_cli::cluster_file::{self, ClusterPlan};
 use anyhow::Context as _;
 use clap::Args;
 use std::net::IpAddr;
@@ -55,8 +56,9 @@ struct TopologyArgs {
     /// Cores for the decode workers (e.g. `1`); default: not pinned.
     #[arg(long, env = "TOKENPATH_DECODE_CPUS")]
     decode_cpus: Option<CpuList>,
-    /// Workers from a file (`[[worker]]` tables with `addr` and `role`); more may register at
-    /// run time (`tokenpath worker --register http://this-gateway`).
+    /// Workers from a file (`[[worker]]` tables with `addr` and `role`; more may register at
+    /// run time: `tokenpath worker --register http://this-gateway`), or upstream engines
+    /// (`[[upstream]]` tables with `url`, `kind`, `role`, ...; see deploy/cluster.example.toml).
     #[arg(long, env = "TOKENPATH_CLUSTER", value_name = "cluster.toml")]
     cluster: Option<std::path::PathBuf>,
     /// Accept workers that register at run time even with no --cluster and no --prefill/--decode.
@@ -247,13 +249,19 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut children = Children::default();
     let mut local = None;
     runtime.block_on(async {
-        let gateway = if let Some(url) = &args.upstream.upstream {
+        let plan = match &args.topology.cluster {
+            Some(file) => cluster_file::load(file, |var| std::env::var(var).ok())?,
+            None => ClusterPlan::default(),
+        };
+        let upstreams = args.upstream.entries(&plan)?;
+        let gateway = if !upstreams.is_empty() {
+            let t = &args.topology;
             anyhow::ensure!(
-                !args.topology.is_cluster(),
-                "--upstream serves through an engine that runs elsewhere; it takes no workers \
-                 (--prefill/--decode/--cluster/--accept-workers)"
+                t.prefill + t.decode == 0 && !t.accept_workers,
+                "upstreams serve through engines that run elsewhere; they take no workers \
+                 (--prefill/--decode/--accept-workers)"
             );
-            args.upstream.gateway(url, path.clone(), gateway_config).await?
+            args.upstream.gateway(upstreams, plan.tokenizer.clone(), path.clone(), gateway_config).await?
         } else if args.topology.is_cluster() {
             // A cluster gateway reads only the file's tokenizer and limits: the weights stay
             // with the workers.
@@ -280,7 +288,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                     (String::new(), ClusterSecret::open())
                 }
             };
-            let workers = start_workers(&args, &mut children, &text)?;
+            let workers = start_workers(&args, plan.workers, &mut children, &text)?;
             let registry = Registry::start(workers, secret);
             if args.topology.prefill + args.topology.decode > 0 || args.topology.cluster.is_some() {
                 tracing::info!("waiting for the workers to come up");
@@ -324,9 +332,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Starts the `--prefill`/`--decode` worker processes and reads the cluster file.
+/// Starts the `--prefill`/`--decode` worker processes beside the cluster file's `workers`.
 fn start_workers(
     args: &ServeArgs,
+    mut workers: Vec<(String, Role)>,
     children: &mut Children,
     secret: &str,
 ) -> anyhow::Result<Vec<(String, Role)>> {
@@ -338,10 +347,6 @@ fn start_workers(
             t.decode
         );
     }
-    let mut workers = match &t.cluster {
-        Some(file) => load_cluster_file(file)?,
-        None => Vec::new(),
-    };
     let mut extra = args.batching.to_args();
     extra.extend(args.model.to_args());
     for (role, n, cpus) in

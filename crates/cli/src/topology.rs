@@ -1,5 +1,6 @@
 //! Process topology for `tokenpath serve`: where the workers are (started here as child
-//! processes, or listed in a cluster file) and which cores each may use.
+//! processes; the cluster file's are read by `tokenpath_cli::cluster_file`) and which cores each
+//! may use.
 //!
 //! Children are owned by a [`Children`] guard that kills and reaps them when dropped — on a clean
 //! exit, on an error, and on Ctrl-C (the gateway returns, the guard drops) — so a serve never
@@ -7,7 +8,6 @@
 
 use anyhow::Context as _;
 use std::io::{BufRead as _, BufReader};
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
@@ -97,36 +97,6 @@ pub fn pin_to_cpus(cpus: &CpuList) -> anyhow::Result<()> {
         anyhow::bail!("cannot pin to cores {cpus}: {}", std::io::Error::last_os_error());
     }
     Ok(())
-}
-
-/// One worker of a cluster file.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileWorker {
-    addr: String,
-    role: String,
-}
-
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ClusterFile {
-    #[serde(default)]
-    worker: Vec<FileWorker>,
-}
-
-/// Reads a `cluster.toml`: `[[worker]]` tables with `addr` and `role`.
-pub fn load_cluster_file(path: &Path) -> anyhow::Result<Vec<(String, Role)>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let file: ClusterFile = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    file.worker
-        .into_iter()
-        .enumerate()
-        .map(|(i, w)| {
-            let role =
-                w.role.parse::<Role>().with_context(|| format!("worker {} in {}", i + 1, path.display()))?;
-            Ok((w.addr, role))
-        })
-        .collect()
 }
 
 /// Worker processes started by this one, each watched by a supervisor thread that restarts it

@@ -1,5 +1,6 @@
-//! `tokenpath serve --upstream URL`: the gateway in front of an engine that is already running
-//! (vLLM, SGLang, llama.cpp's server, another tokenpath — any OpenAI-compatible server). The
+//! `tokenpath serve --upstream URL[,URL...]` (or `[[upstream]]` tables in `--cluster FILE`): the
+//! gateway in front of engines that are already running (vLLM, SGLang, TensorRT-LLM, llama.cpp's
+//! server, another tokenpath — any OpenAI-compatible server; PD pairs from the file). The
 //! gateway tokenizes with the model's tokenizer (`--tokenizer`: a GGUF file's metadata or a
 //! Hugging Face `tokenizer.json`; no weights are loaded) to charge tenants and check the context,
 //! and forwards everything else.
@@ -10,20 +11,26 @@ use clap::Args;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use tokenpath_cli::cluster_file::{ClusterPlan, UpstreamEntry};
 use tokenpath_cli::tokenizer::FileTokenizer;
-use tokenpath_gateway::upstream::{PoolConfig, UpstreamKind, UpstreamPool, UpstreamSpec};
+use tokenpath_gateway::upstream::{PoolConfig, UpstreamKind, UpstreamPool, UpstreamSpec, DNS_INTERVAL};
 use tokenpath_gateway::{Gateway, GatewayConfig};
 use tokenpath_protocol::backend::ModelInfo;
 
 /// Where the engine is, when it is not ours.
 #[derive(Debug, Args)]
 pub(crate) struct UpstreamArgs {
-    /// Serve through this running engine instead of loading the model here
-    /// (`http://host:port`; the OpenAI paths are appended).
-    #[arg(long, env = "TOKENPATH_UPSTREAM", value_name = "URL")]
-    pub(crate) upstream: Option<String>,
-    /// The upstream's protocol: `openai`, or `tokenpath` (another tokenpath gateway). The PD
-    /// kinds (`vllm-pd`, `sglang-pd`, `trtllm-pd`) are added through `POST /admin/upstreams`.
+    /// Serve through these running engines instead of loading the model here
+    /// (`http://host:port`, comma-separated; the OpenAI paths are appended).
+    #[arg(long, env = "TOKENPATH_UPSTREAM", value_name = "URL", value_delimiter = ',')]
+    upstream: Vec<String>,
+    /// The --upstream hosts are DNS names, resolved again every 10 s, one upstream per address
+    /// (a Kubernetes headless Service).
+    #[arg(long, env = "TOKENPATH_UPSTREAM_DISCOVER")]
+    upstream_discover: bool,
+    /// The upstreams' protocol: `openai`, or `tokenpath` (another tokenpath gateway). The PD
+    /// kinds (`vllm-pd`, `sglang-pd`, `trtllm-pd`) need a role per server: list them in the
+    /// cluster file's `[[upstream]]` tables or add them through `POST /admin/upstreams`.
     #[arg(long, default_value = "openai", env = "TOKENPATH_UPSTREAM_KIND", value_name = "KIND")]
     upstream_kind: UpstreamKind,
     /// The model name the upstream serves (default: the client's is sent as is).
@@ -49,21 +56,58 @@ pub(crate) struct UpstreamArgs {
 }
 
 impl UpstreamArgs {
-    /// A gateway over the upstream, once it answers `/health`.
+    /// The upstreams to serve through: the flags' or the cluster file's (not both).
+    pub(crate) fn entries(&self, plan: &ClusterPlan) -> anyhow::Result<Vec<UpstreamEntry>> {
+        if self.upstream.is_empty() {
+            return Ok(plan.upstreams.clone());
+        }
+        anyhow::ensure!(
+            plan.upstreams.is_empty() && plan.workers.is_empty(),
+            "--upstream and a cluster file that lists workers or upstreams: list them in one place"
+        );
+        anyhow::ensure!(
+            !self.upstream_kind.disaggregated(),
+            "--upstream-kind {}: a PD kind needs a role per server; list them in the cluster \
+             file's [[upstream]] tables or add them through POST /admin/upstreams",
+            self.upstream_kind
+        );
+        self.upstream
+            .iter()
+            .map(|url| {
+                let spec = UpstreamSpec {
+                    kind: self.upstream_kind,
+                    model: self.upstream_model.clone(),
+                    ..UpstreamSpec::openai(url.as_str())
+                };
+                Ok(UpstreamEntry { spec: spec.validated()?, discover: self.upstream_discover })
+            })
+            .collect()
+    }
+
+    /// A gateway over `entries` (static members probed once before it serves; discovered ones
+    /// join as their names resolve). The tokenizer: --tokenizer, else the cluster file's, else
+    /// `default_tokenizer` (the --model file's metadata).
     pub(crate) async fn gateway(
         &self,
-        url: &str,
+        entries: Vec<UpstreamEntry>,
+        file_tokenizer: Option<PathBuf>,
         default_tokenizer: PathBuf,
         config: GatewayConfig,
     ) -> anyhow::Result<Gateway> {
-        let path = self.tokenizer.clone().unwrap_or(default_tokenizer);
+        let path = self.tokenizer.clone().or(file_tokenizer).unwrap_or(default_tokenizer);
         let tokenizer = FileTokenizer::open(&path)?;
         tracing::info!(tokenizer = %path.display(), "{}", tokenizer.describe());
+        let probe = entries
+            .iter()
+            .find(|e| e.spec.role != tokenpath_protocol::cluster::WorkerRole::Prefill)
+            .or(entries.first())
+            .map(|e| e.spec.url.clone())
+            .context("no upstream listed")?;
         let n_ctx = match self.max_model_len {
             Some(n) => n,
-            None => max_model_len(url)
+            None => max_model_len(&probe)
                 .await
-                .with_context(|| format!("{url}/v1/models gives no max_model_len; pass --max-model-len"))?,
+                .with_context(|| format!("{probe}/v1/models gives no max_model_len; pass --max-model-len"))?,
         };
         let pool = PoolConfig {
             served_model_name: config.served_model_name.clone(),
@@ -73,19 +117,20 @@ impl UpstreamArgs {
             first_byte_timeout: Duration::from_secs(self.upstream_first_byte_timeout_s.max(1)),
             idle_timeout: Duration::from_secs(self.upstream_idle_timeout_s.max(1)),
         };
-        let spec = UpstreamSpec {
-            kind: self.upstream_kind,
-            model: self.upstream_model.clone(),
-            ..UpstreamSpec::openai(url)
-        };
-        let upstream = UpstreamPool::new(pool, vec![spec]).map_err(anyhow::Error::msg)?;
-        if !upstream.check_health().await {
-            tracing::warn!(
-                upstream = url,
-                "the upstream does not answer /health yet; /ready says so until it does"
-            );
+        let (found, fixed): (Vec<_>, Vec<_>) = entries.into_iter().partition(|e| e.discover);
+        let upstream =
+            UpstreamPool::new(pool, fixed.into_iter().map(|e| e.spec).collect()).map_err(anyhow::Error::msg)?;
+        for e in found {
+            tracing::info!(name = %e.spec.url, kind = %e.spec.kind, "discovering upstreams by DNS");
+            upstream.discover(e.spec, DNS_INTERVAL).map_err(anyhow::Error::msg)?;
         }
-        tracing::info!(upstream = url, n_ctx, "serving through the upstream");
+        if !upstream.check_health().await {
+            tracing::warn!("an upstream does not answer its health probe yet; /ready says so until it does");
+        }
+        for u in upstream.upstreams().await {
+            tracing::info!(upstream = %u.url, kind = %u.kind, role = %u.role, healthy = u.healthy, "upstream");
+        }
+        tracing::info!(n_ctx, "serving through upstreams");
         Ok(Gateway::new(config, Arc::new(upstream), Arc::new(tokenizer))?)
     }
 }

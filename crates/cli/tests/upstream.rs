@@ -60,4 +60,35 @@ fn the_gateway_in_front_of_a_running_engine_serves_its_answers() {
     let model_kib = std::fs::metadata(&model).unwrap().len() / 1024;
     eprintln!("peak RSS: engine {engine_kib} KiB, gateway {gateway_kib} KiB, model file {model_kib} KiB");
     assert!(gateway_kib < engine_kib.saturating_sub(model_kib / 2), "the gateway holds no weights");
+    drop(gateway);
+    // The same engine listed in a cluster file as a `tokenpath` upstream (tiered gateways): the
+    // same answer, the engine's stages. A key variable the file names but nobody set is an
+    // error at start, not an unauthenticated upstream.
+    let dir = std::env::temp_dir().join(format!("tokenpath-upstream-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("cluster.toml");
+    std::fs::write(
+        &file,
+        format!("[[upstream]]\nurl = \"{url}\"\nkind = \"tokenpath\"\napi_key_env = \"TP_TEST_UPSTREAM_KEY\"\n"),
+    )
+    .unwrap();
+    let missing = std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+        .args(["serve", "--port", "0", "--model"])
+        .arg(&model)
+        .arg("--cluster")
+        .arg(&file)
+        .env_remove("TP_TEST_UPSTREAM_KEY")
+        .output()
+        .unwrap();
+    assert!(!missing.status.success());
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(err.contains("TP_TEST_UPSTREAM_KEY, which is not set"), "{err}");
+    std::fs::write(&file, format!("[[upstream]]\nurl = \"{url}\"\nkind = \"tokenpath\"\n")).unwrap();
+    let tiered = serve(&model, &["--cluster", file.to_str().unwrap()]);
+    let (status, answer) = http(tiered.port, "POST", "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{answer}");
+    let answer: Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(answer["choices"][0]["message"]["content"], direct["choices"][0]["message"]["content"]);
+    assert_eq!(answer["timing"]["sources"]["prefill"], "engine", "{}", answer["timing"]);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

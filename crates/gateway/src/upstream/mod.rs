@@ -27,7 +27,8 @@ mod pool;
 mod relay;
 
 pub use discover::DNS_INTERVAL;
-pub use pool::{Added, UpstreamPool, UpstreamView, MAX_UPSTREAMS};
+pub use crate::route::BALANCE_THRESHOLD;
+pub use pool::{Added, UpstreamPool, UpstreamView, EJECTION, EJECT_AFTER, MAX_UPSTREAMS};
 
 use std::time::Duration;
 use tokenpath_protocol::backend::ModelInfo;

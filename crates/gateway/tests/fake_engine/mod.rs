@@ -249,26 +249,32 @@ fn json_response(v: &Value) -> Response {
 /// A gateway (tenant key `sk-client-0001`, the admin key) over a pool of `specs`, once they
 /// answer `/health`.
 pub async fn pool_gateway(specs: Vec<UpstreamSpec>, idle: Duration) -> (common::Server, UpstreamPool) {
-    let pool = UpstreamPool::new(
-        PoolConfig {
-            served_model_name: MODEL.into(),
-            api_key: Some("upstream-key".into()),
-            model_info: ModelInfo { n_ctx: 4096, n_vocab: u32::MAX as usize },
-            first_byte_timeout: Duration::from_secs(10),
-            idle_timeout: idle,
-        },
-        specs,
-    )
-    .unwrap();
+    let pool = UpstreamPool::new(pool_config(Duration::from_secs(10), idle), specs).unwrap();
     assert!(pool.wait_ready(Duration::from_secs(10)).await, "the pool's upstreams answer /health");
+    (serve_pool(pool.clone()).await, pool)
+}
+
+/// The tests' pool settings: our model, an upstream key, the given timeouts.
+pub fn pool_config(first_byte: Duration, idle: Duration) -> PoolConfig {
+    PoolConfig {
+        served_model_name: MODEL.into(),
+        api_key: Some("upstream-key".into()),
+        model_info: ModelInfo { n_ctx: 4096, n_vocab: u32::MAX as usize },
+        first_byte_timeout: first_byte,
+        idle_timeout: idle,
+    }
+}
+
+/// A gateway over `pool` (tenant `alice`, the admin key), serving on loopback.
+pub async fn serve_pool(pool: UpstreamPool) -> common::Server {
     let config = GatewayConfig {
         served_model_name: MODEL.into(),
         api_keys: tokenpath_gateway::ApiKeys::parse("alice:sk-client-0001").unwrap(),
         admin_key: Some(tokenpath_gateway::AdminKey::new(common::ADMIN_KEY).unwrap()),
         ..GatewayConfig::default()
     };
-    let gateway = Gateway::with_upstreams(config, pool.clone(), common::engine()).unwrap();
-    (common::serve_gateway(gateway).await, pool)
+    let gateway = Gateway::with_upstreams(config, pool, common::engine()).unwrap();
+    common::serve_gateway(gateway).await
 }
 
 pub async fn chat(server: &common::Server, body: &Value) -> reqwest::Response {
