@@ -11,6 +11,7 @@ pub mod client;
 pub mod compare;
 mod error;
 pub mod html;
+pub mod mock;
 pub mod progress;
 pub mod report;
 pub mod run;

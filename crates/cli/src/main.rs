@@ -11,6 +11,7 @@ mod output;
 mod secret;
 mod serve;
 mod topology;
+mod mock_engine;
 mod upstream;
 mod worker;
 
@@ -61,6 +62,9 @@ enum Command {
     /// Serve the OpenAI-compatible API: gateway + one colocated worker on the embedded engine, or
     /// prefill/decode worker processes (--prefill N --decode M, --cluster FILE).
     Serve(serve::ServeArgs),
+    /// A model-less OpenAI server that answers at once (or plays one half of a vLLM/SGLang PD
+    /// pair), for measuring gateways and routers in front of it.
+    MockEngine(mock_engine::MockEngineArgs),
     /// Run one engine instance as a worker process (role prefill, decode or both) for a gateway
     /// started with --prefill/--decode, --cluster or --accept-workers.
     Worker(worker::WorkerArgs),
@@ -131,6 +135,7 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Worker(args) => worker::run(args),
+        Command::MockEngine(args) => mock_engine::run(args),
     }
 }
 

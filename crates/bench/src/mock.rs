@@ -1,0 +1,336 @@
+//! `tokenpath mock-engine`: an OpenAI-compatible server with no model, for measuring what sits in
+//! front of an engine (our gateway, vllm-router, SGLang's gateway, LiteLLM) and for recording what
+//! each of them sends. It answers at once and the same way every time — `tokens` content chunks,
+//! then the finish, usage when asked — so a latency measured through a gateway minus the latency
+//! measured directly is the gateway's.
+//!
+//! It can play one half of a PD pair as the engines define it (see `docs/upstreams.md`): a vLLM
+//! prefill server answers a `kv_transfer_params.do_remote_decode` leg with transfer params, an
+//! SGLang prefill server a leg carrying `bootstrap_room` with one token. With `log`, every
+//! generation request is appended to a JSONL file (path, request id, whether credentials came,
+//! the body), which is what the differential check compares between gateways.
+//!
+//! Written by hand rather than with a mock-server crate: what matters is the engines' PD field
+//! semantics and a fast streaming path, which no generic mock server models.
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::{json, Value};
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Which engine it plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Persona {
+    /// A colocated OpenAI server.
+    Plain,
+    /// vLLM with NIXL, prefill side.
+    VllmPrefill,
+    /// vLLM with NIXL, decode side.
+    VllmDecode,
+    /// SGLang, prefill side.
+    SglangPrefill,
+    /// SGLang, decode side.
+    SglangDecode,
+}
+
+impl std::str::FromStr for Persona {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "plain" => Self::Plain,
+            "vllm-prefill" => Self::VllmPrefill,
+            "vllm-decode" => Self::VllmDecode,
+            "sglang-prefill" => Self::SglangPrefill,
+            "sglang-decode" => Self::SglangDecode,
+            _ => {
+                return Err(format!(
+                    "unknown persona {s:?}: expected plain, vllm-prefill, vllm-decode, sglang-prefill or sglang-decode"
+                ))
+            }
+        })
+    }
+}
+
+/// How it answers.
+#[derive(Clone, Debug)]
+pub struct MockConfig {
+    /// Which engine it plays.
+    pub persona: Persona,
+    /// Content chunks per answer (one token each).
+    pub tokens: usize,
+    /// The model name it lists and answers with.
+    pub model: String,
+    /// Append every generation request here (JSONL).
+    pub log: Option<PathBuf>,
+}
+
+/// Most bytes of a request body it reads.
+const MAX_BODY: usize = 1 << 20;
+/// The prompt length it reports (it reads no tokenizer).
+const PROMPT_TOKENS: u64 = 8;
+
+struct Mock {
+    config: MockConfig,
+    log: Option<Mutex<std::fs::File>>,
+    running: AtomicUsize,
+    served: AtomicU64,
+}
+
+/// The mock's routes, ready for `axum::serve`.
+pub fn router(config: MockConfig) -> Result<Router, std::io::Error> {
+    let log = match &config.log {
+        Some(p) => Some(Mutex::new(std::fs::OpenOptions::new().create(true).append(true).open(p)?)),
+        None => None,
+    };
+    let mock = Arc::new(Mock { config, log, running: AtomicUsize::new(0), served: AtomicU64::new(0) });
+    Ok(Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        // SGLang's gateway probes these before it routes (a model path would make it try to
+        // download a tokenizer: none is named).
+        .route("/server_info", get(server_info))
+        .route("/get_server_info", get(server_info))
+        .route("/model_info", get(model_info))
+        .route("/get_model_info", get(model_info))
+        .route("/v1/chat/completions", post(generate))
+        .route("/v1/completions", post(generate))
+        .with_state(mock))
+}
+
+/// Serves the mock on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    config: MockConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), std::io::Error> {
+    axum::serve(listener, router(config)?).with_graceful_shutdown(shutdown).await
+}
+
+async fn models(State(m): State<Arc<Mock>>) -> Response {
+    let body = json!({"object": "list", "data": [{"id": m.config.model, "object": "model",
+        "owned_by": "tokenpath-mock", "max_model_len": 4096}]});
+    ([("content-type", "application/json")], body.to_string()).into_response()
+}
+
+async fn server_info(State(m): State<Arc<Mock>>) -> Response {
+    let mode = match m.config.persona {
+        Persona::SglangPrefill | Persona::VllmPrefill => "prefill",
+        Persona::SglangDecode | Persona::VllmDecode => "decode",
+        Persona::Plain => "null",
+    };
+    let body = json!({"served_model_name": m.config.model, "disaggregation_mode": mode,
+        "version": concat!("tokenpath-mock ", env!("CARGO_PKG_VERSION"))});
+    ([("content-type", "application/json")], body.to_string()).into_response()
+}
+
+async fn model_info() -> Response {
+    ([("content-type", "application/json")], json!({"is_generation": true}).to_string()).into_response()
+}
+
+/// vLLM's gauge names, so a gateway that reads load sees this server's.
+async fn metrics(State(m): State<Arc<Mock>>) -> String {
+    format!(
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {}\n\
+         # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n\
+         # TYPE tokenpath_mock_requests_total counter\ntokenpath_mock_requests_total {}\n",
+        m.running.load(Ordering::Relaxed),
+        m.served.load(Ordering::Relaxed)
+    )
+}
+
+/// Counts a request as running until dropped (with its response body).
+struct Running(Arc<Mock>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn generate(
+    State(m): State<Arc<Mock>>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if body.len() > MAX_BODY {
+        return error(StatusCode::PAYLOAD_TOO_LARGE, "body too large");
+    }
+    let Ok(v) = serde_json::from_slice::<Value>(&body) else {
+        return error(StatusCode::BAD_REQUEST, "the body is not JSON");
+    };
+    m.served.fetch_add(1, Ordering::Relaxed);
+    m.running.fetch_add(1, Ordering::Relaxed);
+    let running = Running(Arc::clone(&m));
+    if let Some(log) = &m.log {
+        let line = json!({
+            "path": uri.path(),
+            "request_id": headers.get("x-request-id").and_then(|h| h.to_str().ok()),
+            "authorization": headers.contains_key("authorization"),
+            "body": v,
+        });
+        if let Ok(mut f) = log.lock() {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+    let chat = uri.path().ends_with("/chat/completions");
+    let answer = Answer::new(&m.config, &v, chat);
+    if v["stream"] == json!(true) {
+        let chunks = answer.chunks(v.pointer("/stream_options/include_usage") == Some(&json!(true)));
+        let stream = futures_util::stream::iter(chunks.into_iter().map(move |c| {
+            let _keep = &running;
+            Ok::<_, std::convert::Infallible>(Bytes::from(c))
+        }));
+        Response::builder()
+            .header("content-type", "text/event-stream")
+            .header("cache-control", "no-cache")
+            .body(Body::from_stream(stream))
+            .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response"))
+    } else {
+        drop(running);
+        ([("content-type", "application/json")], answer.whole().to_string()).into_response()
+    }
+}
+
+/// One request's answer.
+struct Answer {
+    chat: bool,
+    model: String,
+    tokens: usize,
+    cached: u64,
+    extra: Option<(&'static str, Value)>,
+}
+
+impl Answer {
+    fn new(config: &MockConfig, v: &Value, chat: bool) -> Self {
+        let mut a = Self {
+            chat,
+            model: v["model"].as_str().unwrap_or(&config.model).to_owned(),
+            tokens: config.tokens.max(1),
+            cached: 0,
+            extra: None,
+        };
+        match config.persona {
+            Persona::VllmPrefill if v.pointer("/kv_transfer_params/do_remote_decode") == Some(&json!(true)) => {
+                a.tokens = 1;
+                a.cached = 2;
+                a.extra = Some((
+                    "kv_transfer_params",
+                    json!({"do_remote_prefill": true, "do_remote_decode": false,
+                        "remote_engine_id": "mock-prefill", "remote_block_ids": [1, 2, 3],
+                        "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}),
+                ));
+            }
+            Persona::VllmDecode if v.get("kv_transfer_params").is_some() => a.cached = PROMPT_TOKENS,
+            Persona::SglangPrefill => {
+                a.tokens = 1;
+                a.cached = 2;
+            }
+            Persona::SglangDecode => a.cached = PROMPT_TOKENS,
+            _ => {}
+        }
+        a
+    }
+
+    fn usage(&self) -> Value {
+        json!({"prompt_tokens": PROMPT_TOKENS, "completion_tokens": self.tokens,
+            "total_tokens": PROMPT_TOKENS + self.tokens as u64,
+            "prompt_tokens_details": {"cached_tokens": self.cached}})
+    }
+
+    fn choice(&self, text: &str, finish: Value, whole: bool) -> Value {
+        match (self.chat, whole) {
+            (true, true) => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}),
+            (true, false) => json!({"index": 0, "delta": {"content": text}, "finish_reason": finish}),
+            (false, _) => json!({"index": 0, "text": text, "finish_reason": finish}),
+        }
+    }
+
+    fn object(&self, whole: bool) -> &'static str {
+        match (self.chat, whole) {
+            (true, true) => "chat.completion",
+            (true, false) => "chat.completion.chunk",
+            (false, _) => "text_completion",
+        }
+    }
+
+    fn whole(&self) -> Value {
+        let text = " tok".repeat(self.tokens);
+        let mut v = json!({"id": "mock-1", "object": self.object(true), "created": 1, "model": self.model,
+            "choices": [self.choice(&text, json!("length"), true)], "usage": self.usage()});
+        if let Some((k, x)) = &self.extra {
+            v[*k] = x.clone();
+        }
+        v
+    }
+
+    fn chunks(&self, usage: bool) -> Vec<String> {
+        let event = |v: Value| format!("data: {v}\n\n");
+        let chunk = |choices: Value| {
+            json!({"id": "mock-1", "object": self.object(false), "created": 1, "model": self.model, "choices": choices})
+        };
+        let mut out: Vec<String> = (0..self.tokens)
+            .map(|i| {
+                let finish = if i + 1 == self.tokens { json!("length") } else { Value::Null };
+                event(chunk(json!([self.choice(" tok", finish, false)])))
+            })
+            .collect();
+        if usage {
+            let mut last = chunk(json!([]));
+            last["usage"] = self.usage();
+            out.push(event(last));
+        }
+        out.push("data: [DONE]\n\n".into());
+        out
+    }
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    let body = json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": null}});
+    (status, [("content-type", "application/json")], body.to_string()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn config(persona: Persona) -> MockConfig {
+        MockConfig { persona, tokens: 3, model: "m".into(), log: None }
+    }
+
+    #[test]
+    fn a_stream_has_one_chunk_per_token_then_usage_and_done() {
+        let a = Answer::new(&config(Persona::Plain), &json!({"model": "x"}), true);
+        let c = a.chunks(true);
+        assert_eq!(c.len(), 3 + 2);
+        assert!(c[2].contains("\"finish_reason\":\"length\""), "{}", c[2]);
+        assert!(c[3].contains("\"completion_tokens\":3"), "{}", c[3]);
+        assert_eq!(c[4], "data: [DONE]\n\n");
+        assert_eq!(a.chunks(false).len(), 4, "no usage unless asked");
+    }
+
+    #[test]
+    fn a_vllm_prefill_leg_gets_transfer_params_and_one_token() {
+        let leg = json!({"model": "x", "kv_transfer_params": {"do_remote_decode": true}});
+        let w = Answer::new(&config(Persona::VllmPrefill), &leg, true).whole();
+        assert_eq!(w["kv_transfer_params"]["do_remote_prefill"], true);
+        assert_eq!(w["usage"]["completion_tokens"], 1);
+        let plain = Answer::new(&config(Persona::VllmPrefill), &json!({"model": "x"}), true).whole();
+        assert!(plain.get("kv_transfer_params").is_none(), "only a prefill leg");
+    }
+
+    #[test]
+    fn personas_parse_by_name() {
+        assert_eq!("sglang-decode".parse::<Persona>(), Ok(Persona::SglangDecode));
+        assert!("tgi".parse::<Persona>().unwrap_err().contains("expected plain"));
+    }
+}
