@@ -241,6 +241,22 @@ pub struct ChatCompletionRequest {
     pub verbosity: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub web_search_options: Option<Value>,
+    // The fields SGLang's gateway and vllm-router add to every body they forward, accepted at
+    // the values that change nothing here (see `params::router_no_ops`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_stop_trim: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub continue_final_message: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skip_special_tokens: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub separate_reasoning: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_reasoning: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub include_reasoning: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub return_hidden_states: Option<bool>,
 }
 
 /// Parses a chat completions body. Malformed JSON, wrong types and unknown fields become
@@ -255,6 +271,12 @@ impl ChatCompletionRequest {
     pub fn validate(&self, limits: &Limits) -> Result<GenerationRequest, ProtocolError> {
         require_model(&self.model)?;
         self.reject_unsupported()?;
+        crate::params::router_no_ops(&crate::params::RouterFields {
+            no_stop_trim: self.no_stop_trim,
+            continue_final_message: self.continue_final_message,
+            skip_special_tokens: self.skip_special_tokens,
+            return_hidden_states: self.return_hidden_states,
+        })?;
         let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
             (Some(a), Some(b)) if a != b => {
                 return Err(ProtocolError::invalid(

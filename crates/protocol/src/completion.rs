@@ -140,6 +140,22 @@ pub struct CompletionRequest {
     pub best_of: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logit_bias: Option<BTreeMap<String, f64>>,
+    // The fields SGLang's gateway and vllm-router add to every body they forward, accepted at
+    // the values that change nothing here (see `params::router_no_ops`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_stop_trim: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub continue_final_message: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skip_special_tokens: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub separate_reasoning: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_reasoning: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub include_reasoning: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub return_hidden_states: Option<bool>,
 }
 
 /// Parses a completions body; errors as for [`crate::parse_chat_request`].
@@ -151,6 +167,12 @@ impl CompletionRequest {
     /// Checks every parameter and normalizes the request for the engine.
     pub fn validate(&self, limits: &Limits) -> Result<GenerationRequest, ProtocolError> {
         require_model(&self.model)?;
+        crate::params::router_no_ops(&crate::params::RouterFields {
+            no_stop_trim: self.no_stop_trim,
+            continue_final_message: self.continue_final_message,
+            skip_special_tokens: self.skip_special_tokens,
+            return_hidden_states: self.return_hidden_states,
+        })?;
         if self.echo == Some(true) {
             return Err(unsupported("echo", "echo is"));
         }

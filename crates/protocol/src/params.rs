@@ -314,6 +314,34 @@ pub(crate) fn integer_min(param: &str, v: i64, min: i64) -> Result<(), ProtocolE
 }
 
 /// A parameter we parse but do not implement.
+/// The fields a router in front of us (SGLang's gateway, vllm-router) sets on every request,
+/// whose values could change the output. `separate_reasoning`, `stream_reasoning` and
+/// `include_reasoning` are accepted at any value: this server emits no reasoning content.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RouterFields {
+    pub(crate) no_stop_trim: Option<bool>,
+    pub(crate) continue_final_message: Option<bool>,
+    pub(crate) skip_special_tokens: Option<bool>,
+    pub(crate) return_hidden_states: Option<bool>,
+}
+
+/// Accepts the routers' fields at the values they send by default (which change nothing here)
+/// and refuses the others by name, so tokenpath serves behind those routers.
+pub(crate) fn router_no_ops(f: &RouterFields) -> Result<(), ProtocolError> {
+    let checks = [
+        ("no_stop_trim", f.no_stop_trim, false, "keeping the stop string is"),
+        ("continue_final_message", f.continue_final_message, false, "continuing the final message is"),
+        ("skip_special_tokens", f.skip_special_tokens, true, "emitting special tokens is"),
+        ("return_hidden_states", f.return_hidden_states, false, "returning hidden states is"),
+    ];
+    for (param, value, no_op, what) in checks {
+        if value.is_some_and(|v| v != no_op) {
+            return Err(unsupported(param, what));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn unsupported(param: &str, what: &str) -> ProtocolError {
     ProtocolError::invalid(param, format!("Invalid '{param}': {what} not supported by this server."))
 }
