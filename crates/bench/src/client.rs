@@ -57,6 +57,26 @@ pub fn messages_of(spec: &RequestSpec, history: &[PromptMessage]) -> Vec<PromptM
     m
 }
 
+/// The request body: only the fields that are set (a strict server — vllm-router, SGLang's
+/// gateway, OpenAI itself — refuses `"ignore_eos": null` or `"stream_options": null`).
+fn chat_body(target: &Target, messages: &[PromptMessage], max_tokens: u32) -> serde_json::Value {
+    let messages: Vec<serde_json::Value> =
+        messages.iter().map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content})).collect();
+    let mut body = serde_json::json!({
+        "model": target.model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": target.stream,
+    });
+    if target.stream {
+        body["stream_options"] = serde_json::json!({"include_usage": true});
+    }
+    if target.ignore_eos {
+        body["ignore_eos"] = serde_json::Value::Bool(true);
+    }
+    body
+}
+
 /// Like [`send`] with explicit chat `messages`; also returns the generated text (empty on
 /// failure), which a multi-turn session puts into its next prompt.
 pub async fn send_chat(
@@ -70,16 +90,7 @@ pub async fn send_chat(
 ) -> (ClientRecord, String) {
     let t_send = since(t0);
     let mut rec = ClientRecord::new(RequestId(id), t_sched.unwrap_or(t_send), t_send, target.stream);
-    let messages: Vec<serde_json::Value> =
-        messages.iter().map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content})).collect();
-    let body = serde_json::json!({
-        "model": target.model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "stream": target.stream,
-        "stream_options": if target.stream { serde_json::json!({"include_usage": true}) } else { serde_json::Value::Null },
-        "ignore_eos": if target.ignore_eos { serde_json::Value::Bool(true) } else { serde_json::Value::Null },
-    });
+    let body = chat_body(target, messages, max_tokens);
     let mut text = String::new();
     let fut = exchange(client, target, body, &mut rec, &mut text, t0);
     match tokio::time::timeout(target.timeout, fut).await {
@@ -211,4 +222,32 @@ fn finish_reason(
 ) -> Result<(), Failure> {
     rec.outcome = Outcome::Ok { finish_reason: reason.map(|r| r.as_str().to_owned()) };
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: every body carried `"ignore_eos": null` (and `"stream_options": null` when not
+    /// streaming), which strict servers answer with 400 or 422.
+    #[test]
+    fn a_body_carries_only_the_fields_that_are_set() {
+        let mut t = Target {
+            url: String::new(),
+            model: "m".into(),
+            api_key: None,
+            stream: false,
+            ignore_eos: false,
+            timeout: Duration::from_secs(1),
+        };
+        let b = chat_body(&t, &[], 4);
+        let keys: Vec<&str> = b.as_object().map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
+        assert_eq!(keys, ["max_tokens", "messages", "model", "stream"]);
+        t.stream = true;
+        t.ignore_eos = true;
+        let b = chat_body(&t, &[], 4);
+        assert_eq!(b["stream_options"]["include_usage"], true);
+        assert_eq!(b["ignore_eos"], true);
+        assert!(!b.to_string().contains("null"), "{b}");
+    }
 }

@@ -63,8 +63,13 @@ impl std::str::FromStr for Persona {
 pub struct MockConfig {
     /// Which engine it plays.
     pub persona: Persona,
-    /// Content chunks per answer (one token each).
+    /// Content chunks per answer (one token each); 0: as many as the request's `max_tokens`
+    /// (at most [`MAX_REPLY_TOKENS`], [`DEFAULT_REPLY_TOKENS`] when it gives none).
     pub tokens: usize,
+    /// Pause between a stream's events (zero: the whole stream in one write).
+    pub token_delay: std::time::Duration,
+    /// Send the usage chunk on every stream, asked for or not.
+    pub always_usage: bool,
     /// The model name it lists and answers with.
     pub model: String,
     /// Append every generation request here (JSONL).
@@ -73,8 +78,10 @@ pub struct MockConfig {
 
 /// Most bytes of a request body it reads.
 const MAX_BODY: usize = 1 << 20;
-/// The prompt length it reports (it reads no tokenizer).
-const PROMPT_TOKENS: u64 = 8;
+/// Longest reply, whatever `max_tokens` says: one request's cost stays bounded.
+pub const MAX_REPLY_TOKENS: usize = 256;
+/// Reply length when the request gives no `max_tokens` (and `tokens` is 0).
+pub const DEFAULT_REPLY_TOKENS: usize = 4;
 
 struct Mock {
     config: MockConfig,
@@ -184,15 +191,27 @@ async fn generate(
     let chat = uri.path().ends_with("/chat/completions");
     let answer = Answer::new(&m.config, &v, chat);
     if v["stream"] == json!(true) {
-        let chunks = answer.chunks(v.pointer("/stream_options/include_usage") == Some(&json!(true)));
-        let stream = futures_util::stream::iter(chunks.into_iter().map(move |c| {
-            let _keep = &running;
-            Ok::<_, std::convert::Infallible>(Bytes::from(c))
-        }));
+        let usage = m.config.always_usage || v.pointer("/stream_options/include_usage") == Some(&json!(true));
+        let chunks = answer.chunks(usage);
+        let delay = m.config.token_delay;
+        let body = if delay.is_zero() {
+            // One write for the whole answer: the cheapest stream a server can send.
+            drop(running);
+            Body::from(chunks.concat())
+        } else {
+            let s = futures_util::stream::unfold((chunks.into_iter(), true, running), move |(mut it, first, r)| async move {
+                let c = it.next()?;
+                if !first {
+                    tokio::time::sleep(delay).await;
+                }
+                Some((Ok::<_, std::convert::Infallible>(Bytes::from(c)), (it, false, r)))
+            });
+            Body::from_stream(s)
+        };
         Response::builder()
             .header("content-type", "text/event-stream")
             .header("cache-control", "no-cache")
-            .body(Body::from_stream(stream))
+            .body(body)
             .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response"))
     } else {
         drop(running);
@@ -205,16 +224,23 @@ struct Answer {
     chat: bool,
     model: String,
     tokens: usize,
+    prompt_tokens: u64,
     cached: u64,
     extra: Option<(&'static str, Value)>,
 }
 
 impl Answer {
     fn new(config: &MockConfig, v: &Value, chat: bool) -> Self {
+        let asked = v.get("max_completion_tokens").or_else(|| v.get("max_tokens")).and_then(Value::as_u64);
+        let tokens = match config.tokens {
+            0 => asked.map_or(DEFAULT_REPLY_TOKENS, |n| usize::try_from(n).unwrap_or(MAX_REPLY_TOKENS)),
+            n => n,
+        };
         let mut a = Self {
             chat,
             model: v["model"].as_str().unwrap_or(&config.model).to_owned(),
-            tokens: config.tokens.max(1),
+            tokens: tokens.clamp(1, MAX_REPLY_TOKENS),
+            prompt_tokens: prompt_words(v),
             cached: 0,
             extra: None,
         };
@@ -229,20 +255,20 @@ impl Answer {
                         "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}),
                 ));
             }
-            Persona::VllmDecode if v.get("kv_transfer_params").is_some() => a.cached = PROMPT_TOKENS,
+            Persona::VllmDecode if v.get("kv_transfer_params").is_some() => a.cached = a.prompt_tokens,
             Persona::SglangPrefill => {
                 a.tokens = 1;
                 a.cached = 2;
             }
-            Persona::SglangDecode => a.cached = PROMPT_TOKENS,
+            Persona::SglangDecode => a.cached = a.prompt_tokens,
             _ => {}
         }
         a
     }
 
     fn usage(&self) -> Value {
-        json!({"prompt_tokens": PROMPT_TOKENS, "completion_tokens": self.tokens,
-            "total_tokens": PROMPT_TOKENS + self.tokens as u64,
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+            "total_tokens": self.prompt_tokens + self.tokens as u64,
             "prompt_tokens_details": {"cached_tokens": self.cached}})
     }
 
@@ -277,12 +303,16 @@ impl Answer {
         let chunk = |choices: Value| {
             json!({"id": "mock-1", "object": self.object(false), "created": 1, "model": self.model, "choices": choices})
         };
-        let mut out: Vec<String> = (0..self.tokens)
+        // A chat stream opens with the role, as the engines' do.
+        let role = self.chat.then(|| {
+            event(chunk(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}])))
+        });
+        let mut out: Vec<String> = role.into_iter().collect();
+        out.extend((0..self.tokens)
             .map(|i| {
                 let finish = if i + 1 == self.tokens { json!("length") } else { Value::Null };
                 event(chunk(json!([self.choice(" tok", finish, false)])))
-            })
-            .collect();
+            }));
         if usage {
             let mut last = chunk(json!([]));
             last["usage"] = self.usage();
@@ -290,6 +320,25 @@ impl Answer {
         }
         out.push("data: [DONE]\n\n".into());
         out
+    }
+}
+
+/// A prompt's length in whitespace-separated words: it reads no tokenizer, and a count that is
+/// consistent between the answer and `usage` is all a client benchmark needs.
+fn prompt_words(v: &Value) -> u64 {
+    let words = |s: &str| s.split_whitespace().count() as u64;
+    match (v.get("messages"), v.get("prompt")) {
+        (Some(Value::Array(msgs)), _) => msgs
+            .iter()
+            .map(|m| match m.get("content") {
+                Some(Value::String(s)) => words(s),
+                Some(Value::Array(parts)) => parts.iter().filter_map(|p| p.get("text")?.as_str()).map(words).sum(),
+                _ => 0,
+            })
+            .sum(),
+        (_, Some(Value::String(s))) => words(s),
+        (_, Some(Value::Array(a))) => a.len() as u64,
+        _ => 0,
     }
 }
 
@@ -304,18 +353,38 @@ mod tests {
     use super::*;
 
     fn config(persona: Persona) -> MockConfig {
-        MockConfig { persona, tokens: 3, model: "m".into(), log: None }
+        MockConfig {
+            persona,
+            tokens: 3,
+            model: "m".into(),
+            log: None,
+            token_delay: std::time::Duration::ZERO,
+            always_usage: false,
+        }
     }
 
     #[test]
     fn a_stream_has_one_chunk_per_token_then_usage_and_done() {
         let a = Answer::new(&config(Persona::Plain), &json!({"model": "x"}), true);
         let c = a.chunks(true);
-        assert_eq!(c.len(), 3 + 2);
-        assert!(c[2].contains("\"finish_reason\":\"length\""), "{}", c[2]);
-        assert!(c[3].contains("\"completion_tokens\":3"), "{}", c[3]);
-        assert_eq!(c[4], "data: [DONE]\n\n");
-        assert_eq!(a.chunks(false).len(), 4, "no usage unless asked");
+        assert_eq!(c.len(), 1 + 3 + 2);
+        assert!(c[0].contains("\"role\":\"assistant\""), "{}", c[0]);
+        assert!(c[3].contains("\"finish_reason\":\"length\""), "{}", c[3]);
+        assert!(c[4].contains("\"completion_tokens\":3"), "{}", c[4]);
+        assert_eq!(c[5], "data: [DONE]\n\n");
+        assert_eq!(a.chunks(false).len(), 5, "no usage unless asked");
+        let text = Answer::new(&config(Persona::Plain), &json!({"prompt": "a b"}), false);
+        assert_eq!(text.chunks(false).len(), 3 + 1, "no role event on a completions stream");
+    }
+
+    #[test]
+    fn with_tokens_0_the_answer_is_as_long_as_asked_and_bounded() {
+        let c = MockConfig { tokens: 0, ..config(Persona::Plain) };
+        let body = json!({"messages": [{"role": "user", "content": "one two three"}], "max_tokens": 7});
+        let w = Answer::new(&c, &body, true).whole();
+        assert_eq!((w["usage"]["completion_tokens"].as_u64(), w["usage"]["prompt_tokens"].as_u64()), (Some(7), Some(3)));
+        assert_eq!(Answer::new(&c, &json!({}), true).tokens, DEFAULT_REPLY_TOKENS);
+        assert_eq!(Answer::new(&c, &json!({"max_tokens": 1_000_000}), true).tokens, MAX_REPLY_TOKENS);
     }
 
     #[test]
