@@ -7,7 +7,8 @@
 //! token) and `decode` (first → last token) are measured here, on the gateway's clock, and
 //! marked `gateway`; stages the engine reports — vLLM's per-request `metrics` (`queue_time_ms`,
 //! `time_to_first_token_ms`, `generation_time_ms`), llama.cpp's `timings` (`prompt_ms`,
-//! `predicted_ms`), a tokenpath upstream's `timing` — replace them, marked `engine`. In PD the
+//! `predicted_ms`), Dynamo's `nvext.timing`, a tokenpath upstream's `timing` — replace them,
+//! marked `engine`. In PD the
 //! prefill leg is `prefill` (admitted → its answer; its engine's queue and prefill replace it
 //! when reported), `decode_queue` is the prefill's end → the decode leg's first token (KV
 //! transfer, the decode engine's queue and first step: one stage, since no engine reports the
@@ -549,6 +550,17 @@ pub(super) fn engine_stages(v: &Value, out: &mut BTreeMap<Stage, f64>) {
         take(Stage::Prefill, t.get("prompt_ms"));
         take(Stage::Decode, t.get("predicted_ms"));
     }
+    // Dynamo's frontend, when the request asked `nvext.extra_fields: ["timing"]`: its queue
+    // (`prefill_wait_time_ms`), prefill, and decode as total minus time to first token (both on
+    // its one clock).
+    if let Some(t) = v.pointer("/nvext/timing") {
+        take(Stage::Queue, t.get("prefill_wait_time_ms"));
+        take(Stage::Prefill, t.get("prefill_time_ms"));
+        let f = |k: &str| t.get(k).and_then(Value::as_f64);
+        if let (Some(total), Some(ttft)) = (f("total_time_ms"), f("ttft_ms")) {
+            take(Stage::Decode, Some(&Value::from(total - ttft)));
+        }
+    }
     if let Some(stages) = v.pointer("/timing/stages_ms").and_then(Value::as_object) {
         // A tokenpath upstream's own gateway stage is not ours: ours is measured here.
         for stage in Stage::ALL.into_iter().filter(|s| *s != Stage::Gateway) {
@@ -579,5 +591,15 @@ mod tests {
             &mut out,
         );
         assert_eq!(out, BTreeMap::from([(Stage::Queue, 1.0), (Stage::KvTransfer, 2.0)]));
+        let mut out = BTreeMap::new();
+        engine_stages(
+            &serde_json::json!({"nvext": {"timing": {"request_received_ms": 1_700_000_000_000u64,
+                "prefill_wait_time_ms": 2.0, "prefill_time_ms": 30.0, "ttft_ms": 33.0, "total_time_ms": 133.5}}}),
+            &mut out,
+        );
+        assert_eq!(out, BTreeMap::from([(Stage::Queue, 2.0), (Stage::Prefill, 30.0), (Stage::Decode, 100.5)]));
+        let mut out = BTreeMap::new();
+        engine_stages(&serde_json::json!({"nvext": {"timing": {"ttft_ms": 33.0}}}), &mut out);
+        assert!(out.is_empty(), "no total: no decode stage invented");
     }
 }
