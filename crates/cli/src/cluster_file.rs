@@ -10,7 +10,7 @@
 
 use anyhow::Context as _;
 use std::path::{Path, PathBuf};
-use tokenpath_gateway::upstream::{UpstreamKind, UpstreamSpec};
+use tokenpath_gateway::upstream::UpstreamSpec;
 use tokenpath_protocol::cluster::WorkerRole;
 
 /// What a cluster file lists.
@@ -124,14 +124,6 @@ fn upstream(
     env: &impl Fn(&str) -> Option<String>,
     tokenizer: &mut Option<PathBuf>,
 ) -> anyhow::Result<UpstreamEntry> {
-    let kind: UpstreamKind = u.kind.as_deref().unwrap_or("openai").parse().map_err(anyhow::Error::msg)?;
-    let role = match u.role.as_deref() {
-        Some(r) => r.parse::<WorkerRole>()?,
-        None if kind.disaggregated() => {
-            anyhow::bail!("a {kind} upstream needs role = \"prefill\" or \"decode\"")
-        }
-        None => WorkerRole::Both,
-    };
     let api_key = match &u.api_key_env {
         Some(var) => Some(env(var).filter(|k| !k.is_empty()).with_context(|| {
             format!("api_key_env names {var}, which is not set")
@@ -148,15 +140,14 @@ fn upstream(
             _ => *tokenizer = Some(t),
         }
     }
-    let spec = UpstreamSpec {
-        url: u.url,
-        kind,
-        role,
-        model: u.model,
-        bootstrap_port: u.bootstrap_port,
+    let spec = UpstreamSpec::from_parts(
+        u.url,
+        u.kind.as_deref(),
+        u.role.as_deref(),
+        u.model,
+        u.bootstrap_port,
         api_key,
-    }
-    .validated()?;
+    )?;
     Ok(UpstreamEntry { spec, discover: u.discover })
 }
 
@@ -164,6 +155,7 @@ fn upstream(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use tokenpath_gateway::upstream::UpstreamKind;
 
     fn no_env(_: &str) -> Option<String> {
         None

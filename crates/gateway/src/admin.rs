@@ -3,7 +3,7 @@
 //! upstreams of a pool, added and removed at run time.
 
 use crate::error::Reject;
-use crate::upstream::{Added, UpstreamKind, UpstreamSpec, MAX_UPSTREAMS};
+use crate::upstream::{Added, UpstreamSpec, MAX_UPSTREAMS};
 use crate::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -159,22 +159,11 @@ pub(crate) async fn register_upstream(
         Err(resp) => return *resp,
     };
     let Some(pool) = app.upstreams.as_ref() else { return no_pool() };
-    let kind = match r.kind.as_deref().unwrap_or("openai").parse::<UpstreamKind>() {
-        Ok(k) => k,
-        Err(m) => return Reject::new(ApiError::invalid_request(m, Some("kind".into()))).into_response(),
-    };
-    let role = match r.role.as_deref().unwrap_or("both").parse::<WorkerRole>() {
-        Ok(role) => role,
-        Err(e) => return Reject::from_backend(&e, "role").into_response(),
-    };
-    let spec = UpstreamSpec {
-        url: r.url,
-        kind,
-        role,
-        model: r.model,
-        bootstrap_port: r.bootstrap_port,
-        api_key: r.api_key,
-    };
+    let spec =
+        match UpstreamSpec::from_parts(r.url, r.kind.as_deref(), r.role.as_deref(), r.model, r.bootstrap_port, r.api_key) {
+            Ok(spec) => spec,
+            Err(e) => return Reject::from_backend(&e, "url").into_response(),
+        };
     match pool.add(spec).await {
         Ok(Added::Added | Added::Known) => json_ok(serde_json::json!({ "registered": true })),
         Ok(Added::Conflict(why)) => Reject::new(ApiError::conflict(why)).into_response(),

@@ -128,6 +128,32 @@ impl UpstreamSpec {
         }
     }
 
+    /// An upstream as an operator writes it (a cluster file's `[[upstream]]` table, the body of
+    /// `POST /admin/upstreams`): kind `openai` when absent, role `both` when absent for a
+    /// colocated kind (a PD kind needs one); then [`Self::validated`].
+    pub fn from_parts(
+        url: String,
+        kind: Option<&str>,
+        role: Option<&str>,
+        model: Option<String>,
+        bootstrap_port: Option<u16>,
+        api_key: Option<String>,
+    ) -> Result<Self, ProtocolError> {
+        let kind: UpstreamKind =
+            kind.unwrap_or("openai").parse().map_err(|m: String| ProtocolError::invalid("kind", m))?;
+        let role = match role {
+            Some(r) => r.parse::<WorkerRole>()?,
+            None if kind.disaggregated() => {
+                return Err(ProtocolError::invalid(
+                    "role",
+                    format!("a {kind} upstream needs role \"prefill\" or \"decode\""),
+                ))
+            }
+            None => WorkerRole::Both,
+        };
+        Self { url, kind, role, model, bootstrap_port, api_key }.validated()
+    }
+
     /// Checks the URL (http or https, bounded, no credentials or query), the role against the
     /// kind, and that only an SGLang prefill server has a bootstrap port; the URL comes back
     /// without a trailing `/`.
