@@ -241,7 +241,8 @@ mod tests {
             timeout: Duration::from_secs(1),
         };
         let b = chat_body(&t, &[], 4);
-        let keys: Vec<&str> = b.as_object().map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
+        let keys: Vec<&str> =
+            b.as_object().map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
         assert_eq!(keys, ["max_tokens", "messages", "model", "stream"]);
         t.stream = true;
         t.ignore_eos = true;

@@ -199,13 +199,16 @@ async fn generate(
             drop(running);
             Body::from(chunks.concat())
         } else {
-            let s = futures_util::stream::unfold((chunks.into_iter(), true, running), move |(mut it, first, r)| async move {
-                let c = it.next()?;
-                if !first {
-                    tokio::time::sleep(delay).await;
-                }
-                Some((Ok::<_, std::convert::Infallible>(Bytes::from(c)), (it, false, r)))
-            });
+            let s = futures_util::stream::unfold(
+                (chunks.into_iter(), true, running),
+                move |(mut it, first, r)| async move {
+                    let c = it.next()?;
+                    if !first {
+                        tokio::time::sleep(delay).await;
+                    }
+                    Some((Ok::<_, std::convert::Infallible>(Bytes::from(c)), (it, false, r)))
+                },
+            );
             Body::from_stream(s)
         };
         Response::builder()
@@ -245,7 +248,9 @@ impl Answer {
             extra: None,
         };
         match config.persona {
-            Persona::VllmPrefill if v.pointer("/kv_transfer_params/do_remote_decode") == Some(&json!(true)) => {
+            Persona::VllmPrefill
+                if v.pointer("/kv_transfer_params/do_remote_decode") == Some(&json!(true)) =>
+            {
                 a.tokens = 1;
                 a.cached = 2;
                 a.extra = Some((
@@ -274,7 +279,9 @@ impl Answer {
 
     fn choice(&self, text: &str, finish: Value, whole: bool) -> Value {
         match (self.chat, whole) {
-            (true, true) => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}),
+            (true, true) => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
+            }
             (true, false) => json!({"index": 0, "delta": {"content": text}, "finish_reason": finish}),
             (false, _) => json!({"index": 0, "text": text, "finish_reason": finish}),
         }
@@ -300,19 +307,18 @@ impl Answer {
 
     fn chunks(&self, usage: bool) -> Vec<String> {
         let event = |v: Value| format!("data: {v}\n\n");
-        let chunk = |choices: Value| {
-            json!({"id": "mock-1", "object": self.object(false), "created": 1, "model": self.model, "choices": choices})
-        };
+        let chunk = |choices: Value| json!({"id": "mock-1", "object": self.object(false), "created": 1, "model": self.model, "choices": choices});
         // A chat stream opens with the role, as the engines' do.
         let role = self.chat.then(|| {
-            event(chunk(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}])))
+            event(chunk(
+                json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]),
+            ))
         });
         let mut out: Vec<String> = role.into_iter().collect();
-        out.extend((0..self.tokens)
-            .map(|i| {
-                let finish = if i + 1 == self.tokens { json!("length") } else { Value::Null };
-                event(chunk(json!([self.choice(" tok", finish, false)])))
-            }));
+        out.extend((0..self.tokens).map(|i| {
+            let finish = if i + 1 == self.tokens { json!("length") } else { Value::Null };
+            event(chunk(json!([self.choice(" tok", finish, false)])))
+        }));
         if usage {
             let mut last = chunk(json!([]));
             last["usage"] = self.usage();
@@ -332,7 +338,9 @@ fn prompt_words(v: &Value) -> u64 {
             .iter()
             .map(|m| match m.get("content") {
                 Some(Value::String(s)) => words(s),
-                Some(Value::Array(parts)) => parts.iter().filter_map(|p| p.get("text")?.as_str()).map(words).sum(),
+                Some(Value::Array(parts)) => {
+                    parts.iter().filter_map(|p| p.get("text")?.as_str()).map(words).sum()
+                }
                 _ => 0,
             })
             .sum(),
@@ -343,7 +351,8 @@ fn prompt_words(v: &Value) -> u64 {
 }
 
 fn error(status: StatusCode, message: &str) -> Response {
-    let body = json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": null}});
+    let body =
+        json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": null}});
     (status, [("content-type", "application/json")], body.to_string()).into_response()
 }
 
@@ -382,7 +391,10 @@ mod tests {
         let c = MockConfig { tokens: 0, ..config(Persona::Plain) };
         let body = json!({"messages": [{"role": "user", "content": "one two three"}], "max_tokens": 7});
         let w = Answer::new(&c, &body, true).whole();
-        assert_eq!((w["usage"]["completion_tokens"].as_u64(), w["usage"]["prompt_tokens"].as_u64()), (Some(7), Some(3)));
+        assert_eq!(
+            (w["usage"]["completion_tokens"].as_u64(), w["usage"]["prompt_tokens"].as_u64()),
+            (Some(7), Some(3))
+        );
         assert_eq!(Answer::new(&c, &json!({}), true).tokens, DEFAULT_REPLY_TOKENS);
         assert_eq!(Answer::new(&c, &json!({"max_tokens": 1_000_000}), true).tokens, MAX_REPLY_TOKENS);
     }

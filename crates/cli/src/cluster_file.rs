@@ -125,9 +125,11 @@ fn upstream(
     tokenizer: &mut Option<PathBuf>,
 ) -> anyhow::Result<UpstreamEntry> {
     let api_key = match &u.api_key_env {
-        Some(var) => Some(env(var).filter(|k| !k.is_empty()).with_context(|| {
-            format!("api_key_env names {var}, which is not set")
-        })?),
+        Some(var) => Some(
+            env(var)
+                .filter(|k| !k.is_empty())
+                .with_context(|| format!("api_key_env names {var}, which is not set"))?,
+        ),
         None => None,
     };
     if let Some(t) = u.tokenizer {
@@ -220,7 +222,10 @@ mod tests {
             ("[[upstream]]\nurl = \"http://a:1\"\nkid = \"openai\"\n", "kid"),
             ("[[upstream]]\nurl = \"http://a:1\"\nkind = \"tgi\"\n", "unknown upstream kind"),
             ("[[upstream]]\nurl = \"http://a:1\"\nkind = \"vllm-pd\"\n", "needs role"),
-            ("[[upstream]]\nurl = \"http://a:1\"\nkind = \"vllm-pd\"\nrole = \"prefill\"\n", "no decode server"),
+            (
+                "[[upstream]]\nurl = \"http://a:1\"\nkind = \"vllm-pd\"\nrole = \"prefill\"\n",
+                "no decode server",
+            ),
             ("[[upstream]]\nurl = \"http://a:1\"\napi_key_env = \"NOPE\"\n", "NOPE, which is not set"),
             ("[[upstream]]\nurl = \"ftp://a:1\"\n", "http:// or https://"),
             ("[[upstream]]\nurl = \"http://a:1\"\n[[upstream]]\nurl = \"http://a:1/\"\n", "listed twice"),

@@ -7,11 +7,11 @@ mod bench_kv;
 mod compare;
 mod demo;
 mod generate;
+mod mock_engine;
 mod output;
 mod secret;
 mod serve;
 mod topology;
-mod mock_engine;
 mod upstream;
 mod worker;
 

@@ -51,8 +51,9 @@ pub fn run(args: MockEngineArgs) -> anyhow::Result<()> {
         n => tokio::runtime::Builder::new_multi_thread().worker_threads(n).enable_all().build()?,
     };
     runtime.block_on(async {
-        let listener =
-            tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("binding {}", args.listen))?;
         let bound = listener.local_addr()?;
         // Scripts read the port from stdout (`--listen 127.0.0.1:0`).
         println!("port={}", bound.port());

@@ -9,12 +9,12 @@
 use crate::generate::ModelArgs;
 use crate::secret::Secret;
 use crate::topology::{Children, CpuList, SecretArgs};
-use tokenpath_cli::cluster_file::{self, ClusterPlan};
 use anyhow::Context as _;
 use clap::Args;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tokenpath_cli::cluster_file::{self, ClusterPlan};
 use tokenpath_gateway::cluster::{Cluster, Registry};
 use tokenpath_gateway::{AdminKey, ApiKeys, Gateway, GatewayConfig};
 use tokenpath_protocol::auth::ClusterSecret;

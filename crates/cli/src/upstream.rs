@@ -118,8 +118,8 @@ impl UpstreamArgs {
             idle_timeout: Duration::from_secs(self.upstream_idle_timeout_s.max(1)),
         };
         let (found, fixed): (Vec<_>, Vec<_>) = entries.into_iter().partition(|e| e.discover);
-        let upstream =
-            UpstreamPool::new(pool, fixed.into_iter().map(|e| e.spec).collect()).map_err(anyhow::Error::msg)?;
+        let upstream = UpstreamPool::new(pool, fixed.into_iter().map(|e| e.spec).collect())
+            .map_err(anyhow::Error::msg)?;
         for e in found {
             tracing::info!(name = %e.spec.url, kind = %e.spec.kind, "discovering upstreams by DNS");
             upstream.discover(e.spec, DNS_INTERVAL).map_err(anyhow::Error::msg)?;

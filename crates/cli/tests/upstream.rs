@@ -69,7 +69,9 @@ fn the_gateway_in_front_of_a_running_engine_serves_its_answers() {
     let file = dir.join("cluster.toml");
     std::fs::write(
         &file,
-        format!("[[upstream]]\nurl = \"{url}\"\nkind = \"tokenpath\"\napi_key_env = \"TP_TEST_UPSTREAM_KEY\"\n"),
+        format!(
+            "[[upstream]]\nurl = \"{url}\"\nkind = \"tokenpath\"\napi_key_env = \"TP_TEST_UPSTREAM_KEY\"\n"
+        ),
     )
     .unwrap();
     let missing = std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))

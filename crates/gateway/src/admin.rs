@@ -159,11 +159,17 @@ pub(crate) async fn register_upstream(
         Err(resp) => return *resp,
     };
     let Some(pool) = app.upstreams.as_ref() else { return no_pool() };
-    let spec =
-        match UpstreamSpec::from_parts(r.url, r.kind.as_deref(), r.role.as_deref(), r.model, r.bootstrap_port, r.api_key) {
-            Ok(spec) => spec,
-            Err(e) => return Reject::from_backend(&e, "url").into_response(),
-        };
+    let spec = match UpstreamSpec::from_parts(
+        r.url,
+        r.kind.as_deref(),
+        r.role.as_deref(),
+        r.model,
+        r.bootstrap_port,
+        r.api_key,
+    ) {
+        Ok(spec) => spec,
+        Err(e) => return Reject::from_backend(&e, "url").into_response(),
+    };
     match pool.add(spec).await {
         Ok(Added::Added | Added::Known) => json_ok(serde_json::json!({ "registered": true })),
         Ok(Added::Conflict(why)) => Reject::new(ApiError::conflict(why)).into_response(),

@@ -185,9 +185,13 @@ async fn sglang_pd_waits_for_a_slow_prefill_leg_before_usage() {
         let body = if stream { body } else { base(json!({})) };
         let resp = chat(&server, &body).await;
         assert_eq!(resp.status(), 200);
-        let events = if stream { Events::new(resp).rest().await.unwrap() } else { vec![resp.json().await.unwrap()] };
+        let events =
+            if stream { Events::new(resp).rest().await.unwrap() } else { vec![resp.json().await.unwrap()] };
         let usage = events.iter().find_map(|e| e.get("usage").filter(|u| u.is_object())).unwrap();
-        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 2, "stream {stream}: the prefill leg's count");
+        assert_eq!(
+            usage["prompt_tokens_details"]["cached_tokens"], 2,
+            "stream {stream}: the prefill leg's count"
+        );
         let t = timing_of(&events);
         assert!(t["stages_ms"]["prefill"].is_number(), "{t}");
         assert_eq!(source(&t, "prefill").as_deref(), Some("gateway"), "the prefill leg's end, measured: {t}");

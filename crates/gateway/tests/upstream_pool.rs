@@ -17,7 +17,8 @@ use tokenpath_gateway::upstream::{UpstreamPool, UpstreamSpec, BALANCE_THRESHOLD,
 /// A prompt of many router blocks (a long shared system message), then `tail`; `extra` fields.
 fn long_prompt(tail: &str, extra: Value) -> Value {
     let prefix: String = (0..120).map(|i| format!("rule {i} of the house; ")).collect();
-    let mut b = base(json!({"messages": [{"role": "system", "content": prefix}, {"role": "user", "content": tail}]}));
+    let mut b =
+        base(json!({"messages": [{"role": "system", "content": prefix}, {"role": "user", "content": tail}]}));
     for (k, v) in extra.as_object().unwrap() {
         b[k] = v.clone();
     }
@@ -25,7 +26,8 @@ fn long_prompt(tail: &str, extra: Value) -> Value {
 }
 
 async fn admin(server: &common::Server, method: reqwest::Method, body: Option<Value>) -> reqwest::Response {
-    let mut req = server.client.request(method, server.url("/admin/upstreams")).bearer_auth(common::ADMIN_KEY);
+    let mut req =
+        server.client.request(method, server.url("/admin/upstreams")).bearer_auth(common::ADMIN_KEY);
     if let Some(b) = body {
         req = req.json(&b);
     }
@@ -92,7 +94,8 @@ async fn a_failing_upstream_is_retried_elsewhere_then_ejected() {
     // while it is routable.
     let n = EJECT_AFTER as usize + 4;
     for i in 0..n {
-        let resp = chat(&server, &base(json!({"messages": [{"role": "user", "content": format!("q{i}")}]}))).await;
+        let resp =
+            chat(&server, &base(json!({"messages": [{"role": "user", "content": format!("q{i}")}]}))).await;
         assert_eq!(resp.status(), 200, "the retry before the first byte hides the failure");
     }
     assert_eq!(a.count(), EJECT_AFTER as usize, "ejected after {EJECT_AFTER} failures in a row");
@@ -151,8 +154,10 @@ async fn the_admin_api_adds_lists_and_removes_upstreams() {
     assert_eq!(resp.status(), 200);
     let again = admin(&server, post, Some(json!({"url": format!("{}/", b.url)}))).await;
     assert_eq!(again.status(), 200, "the same upstream again is no error");
-    wait_for("b healthy", async || listed(&server).await.iter().any(|u| u["url"] == b.url.as_str() && u["healthy"] == true))
-        .await;
+    wait_for("b healthy", async || {
+        listed(&server).await.iter().any(|u| u["url"] == b.url.as_str() && u["healthy"] == true)
+    })
+    .await;
     let view = listed(&server).await;
     assert_eq!(view.len(), 2);
     assert_eq!(view.iter().find(|u| u["url"] == b.url.as_str()).unwrap()["source"], "admin");
@@ -170,8 +175,10 @@ async fn the_admin_api_adds_lists_and_removes_upstreams() {
 async fn a_dns_name_becomes_one_member_per_address() {
     let a = fake_engine::start(Persona::Plain, "a").await;
     let port = a.url.rsplit(':').next().unwrap().to_owned();
-    let pool = UpstreamPool::new(pool_config(Duration::from_secs(10), Duration::from_secs(30)), vec![]).unwrap();
-    pool.discover(UpstreamSpec::openai(format!("http://localhost:{port}")), Duration::from_millis(200)).unwrap();
+    let pool =
+        UpstreamPool::new(pool_config(Duration::from_secs(10), Duration::from_secs(30)), vec![]).unwrap();
+    pool.discover(UpstreamSpec::openai(format!("http://localhost:{port}")), Duration::from_millis(200))
+        .unwrap();
     let server = serve_pool(pool.clone()).await;
     wait_for("the name resolved and probed", async || {
         pool.upstreams().await.iter().any(|u| u.url == a.url && u.healthy)

@@ -338,9 +338,12 @@ fn the_routers_extra_fields_are_accepted_at_their_defaults() {
     let extra = r#""no_stop_trim": false, "ignore_eos": false, "continue_final_message": false,
         "skip_special_tokens": true, "separate_reasoning": true, "stream_reasoning": true,
         "return_hidden_states": false, "include_reasoning": true, "logprobs": false"#;
-    let chat_body = format!(r#"{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "max_completion_tokens": 3, {extra}}}"#);
+    let chat_body = format!(
+        r#"{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "max_completion_tokens": 3, {extra}}}"#
+    );
     chat(&chat_body).unwrap();
-    let completion_body = format!(r#"{{"model": "m", "prompt": "hi", {}}}"#, extra.replace(r#", "logprobs": false"#, ""));
+    let completion_body =
+        format!(r#"{{"model": "m", "prompt": "hi", {}}}"#, extra.replace(r#", "logprobs": false"#, ""));
     completion(&completion_body).unwrap();
     for (field, value) in [
         ("no_stop_trim", "true"),
@@ -348,7 +351,9 @@ fn the_routers_extra_fields_are_accepted_at_their_defaults() {
         ("skip_special_tokens", "false"),
         ("return_hidden_states", "true"),
     ] {
-        let body = format!(r#"{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}"#);
+        let body = format!(
+            r#"{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}"#
+        );
         assert_eq!(param(chat(&body)), field);
         let body = format!(r#"{{"model": "m", "prompt": "hi", "{field}": {value}}}"#);
         assert_eq!(param(completion(&body)), field);

@@ -26,8 +26,8 @@ mod load;
 mod pool;
 mod relay;
 
-pub use discover::DNS_INTERVAL;
 pub use crate::route::BALANCE_THRESHOLD;
+pub use discover::DNS_INTERVAL;
 pub use pool::{Added, UpstreamPool, UpstreamView, EJECTION, EJECT_AFTER, MAX_UPSTREAMS};
 
 use std::time::Duration;

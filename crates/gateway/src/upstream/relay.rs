@@ -176,7 +176,9 @@ impl Relay {
             for ev in std::mem::take(&mut events) {
                 let mut flow = self.event(&ev.data, &mut seen, tx);
                 if matches!(flow, Flow::Settle) {
-                    let Some(rx) = concurrent.take() else { return self.fail(tx, "the prefill leg was lost".into()) };
+                    let Some(rx) = concurrent.take() else {
+                        return self.fail(tx, "the prefill leg was lost".into());
+                    };
                     if let Err(end) = self.settle(rx, idle, tx).await {
                         return end;
                     }
@@ -597,7 +599,10 @@ mod tests {
                 "prefill_wait_time_ms": 2.0, "prefill_time_ms": 30.0, "ttft_ms": 33.0, "total_time_ms": 133.5}}}),
             &mut out,
         );
-        assert_eq!(out, BTreeMap::from([(Stage::Queue, 2.0), (Stage::Prefill, 30.0), (Stage::Decode, 100.5)]));
+        assert_eq!(
+            out,
+            BTreeMap::from([(Stage::Queue, 2.0), (Stage::Prefill, 30.0), (Stage::Decode, 100.5)])
+        );
         let mut out = BTreeMap::new();
         engine_stages(&serde_json::json!({"nvext": {"timing": {"ttft_ms": 33.0}}}), &mut out);
         assert!(out.is_empty(), "no total: no decode stage invented");
