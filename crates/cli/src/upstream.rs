@@ -135,7 +135,7 @@ impl UpstreamArgs {
     }
 }
 
-/// `max_model_len` of the first model the upstream lists (vLLM, SGLang and tokenpath list it).
+/// The context length of the first model the upstream lists.
 async fn max_model_len(url: &str) -> anyhow::Result<usize> {
     let v: serde_json::Value = reqwest::Client::new()
         .get(format!("{}/v1/models", url.trim_end_matches('/')))
@@ -145,7 +145,10 @@ async fn max_model_len(url: &str) -> anyhow::Result<usize> {
         .error_for_status()?
         .json()
         .await?;
+    // vLLM, SGLang and tokenpath say `max_model_len`; llama.cpp's server its per-slot context
+    // under `meta.n_ctx`.
     v.pointer("/data/0/max_model_len")
+        .or_else(|| v.pointer("/data/0/meta/n_ctx"))
         .and_then(serde_json::Value::as_u64)
         .and_then(|n| usize::try_from(n).ok())
         .filter(|&n| n > 0)
