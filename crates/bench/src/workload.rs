@@ -318,12 +318,16 @@ impl Workload {
     pub fn requests_with(&self, n: usize, seed: u64, tok: Option<&dyn PromptTokenizer>) -> Vec<RequestSpec> {
         let n = self.len_limit().map_or(n, |l| n.min(l));
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x005e_ed0f_3077);
+        // Where in the text this run's prompts start: another seed, other bytes (a second run
+        // against a server with a prefix cache would otherwise measure its hits). A stream of its
+        // own, so the lengths each seed draws stay as they were.
+        let base = (ChaCha8Rng::seed_from_u64(seed ^ 0x7e47_0ff5_e7).next_u64() % 100_003) as usize;
         // Group prompts are drawn once, from their own offsets, so a group's requests share them
         // byte for byte.
         let group_prompts: Vec<String> = match self {
             Workload::SharedPrefix { groups, prefix, .. } => {
-                let base = (rng.next_u64() % 10_000) as usize;
-                (0..*groups).map(|g| text(tok, *prefix, base + g * 211)).collect()
+                let group_base = (rng.next_u64() % 10_000) as usize;
+                (0..*groups).map(|g| text(tok, *prefix, group_base + g * 211)).collect()
             }
             _ => Vec::new(),
         };
@@ -332,7 +336,7 @@ impl Workload {
             .map(|i| {
                 let simple = |input: usize, max_tokens: u32| RequestSpec {
                     system: None,
-                    prompt: text(tok, input, i * 37),
+                    prompt: text(tok, input, base + i * 37),
                     target_input_tokens: input,
                     max_tokens,
                     session: None,
@@ -358,7 +362,7 @@ impl Workload {
                             system: group_prompts.get(g).cloned(),
                             // A numbered tag keeps every suffix unique even where the prose
                             // repeats; the tag's tokens count towards the suffix length.
-                            prompt: tagged(tok, &format!("Request {i}:"), suf, 50_000 + i * 53),
+                            prompt: tagged(tok, &format!("Request {i}:"), suf, base + 50_000 + i * 53),
                             target_input_tokens: prefix + suf,
                             max_tokens: o,
                             session: None,
@@ -374,7 +378,7 @@ impl Workload {
                         let e = &t.entries[i];
                         let (prompt, len) = match (&e.prompt, e.prompt_tokens) {
                             (Some(p), n) => (p.clone(), n.unwrap_or_else(|| p.split_whitespace().count())),
-                            (None, Some(n)) => (text(tok, n, i * 37), n),
+                            (None, Some(n)) => (text(tok, n, base + i * 37), n),
                             (None, None) => (String::new(), 0),
                         };
                         RequestSpec {
@@ -457,6 +461,21 @@ mod tests {
         let w: Workload = "random:uniform:1-300:3-5".parse().unwrap();
         for s in w.requests_with(50, 8, Some(&ByteTokenizer)) {
             assert_eq!(s.prompt.len(), s.target_input_tokens);
+        }
+    }
+
+    /// Regression: every run sent the same prompt bytes whatever its seed, so a second run
+    /// against a prefix-caching server measured its hits.
+    #[test]
+    fn another_seed_sends_other_prompts_with_the_same_lengths() {
+        for spec in ["fixed:64:3", "shared-prefix:2:10:8-8:1-3"] {
+            let w: Workload = spec.parse().unwrap();
+            let (a, b) = (w.requests(8, 1), w.requests(8, 2));
+            assert!(a.iter().zip(&b).all(|(x, y)| x.prompt != y.prompt), "{spec}");
+            assert!(a
+                .iter()
+                .zip(&b)
+                .all(|(x, y)| x.target_input_tokens == y.target_input_tokens || spec.starts_with("shared")));
         }
     }
 
