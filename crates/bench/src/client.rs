@@ -26,6 +26,38 @@ pub struct Target {
     pub ignore_eos: bool,
     /// Give up on a request after this long.
     pub timeout: Duration,
+    /// Which API the requests go to.
+    pub endpoint: Endpoint,
+}
+
+/// The OpenAI API a bench talks to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions` with `messages` (the server applies its chat template).
+    #[default]
+    Chat,
+    /// `/v1/completions` with the raw `prompt` (the messages' text joined, no template).
+    Completions,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Self::Chat => "/v1/chat/completions",
+            Self::Completions => "/v1/completions",
+        }
+    }
+}
+
+impl std::str::FromStr for Endpoint {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "chat" => Ok(Self::Chat),
+            "completions" => Ok(Self::Completions),
+            _ => Err(format!("unknown endpoint {s:?}: expected chat or completions")),
+        }
+    }
 }
 
 fn since(t0: Instant) -> Nanos {
@@ -60,14 +92,25 @@ pub fn messages_of(spec: &RequestSpec, history: &[PromptMessage]) -> Vec<PromptM
 /// The request body: only the fields that are set (a strict server — vllm-router, SGLang's
 /// gateway, OpenAI itself — refuses `"ignore_eos": null` or `"stream_options": null`).
 fn chat_body(target: &Target, messages: &[PromptMessage], max_tokens: u32) -> serde_json::Value {
-    let messages: Vec<serde_json::Value> =
-        messages.iter().map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content})).collect();
     let mut body = serde_json::json!({
         "model": target.model,
-        "messages": messages,
         "max_tokens": max_tokens,
         "stream": target.stream,
     });
+    match target.endpoint {
+        Endpoint::Chat => {
+            let messages: Vec<serde_json::Value> = messages
+                .iter()
+                .map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content}))
+                .collect();
+            body["messages"] = messages.into();
+        }
+        // No template on this API: the texts in order, a blank line between them.
+        Endpoint::Completions => {
+            let prompt: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+            body["prompt"] = prompt.join("\n\n").into();
+        }
+    }
     if target.stream {
         body["stream_options"] = serde_json::json!({"include_usage": true});
     }
@@ -123,7 +166,7 @@ async fn exchange(
     text: &mut String,
     t0: Instant,
 ) -> Result<(), Failure> {
-    let url = format!("{}/v1/chat/completions", target.url.trim_end_matches('/'));
+    let url = format!("{}{}", target.url.trim_end_matches('/'), target.endpoint.path());
     let mut req = client.post(url).json(&body);
     if let Some(k) = &target.api_key {
         req = req.bearer_auth(k);
@@ -239,6 +282,7 @@ mod tests {
             stream: false,
             ignore_eos: false,
             timeout: Duration::from_secs(1),
+            endpoint: Endpoint::Chat,
         };
         let b = chat_body(&t, &[], 4);
         let keys: Vec<&str> =
@@ -250,5 +294,13 @@ mod tests {
         assert_eq!(b["stream_options"]["include_usage"], true);
         assert_eq!(b["ignore_eos"], true);
         assert!(!b.to_string().contains("null"), "{b}");
+        t.endpoint = Endpoint::Completions;
+        let m = [
+            PromptMessage::new(Role::System, "Be brief.".into()),
+            PromptMessage::new(Role::User, "Hi".into()),
+        ];
+        let b = chat_body(&t, &m, 4);
+        assert_eq!(b["prompt"], "Be brief.\n\nHi");
+        assert!(b.get("messages").is_none());
     }
 }

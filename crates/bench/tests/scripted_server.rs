@@ -77,6 +77,7 @@ fn config(addr: std::net::SocketAddr, stream: bool, num_requests: usize, timeout
             stream,
             ignore_eos: false,
             timeout,
+            endpoint: tokenpath_bench::client::Endpoint::Chat,
         },
         workload: Workload::Fixed { input: 16, output: 4 },
         arrival: Arrival::Constant { rate: 50.0 },

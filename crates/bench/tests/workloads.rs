@@ -76,6 +76,7 @@ fn target(url: &str, model: &str) -> Target {
         stream: true,
         ignore_eos: false,
         timeout: Duration::from_secs(20),
+        endpoint: tokenpath_bench::client::Endpoint::Chat,
     }
 }
 

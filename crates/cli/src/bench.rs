@@ -46,6 +46,10 @@ pub struct TargetArgs {
     /// Per-request timeout, seconds.
     #[arg(long, default_value_t = 300.0)]
     timeout_s: f64,
+    /// The API: `chat` (/v1/chat/completions, the server's chat template) or `completions`
+    /// (/v1/completions, the prompt text as is).
+    #[arg(long, default_value = "chat")]
+    endpoint: tokenpath_bench::client::Endpoint,
 }
 
 /// What load to offer.
@@ -136,6 +140,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             stream: !t.no_stream,
             ignore_eos: t.ignore_eos,
             timeout: Duration::from_secs_f64(t.timeout_s.max(0.001)),
+            endpoint: t.endpoint,
         },
         workload: args.load.workload.clone(),
         arrival,

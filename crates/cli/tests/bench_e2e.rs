@@ -36,6 +36,24 @@ fn serve_bench_compare_through_real_processes() {
     let (a, b) = (dir.join("a.json"), dir.join("b.json"));
     bench(port, &a);
     bench(port, &b);
+    // The legacy completions API, streamed and not: the raw prompt, the same token accounting.
+    for stream in [true, false] {
+        let c = dir.join(format!("completions-{stream}.json"));
+        let mut cmd = Command::new(BIN);
+        cmd.args(["bench", "--url", &format!("http://127.0.0.1:{port}"), "--endpoint", "completions"])
+            .args(["--workload", "fixed:24:6", "--num-requests", "4", "--concurrency", "2", "--ignore-eos"])
+            .arg("--out")
+            .arg(&c);
+        if !stream {
+            cmd.arg("--no-stream");
+        }
+        assert!(cmd.status().unwrap().success());
+        let run: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&c).unwrap()).unwrap();
+        assert_eq!(run["summary"]["completed"], 4, "{}", run["errors"]);
+        for r in run["requests"].as_array().unwrap() {
+            assert_eq!(r["usage"]["completion_tokens"], 6, "{r}");
+        }
+    }
     let _ = served.child.kill();
     let _ = served.child.wait();
 
