@@ -295,10 +295,7 @@ mod tests {
         assert_eq!(b["ignore_eos"], true);
         assert!(!b.to_string().contains("null"), "{b}");
         t.endpoint = Endpoint::Completions;
-        let m = [
-            PromptMessage::new(Role::System, "Be brief.".into()),
-            PromptMessage::new(Role::User, "Hi".into()),
-        ];
+        let m = [PromptMessage::new(Role::System, "Be brief."), PromptMessage::new(Role::User, "Hi")];
         let b = chat_body(&t, &m, 4);
         assert_eq!(b["prompt"], "Be brief.\n\nHi");
         assert!(b.get("messages").is_none());

@@ -321,7 +321,7 @@ impl Workload {
         // Where in the text this run's prompts start: another seed, other bytes (a second run
         // against a server with a prefix cache would otherwise measure its hits). A stream of its
         // own, so the lengths each seed draws stay as they were.
-        let base = (ChaCha8Rng::seed_from_u64(seed ^ 0x7e47_0ff5_e7).next_u64() % 100_003) as usize;
+        let base = (ChaCha8Rng::seed_from_u64(seed ^ 0x007e_470f_f5e7).next_u64() % 100_003) as usize;
         // Group prompts are drawn once, from their own offsets, so a group's requests share them
         // byte for byte.
         let group_prompts: Vec<String> = match self {
