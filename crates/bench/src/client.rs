@@ -197,6 +197,7 @@ async fn exchange(
     let mut stream = resp.bytes_stream();
     let mut finish = None;
     let mut done = false;
+    let mut counted = 0u64;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| ("stream_error".to_owned(), e.to_string()))?;
         let at = since(t0);
@@ -210,9 +211,17 @@ async fn exchange(
             if let Some(err) = view.error {
                 return Err(("stream_error".into(), err.message));
             }
-            // Without the model's tokenizer a content-bearing event counts as one token; the
-            // server's `usage` stays the truth for N_out.
-            rec.events.push(StreamEvent { at_ns: at, tokens: u32::from(view.carries_tokens()) });
+            // How many tokens this event carries: the growth of the cumulative usage a server
+            // streams on every chunk (vLLM's `continuous_usage_stats`), else one per
+            // content-bearing event; the final `usage` stays the truth for N_out.
+            let tokens = match &view.usage {
+                Some(u) if view.carries_tokens() && u.completion_tokens > counted => {
+                    u32::try_from(u.completion_tokens - counted).unwrap_or(u32::MAX)
+                }
+                _ => u32::from(view.carries_tokens()),
+            };
+            counted += u64::from(tokens);
+            rec.events.push(StreamEvent { at_ns: at, tokens });
             if text.len() + view.text.len() > MAX_RESPONSE_BODY {
                 return Err((
                     "too_large".into(),

@@ -70,6 +70,10 @@ pub struct MockConfig {
     pub token_delay: std::time::Duration,
     /// Send the usage chunk on every stream, asked for or not.
     pub always_usage: bool,
+    /// Tokens each content chunk carries (an engine that batches its stream output).
+    pub tokens_per_chunk: usize,
+    /// Every content chunk carries the cumulative `usage` (vLLM's `continuous_usage_stats`).
+    pub continuous_usage: bool,
     /// The model name it lists and answers with.
     pub model: String,
     /// Append every generation request here (JSONL).
@@ -192,7 +196,9 @@ async fn generate(
     let answer = Answer::new(&m.config, &v, chat);
     if v["stream"] == json!(true) {
         let usage = m.config.always_usage || v.pointer("/stream_options/include_usage") == Some(&json!(true));
-        let chunks = answer.chunks(usage);
+        let continuous = m.config.continuous_usage
+            || v.pointer("/stream_options/continuous_usage_stats") == Some(&json!(true));
+        let chunks = answer.chunks(usage, m.config.tokens_per_chunk.max(1), continuous);
         let delay = m.config.token_delay;
         let body = if delay.is_zero() {
             // One write for the whole answer: the cheapest stream a server can send.
@@ -305,7 +311,7 @@ impl Answer {
         v
     }
 
-    fn chunks(&self, usage: bool) -> Vec<String> {
+    fn chunks(&self, usage: bool, per_chunk: usize, continuous: bool) -> Vec<String> {
         let event = |v: Value| format!("data: {v}\n\n");
         let chunk = |choices: Value| json!({"id": "mock-1", "object": self.object(false), "created": 1, "model": self.model, "choices": choices});
         // A chat stream opens with the role, as the engines' do.
@@ -315,10 +321,18 @@ impl Answer {
             ))
         });
         let mut out: Vec<String> = role.into_iter().collect();
-        out.extend((0..self.tokens).map(|i| {
-            let finish = if i + 1 == self.tokens { json!("length") } else { Value::Null };
-            event(chunk(json!([self.choice(" tok", finish, false)])))
-        }));
+        let mut sent = 0;
+        while sent < self.tokens {
+            let n = per_chunk.min(self.tokens - sent);
+            sent += n;
+            let finish = if sent == self.tokens { json!("length") } else { Value::Null };
+            let mut c = chunk(json!([self.choice(&" tok".repeat(n), finish, false)]));
+            if continuous {
+                c["usage"] = json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": sent,
+                    "total_tokens": self.prompt_tokens + sent as u64});
+            }
+            out.push(event(c));
+        }
         if usage {
             let mut last = chunk(json!([]));
             last["usage"] = self.usage();
@@ -369,21 +383,23 @@ mod tests {
             log: None,
             token_delay: std::time::Duration::ZERO,
             always_usage: false,
+            tokens_per_chunk: 1,
+            continuous_usage: false,
         }
     }
 
     #[test]
     fn a_stream_has_one_chunk_per_token_then_usage_and_done() {
         let a = Answer::new(&config(Persona::Plain), &json!({"model": "x"}), true);
-        let c = a.chunks(true);
+        let c = a.chunks(true, 1, false);
         assert_eq!(c.len(), 1 + 3 + 2);
         assert!(c[0].contains("\"role\":\"assistant\""), "{}", c[0]);
         assert!(c[3].contains("\"finish_reason\":\"length\""), "{}", c[3]);
         assert!(c[4].contains("\"completion_tokens\":3"), "{}", c[4]);
         assert_eq!(c[5], "data: [DONE]\n\n");
-        assert_eq!(a.chunks(false).len(), 5, "no usage unless asked");
+        assert_eq!(a.chunks(false, 1, false).len(), 5, "no usage unless asked");
         let text = Answer::new(&config(Persona::Plain), &json!({"prompt": "a b"}), false);
-        assert_eq!(text.chunks(false).len(), 3 + 1, "no role event on a completions stream");
+        assert_eq!(text.chunks(false, 1, false).len(), 3 + 1, "no role event on a completions stream");
     }
 
     #[test]

@@ -25,6 +25,13 @@ pub struct MockEngineArgs {
     /// Send the usage chunk on every stream, asked for or not.
     #[arg(long)]
     always_usage: bool,
+    /// Tokens each content chunk carries.
+    #[arg(long, default_value_t = 1)]
+    tokens_per_chunk: usize,
+    /// Every content chunk carries the cumulative usage (vLLM's continuous_usage_stats); also
+    /// when a request asks with `stream_options.continuous_usage_stats`.
+    #[arg(long)]
+    continuous_usage: bool,
     /// Threads of its runtime (1: one core's worth, the cheapest when pinned).
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -45,6 +52,8 @@ pub fn run(args: MockEngineArgs) -> anyhow::Result<()> {
         log: args.log,
         token_delay: std::time::Duration::from_micros(args.token_delay_us),
         always_usage: args.always_usage,
+        tokens_per_chunk: args.tokens_per_chunk,
+        continuous_usage: args.continuous_usage,
     };
     let runtime = match args.threads {
         0 | 1 => tokio::runtime::Builder::new_current_thread().enable_all().build()?,
