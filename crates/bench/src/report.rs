@@ -227,6 +227,13 @@ impl Report {
         if stages.is_empty() {
             notes.push("the server sent no `timing`: no per-stage breakdown".into());
         }
+        let unsplit = ok.iter().filter(|r| tokens_unsplit(r)).count();
+        if unsplit > 0 {
+            notes.push(format!(
+                "{unsplit} streamed responses had more tokens than content events and no usage per \
+                 chunk: the split is unknown, so their ITL is per event (the chunk gap), not per token"
+            ));
+        }
         let token_check = crate::tokens::TokenCheck::of(in_window.iter().copied());
         if token_check.is_none() {
             notes.push(
@@ -340,6 +347,15 @@ pub fn load_records(path: &std::path::Path) -> Result<Vec<ClientRecord>, BenchEr
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| serde_json::from_str(l).map_err(|e| bad(i + 1, e)))
         .collect()
+}
+
+/// A streamed response whose `usage` counts more tokens than it had content events, each counted
+/// as one: the server put several tokens in an event and did not say how many.
+fn tokens_unsplit(r: &ClientRecord) -> bool {
+    let content: Vec<u32> = r.events.iter().map(|e| e.tokens).filter(|&t| t > 0).collect();
+    r.streamed
+        && content.iter().all(|&t| t == 1)
+        && r.usage.as_ref().is_some_and(|u| u.completion_tokens > content.len() as u64)
 }
 
 #[cfg(test)]

@@ -57,6 +57,7 @@ async fn each_event_counts_the_tokens_it_carries() {
             assert_eq!(content.iter().sum::<u32>(), 12, "the events' tokens add up to usage");
         }
         let report = Report::build(&records, &ReportOptions::default()).unwrap();
+        assert!(!report.notes.iter().any(|n| n.contains("split is unknown")), "{:?}", report.notes);
         let (itl, gap) = (report.summary.itl_ms.unwrap(), report.summary.chunk_gap_ms.unwrap());
         // Per token: `per_chunk` samples per gap, each the gap divided among its tokens.
         assert_eq!(itl.count, gap.count * per_chunk as u64, "{itl:?} {gap:?}");
@@ -76,4 +77,6 @@ async fn without_usage_per_chunk_an_event_is_one_token() {
         let content: Vec<u32> = r.events.iter().map(|e| e.tokens).filter(|&t| t > 0).collect();
         assert_eq!(content, vec![1, 1, 1], "{r:?}");
     }
+    let report = Report::build(&records, &ReportOptions::default()).unwrap();
+    assert!(report.notes.iter().any(|n| n.contains("the split is unknown")), "{:?}", report.notes);
 }
