@@ -294,8 +294,11 @@ mod tests {
             endpoint: Endpoint::Chat,
         };
         let b = chat_body(&t, &[], 4);
-        let keys: Vec<&str> =
+        // Sorted: the map's order depends on serde_json's `preserve_order`, which another crate
+        // of the workspace may switch on.
+        let mut keys: Vec<&str> =
             b.as_object().map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
+        keys.sort_unstable();
         assert_eq!(keys, ["max_tokens", "messages", "model", "stream"]);
         t.stream = true;
         t.ignore_eos = true;
