@@ -24,10 +24,10 @@
 use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::os::fd::AsRawFd;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Condvar, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -90,12 +90,15 @@ enum FromChild {
 }
 
 fn write_frame(w: &mut impl Write, msg: &impl Serialize) -> std::io::Result<()> {
-    let body = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
-    if body.len() > MAX_FRAME {
-        return Err(std::io::Error::other(format!("frame of {} bytes is over {MAX_FRAME}", body.len())));
+    // One write per frame (length and body together): the reader wakes once, not twice.
+    let mut frame = vec![0u8; 4];
+    serde_json::to_writer(&mut frame, msg).map_err(std::io::Error::other)?;
+    let len = frame.len() - 4;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::other(format!("frame of {len} bytes is over {MAX_FRAME}")));
     }
-    w.write_all(&(body.len() as u32).to_le_bytes())?;
-    w.write_all(&body)?;
+    frame[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    w.write_all(&frame)?;
     w.flush()
 }
 
@@ -170,13 +173,45 @@ fn limit_self() {
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) };
 }
 
-/// One running child: its stdin, and the replies its stdout carries (read by a thread, so a
-/// wait can have a deadline).
+/// One running child: its pipes. Replies are read in the calling thread, each read preceded by
+/// a `poll` bounded by the render's deadline (no reader thread: a render is one round trip
+/// between two processes, not four thread wake-ups).
 struct Worker {
     child: Child,
     stdin: ChildStdin,
-    replies: Receiver<std::io::Result<Option<FromChild>>>,
+    stdout: ChildStdout,
     renders: u32,
+}
+
+/// Reads from a child's stdout, failing with `TimedOut` once `until` has passed without data.
+struct DeadlineReader<'a> {
+    pipe: &'a mut ChildStdout,
+    until: Instant,
+}
+
+impl Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let left = self.until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            let ms = libc::c_int::try_from(left.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
+            let mut pfd = libc::pollfd { fd: self.pipe.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: `pfd` is one valid pollfd for the duration of the call.
+            match unsafe { libc::poll(&mut pfd, 1, ms) } {
+                0 => continue, // re-check the deadline (poll rounds to milliseconds)
+                n if n < 0 => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+                // Readable, hung up or in error: the read says which.
+                _ => return self.pipe.read(buf),
+            }
+        }
+    }
 }
 
 impl Worker {
@@ -195,23 +230,12 @@ impl Worker {
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|e| err("start", e))?;
-        let (Some(stdin), Some(mut stdout)) = (child.stdin.take(), child.stdout.take()) else {
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             let _ = child.kill();
             let _ = child.wait();
             return Err(TokenizerError::TemplateRender("template sandbox: no pipes".into()));
         };
-        let (tx, replies) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("template-sandbox-reader".into())
-            .spawn(move || loop {
-                let r = read_frame::<FromChild>(&mut stdout);
-                let end = !matches!(r, Ok(Some(_)));
-                if tx.send(r).is_err() || end {
-                    return;
-                }
-            })
-            .map_err(|e| err("reader thread", e))?;
-        let mut w = Self { child, stdin, replies, renders: 0 };
+        let mut w = Self { child, stdin, stdout, renders: 0 };
         match w.call(&ToChild::Init(init.clone()), program.deadline)? {
             FromChild::Ready => Ok(w),
             FromChild::Failed(m) => Err(TokenizerError::TemplateSyntax(m)),
@@ -221,17 +245,16 @@ impl Worker {
 
     /// Sends one frame and waits for its reply; any failure leaves the child dead.
     fn call(&mut self, msg: &ToChild, deadline: Duration) -> Result<FromChild, TokenizerError> {
+        let until = Instant::now() + deadline;
         if let Err(e) = write_frame(&mut self.stdin, msg) {
             return Err(self.broken(&format!("did not take the request ({e})")));
         }
-        match self.replies.recv_timeout(deadline) {
-            Ok(Ok(Some(reply))) => Ok(reply),
-            Ok(Ok(None)) | Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => {
-                Err(self.broken("stopped (the template crashed it or exhausted its memory)"))
-            }
-            Err(RecvTimeoutError::Timeout) => {
+        match read_frame::<FromChild>(&mut DeadlineReader { pipe: &mut self.stdout, until }) {
+            Ok(Some(reply)) => Ok(reply),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
                 Err(self.broken(&format!("took longer than {:.1} s and was stopped", deadline.as_secs_f64())))
             }
+            Ok(None) | Err(_) => Err(self.broken("stopped (the template crashed it or exhausted its memory)")),
         }
     }
 
