@@ -60,6 +60,17 @@ impl std::str::FromStr for Endpoint {
     }
 }
 
+/// What a request's answer said, beside its record.
+#[derive(Debug, Clone, Default)]
+pub struct Answer {
+    /// The generated text (empty on failure): a multi-turn session's next prompt carries it.
+    pub text: String,
+    /// Text and reasoning text of every event, concatenated.
+    pub spoken: String,
+    /// Where each of the record's events ends in `spoken` (one entry per event, in order).
+    pub ends: Vec<usize>,
+}
+
 fn since(t0: Instant) -> Nanos {
     t0.elapsed().as_nanos() as Nanos
 }
@@ -120,8 +131,7 @@ fn chat_body(target: &Target, messages: &[PromptMessage], max_tokens: u32) -> se
     body
 }
 
-/// Like [`send`] with explicit chat `messages`; also returns the generated text (empty on
-/// failure), which a multi-turn session puts into its next prompt.
+/// Like [`send`] with explicit chat `messages`; also returns what the answer said.
 pub async fn send_chat(
     client: &reqwest::Client,
     target: &Target,
@@ -130,16 +140,16 @@ pub async fn send_chat(
     max_tokens: u32,
     t0: Instant,
     t_sched: Option<Nanos>,
-) -> (ClientRecord, String) {
+) -> (ClientRecord, Answer) {
     let t_send = since(t0);
     let mut rec = ClientRecord::new(RequestId(id), t_sched.unwrap_or(t_send), t_send, target.stream);
     let body = chat_body(target, messages, max_tokens);
-    let mut text = String::new();
-    let fut = exchange(client, target, body, &mut rec, &mut text, t0);
+    let mut answer = Answer::default();
+    let fut = exchange(client, target, body, &mut rec, &mut answer, t0);
     match tokio::time::timeout(target.timeout, fut).await {
         Ok(Ok(())) => {}
         Ok(Err((kind, message))) => {
-            text.clear();
+            answer = Answer::default();
             rec.outcome = Outcome::Failed { kind, message }
         }
         Err(_) => {
@@ -150,10 +160,10 @@ pub async fn send_chat(
         }
     }
     if !rec.is_ok() {
-        text.clear();
+        answer = Answer::default();
     }
     rec.t_done.get_or_insert(since(t0));
-    (rec, text)
+    (rec, answer)
 }
 
 type Failure = (String, String);
@@ -163,7 +173,7 @@ async fn exchange(
     target: &Target,
     body: serde_json::Value,
     rec: &mut ClientRecord,
-    text: &mut String,
+    answer: &mut Answer,
     t0: Instant,
 ) -> Result<(), Failure> {
     let url = format!("{}{}", target.url.trim_end_matches('/'), target.endpoint.path());
@@ -187,7 +197,9 @@ async fn exchange(
         }
         let n = view.usage.as_ref().map_or(1, |u| u.completion_tokens as u32);
         rec.events.push(StreamEvent { at_ns: at, tokens: n });
-        text.push_str(&view.text);
+        answer.text.push_str(&view.text);
+        answer.spoken = format!("{}{}", view.reasoning_text, view.text);
+        answer.ends.push(answer.spoken.len());
         rec.usage = view.usage.as_ref().map(|u| u.to_timeline());
         rec.server = view.timing;
         return finish_reason(rec, view.finish_reason);
@@ -222,13 +234,16 @@ async fn exchange(
             };
             counted += u64::from(tokens);
             rec.events.push(StreamEvent { at_ns: at, tokens });
-            if text.len() + view.text.len() > MAX_RESPONSE_BODY {
+            if answer.spoken.len() + view.text.len() + view.reasoning_text.len() > MAX_RESPONSE_BODY {
                 return Err((
                     "too_large".into(),
                     format!("the streamed text passed {MAX_RESPONSE_BODY} bytes"),
                 ));
             }
-            text.push_str(&view.text);
+            answer.text.push_str(&view.text);
+            answer.spoken.push_str(&view.reasoning_text);
+            answer.spoken.push_str(&view.text);
+            answer.ends.push(answer.spoken.len());
             if let Some(u) = &view.usage {
                 rec.usage = Some(u.to_timeline());
             }

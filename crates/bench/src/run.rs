@@ -118,12 +118,13 @@ impl Ctx {
         if let Some(tok) = &self.tok {
             rec.prompt_tokens_hint = tok.count_chat(&messages).map(|n| n as u64);
             if rec.is_ok() {
-                rec.retokenized_output = Some(tok.encode(&answer).len() as u64);
+                rec.retokenized_output = Some(tok.encode(&answer.text).len() as u64);
+                crate::tokens::split_events(&mut rec, &answer.spoken, &answer.ends, tok.as_ref());
             }
         }
         let ended = rec.t_end().unwrap_or(rec.t_send);
         let _ = self.tx.send(rec);
-        (answer, ended)
+        (answer.text, ended)
     }
 
     /// Runs jobs one after the other (a closed-loop client or one multi-turn session); a later

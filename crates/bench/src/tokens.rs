@@ -81,10 +81,126 @@ pub(crate) mod test_support {
     }
 }
 
+/// Splits the tokens of a streamed answer among its events by the text each carried, when the
+/// server put several tokens in an event without saying how many: every content event was
+/// counted as one (no cumulative usage per chunk) and `usage` counts more, or there is no
+/// `usage` at all. Each content event gets the tokenizer's count of its text (at least one), and
+/// when `usage` is known the counts are scaled to add up to it exactly (largest remainder, every
+/// content event keeping at least one). `spoken` is the events' text and reasoning text
+/// concatenated and `ends[i]` where event `i` ends in it. Returns whether it split.
+///
+/// Each event's text is tokenized alone, so a merge across two events can count one token
+/// twice; with `usage` the scaling corrects the total, not the place.
+pub fn split_events(
+    rec: &mut tokenpath_timeline::ClientRecord,
+    spoken: &str,
+    ends: &[usize],
+    tok: &dyn PromptTokenizer,
+) -> bool {
+    let content: Vec<usize> = (0..rec.events.len()).filter(|&i| rec.events[i].tokens > 0).collect();
+    let usage = rec.usage.map(|u| u.completion_tokens);
+    let unsplit = content.iter().all(|&i| rec.events[i].tokens == 1)
+        && usage.is_none_or(|n| n > content.len() as u64);
+    if !rec.streamed || content.is_empty() || !unsplit || ends.len() != rec.events.len() {
+        return false;
+    }
+    let mut counts = Vec::with_capacity(content.len());
+    for &i in &content {
+        let start = if i == 0 { 0 } else { ends[i - 1] };
+        let Some(text) = spoken.get(start..ends[i]) else { return false };
+        counts.push(tok.encode(text).len().max(1) as u64);
+    }
+    let split = match usage {
+        None => counts,
+        Some(n) => {
+            // One each, then the rest in proportion to what the tokenizer saw beyond one.
+            let extra: Vec<u64> = counts.iter().map(|c| c - 1).collect();
+            let (rest, weight) = (n - content.len() as u64, extra.iter().sum::<u64>());
+            if weight == 0 {
+                return false; // the text says one token per event: nothing to go by
+            }
+            let mut out: Vec<u64> = extra.iter().map(|&e| 1 + rest * e / weight).collect();
+            let mut left = n - out.iter().sum::<u64>();
+            let mut order: Vec<usize> = (0..out.len()).collect();
+            order.sort_by_key(|&k| (std::cmp::Reverse(rest * extra[k] % weight), k));
+            for &k in order.iter().cycle().take(out.len() * 2) {
+                if left == 0 {
+                    break;
+                }
+                out[k] += 1;
+                left -= 1;
+            }
+            out
+        }
+    };
+    for (&i, t) in content.iter().zip(split) {
+        rec.events[i].tokens = u32::try_from(t).unwrap_or(u32::MAX);
+    }
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::test_support::ByteTokenizer;
     use super::*;
+
+    fn streamed(tokens: &[u32], usage: Option<u64>) -> tokenpath_timeline::ClientRecord {
+        use tokenpath_timeline::{ClientRecord, RequestId, StreamEvent, Usage};
+        let mut r = ClientRecord::new(RequestId(1), 0, 0, true);
+        r.events = tokens.iter().map(|&t| StreamEvent { at_ns: 1, tokens: t }).collect();
+        r.usage = usage.map(|n| Usage { prompt_tokens: 3, completion_tokens: n, cached_tokens: None });
+        r
+    }
+
+    #[test]
+    fn events_are_split_by_their_text_and_add_up_to_usage() {
+        // Role-only event, then three content events of 2, 3 and 1 bytes.
+        let (spoken, ends) = ("abcdef", [0usize, 2, 5, 6]);
+        let mut r = streamed(&[0, 1, 1, 1], Some(6));
+        assert!(split_events(&mut r, spoken, &ends, &ByteTokenizer));
+        assert_eq!(r.events.iter().map(|e| e.tokens).collect::<Vec<_>>(), [0, 2, 3, 1]);
+        // Usage says fewer than the text: scaled down, each keeping one, the total exact.
+        let mut r = streamed(&[0, 1, 1, 1], Some(4));
+        assert!(split_events(&mut r, spoken, &ends, &ByteTokenizer));
+        let t: Vec<u32> = r.events.iter().map(|e| e.tokens).collect();
+        assert_eq!((t.iter().sum::<u32>(), t.iter().skip(1).all(|&x| x >= 1)), (4, true), "{t:?}");
+        // No usage: the tokenizer's counts as they are.
+        let mut r = streamed(&[0, 1, 1, 1], None);
+        assert!(split_events(&mut r, spoken, &ends, &ByteTokenizer));
+        assert_eq!(r.events.iter().map(|e| e.tokens).sum::<u32>(), 6);
+    }
+
+    #[test]
+    fn a_split_the_server_gave_or_usage_that_agrees_is_kept() {
+        let (spoken, ends) = ("abcdef", [2usize, 5, 6]);
+        for (tokens, usage) in [([2u32, 3, 1], Some(6)), ([1, 1, 1], Some(3))] {
+            let mut r = streamed(&tokens, usage);
+            assert!(!split_events(&mut r, spoken, &ends, &ByteTokenizer));
+            assert_eq!(r.events.iter().map(|e| e.tokens).collect::<Vec<_>>(), tokens);
+        }
+        let mut r = streamed(&[1, 1, 1], Some(6));
+        assert!(!split_events(&mut r, spoken, &[2, 5], &ByteTokenizer), "ends must match the events");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn a_split_with_usage_always_adds_up(lens in proptest::collection::vec(1usize..9, 1..12), more in 1u64..40) {
+            let mut spoken = String::new();
+            let mut ends = Vec::new();
+            for l in &lens {
+                spoken.push_str(&"x".repeat(*l));
+                ends.push(spoken.len());
+            }
+            let n = lens.len() as u64 + more;
+            let mut r = streamed(&vec![1; lens.len()], Some(n));
+            if split_events(&mut r, &spoken, &ends, &ByteTokenizer) {
+                proptest::prop_assert_eq!(r.events.iter().map(|e| u64::from(e.tokens)).sum::<u64>(), n);
+                proptest::prop_assert!(r.events.iter().all(|e| e.tokens >= 1));
+            } else {
+                proptest::prop_assert!(lens.iter().all(|&l| l == 1));
+            }
+        }
+    }
 
     #[test]
     fn exact_prose_has_the_exact_count() {

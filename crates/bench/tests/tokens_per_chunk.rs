@@ -80,3 +80,48 @@ async fn without_usage_per_chunk_an_event_is_one_token() {
     let report = Report::build(&records, &ReportOptions::default()).unwrap();
     assert!(report.notes.iter().any(|n| n.contains("the split is unknown")), "{:?}", report.notes);
 }
+
+/// One token per whitespace-separated word: the mock's " tok" pieces count exactly.
+#[derive(Debug)]
+struct Words;
+
+impl tokenpath_bench::tokens::PromptTokenizer for Words {
+    fn encode(&self, text: &str) -> Vec<u32> {
+        text.split_whitespace().map(|w| w.len() as u32).collect()
+    }
+    fn decode(&self, ids: &[u32]) -> String {
+        ids.iter().map(|&n| "x".repeat(n as usize)).collect::<Vec<_>>().join(" ")
+    }
+    fn chat_prompt(
+        &self,
+        messages: &[tokenpath_bench::tokens::PromptMessage],
+        _limit: usize,
+    ) -> Result<Vec<u32>, tokenpath_protocol::ProtocolError> {
+        Ok(messages.iter().flat_map(|m| self.encode(&m.content)).collect())
+    }
+    fn text_prompt(&self, text: &str, _limit: usize) -> Result<Vec<u32>, tokenpath_protocol::ProtocolError> {
+        Ok(self.encode(text))
+    }
+}
+
+/// Without usage per chunk but with the model's tokenizer, each event's text says how many
+/// tokens it carried: 2 and 3 per event, ITL the chunk gap divided among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tokenizer_splits_events_by_their_text() {
+    for per_chunk in [2usize, 3] {
+        let url = mock(per_chunk, false).await;
+        let w = "fixed:8:12".parse().unwrap();
+        let mut cfg = RunConfig::new(target(&url), w, Arrival::Poisson { rate: 50.0 }, 3, 1);
+        cfg.tokenizer = Some(std::sync::Arc::new(Words));
+        let records = run(&cfg, &mut |_, _, _| {}).await.unwrap();
+        for r in &records {
+            assert!(r.is_ok(), "{r:?}");
+            let content: Vec<u32> = r.events.iter().map(|e| e.tokens).filter(|&t| t > 0).collect();
+            assert_eq!(content, vec![per_chunk as u32; 12 / per_chunk], "{per_chunk} per event");
+        }
+        let report = Report::build(&records, &ReportOptions::default()).unwrap();
+        assert!(!report.notes.iter().any(|n| n.contains("split is unknown")), "{:?}", report.notes);
+        let (itl, gap) = (report.summary.itl_ms.unwrap(), report.summary.chunk_gap_ms.unwrap());
+        assert_eq!(itl.count, gap.count * per_chunk as u64, "{itl:?} {gap:?}");
+    }
+}

@@ -65,7 +65,8 @@ pub struct LoadArgs {
     /// The model's tokenizer: a GGUF file (only its metadata is read), or a Hugging Face
     /// `tokenizer.json` or its directory (chat template, `bos_token`, `add_bos_token` from the
     /// `tokenizer_config.json` beside it). Gives exact prompt lengths, and client token counts
-    /// checked against the server's `usage` (prompt counts only with a chat template).
+    /// checked against the server's `usage` (prompt counts only with a chat template), and
+    /// splits a streamed event's tokens by its text when the server does not say how many.
     #[arg(long, value_name = "FILE|DIR")]
     tokenizer: Option<PathBuf>,
     /// Offered rate, requests/s.
