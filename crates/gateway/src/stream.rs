@@ -22,6 +22,9 @@ use tokenpath_protocol::{sse_event, ApiError, ChatStream, CompletionStream, SSE_
 use tokenpath_timeline::{ClientRecord, RequestId, ServerTiming, StreamEvent};
 
 /// How chunks of one endpoint are shaped.
+/// Most bytes of ready pieces sent in one body frame.
+const COALESCE_BYTES: usize = 64 << 10;
+
 #[derive(Debug)]
 pub(crate) enum SseFormat {
     Chat(ChatStream),
@@ -88,6 +91,21 @@ impl Drop for SseState {
 
 impl SseState {
     /// The next piece of the body; `None` when the stream is over.
+    /// What the client gets next: the next piece, with every piece already waiting behind it
+    /// (up to [`COALESCE_BYTES`]) in the same body frame — an engine that sends a burst of
+    /// events in one read is answered with one write, not one per event. Nothing waits to be
+    /// coalesced: a piece goes out as soon as it is there.
+    async fn next_frame(&mut self) -> Option<String> {
+        let mut out = self.next_piece().await?;
+        while out.len() < COALESCE_BYTES {
+            match self.ready_piece() {
+                Some(p) => out.push_str(&p),
+                None => break,
+            }
+        }
+        Some(out)
+    }
+
     async fn next_piece(&mut self) -> Option<String> {
         if let Some(p) = self.pending.pop_front() {
             return Some(p);
@@ -95,16 +113,33 @@ impl SseState {
         if self.closed {
             return None;
         }
-        match self.work.next().await {
+        let event = self.work.next().await;
+        Some(self.piece_of(event))
+    }
+
+    /// A piece that is ready now, if any.
+    fn ready_piece(&mut self) -> Option<String> {
+        if let Some(p) = self.pending.pop_front() {
+            return Some(p);
+        }
+        if self.closed {
+            return None;
+        }
+        let event = self.work.try_next()?;
+        Some(self.piece_of(Some(event)))
+    }
+
+    fn piece_of(&mut self, event: Option<WorkEvent>) -> String {
+        match event {
             Some(WorkEvent::Text { delta, tokens }) => {
                 self.sent.events.push(StreamEvent { at_ns: since(self.arrived), tokens });
-                Some(self.format.text(delta))
+                self.format.text(delta)
             }
             Some(WorkEvent::Chunk { json, tokens }) => {
                 if tokens > 0 {
                     self.sent.events.push(StreamEvent { at_ns: since(self.arrived), tokens });
                 }
-                Some(format!("data: {json}\n\n"))
+                format!("data: {json}\n\n")
             }
             Some(WorkEvent::Finished { reason, usage: u, timing }) => {
                 self.closed = true;
@@ -116,17 +151,16 @@ impl SseState {
                 self.app.metrics.record_finished(label, u, &timing, &self.sent);
                 self.pending.extend(self.format.closing(wire, u, timing));
                 self.pending.push_back(SSE_DONE.to_owned());
-                self.pending.pop_front()
+                self.pending.pop_front().unwrap_or_default()
             }
-            Some(WorkEvent::Failed { message }) => Some(self.fail(&message)),
+            Some(WorkEvent::Failed { message }) => self.fail(&message),
             Some(WorkEvent::Kv { .. } | WorkEvent::Handoff { .. } | WorkEvent::Body { .. }) => {
-                Some(self.fail("a non-stream event reached the client's stream"))
+                self.fail("a non-stream event reached the client's stream")
             }
-            None => Some(self.fail("the worker stopped before the request finished")),
+            None => self.fail("the worker stopped before the request finished"),
         }
     }
 
-    /// An in-stream error event (the status line was already sent), then the end.
     fn fail(&mut self, message: &str) -> String {
         tracing::error!(request = %self.work.id(), "streamed request failed: {message}");
         self.closed = true;
@@ -159,7 +193,7 @@ pub(crate) fn sse_response(
         closed: false,
     };
     let body = futures_util::stream::unfold(state, |mut st| async move {
-        let piece = st.next_piece().await?;
+        let piece = st.next_frame().await?;
         Some((Ok::<_, Infallible>(Bytes::from(piece)), st))
     });
     (

@@ -133,6 +133,14 @@ impl WorkStream {
         e
     }
 
+    /// An event that is already waiting, without waiting for one (`None` when none is ready or
+    /// the stream is over: [`next`](Self::next) tells the two apart).
+    pub fn try_next(&mut self) -> Option<WorkEvent> {
+        let e = self.rx.try_recv().ok();
+        self.took(&e);
+        e
+    }
+
     /// The next event, blocking the calling thread (not for async code).
     pub fn blocking_next(&mut self) -> Option<WorkEvent> {
         let e = self.rx.blocking_recv();
