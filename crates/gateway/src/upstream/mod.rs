@@ -19,6 +19,7 @@
 //! instead. Every wait on an upstream is bounded: connecting, the first byte of the response,
 //! and silence between chunks.
 
+mod chunk;
 mod discover;
 mod endpoint;
 mod legs;

@@ -30,6 +30,7 @@ use tokenpath_protocol::{
 use tokenpath_timeline::{FinishReason, ServerTiming, Stage, StageSource};
 use tokio::sync::oneshot;
 
+use super::chunk::Chunk;
 use super::stages::engine_stages;
 
 /// One request's relay.
@@ -233,10 +234,11 @@ impl Relay {
         if data.trim() == "[DONE]" {
             return if pending { Flow::Settle } else { Flow::Done };
         }
-        let Ok(mut v) = serde_json::from_str::<Value>(data) else {
-            return Flow::Failed("it sent a chunk that is not JSON".into());
+        let Ok(mut chunk) = Chunk::parse(data) else {
+            return Flow::Failed("it sent a chunk that is not a JSON object".into());
         };
-        let view = match parse_stream_value(&v) {
+        let v = &mut chunk.value;
+        let view = match parse_stream_value(v) {
             Ok(view) => view,
             Err(e) => return Flow::Failed(format!("it sent a chunk we cannot read: {e}")),
         };
@@ -246,7 +248,7 @@ impl Relay {
         if let Some(err) = &view.error {
             return Flow::Failed(format!("it sent an error: {}", peer_message(&err.message)));
         }
-        self.engine_stages(&v, &mut seen.engine);
+        self.engine_stages(v, &mut seen.engine);
         let now = Instant::now();
         let mut tokens = 0u32;
         if view.carries_tokens() {
@@ -265,10 +267,10 @@ impl Relay {
                 m.generated(tokens);
             }
         }
-        let usage_only = view.usage.is_some() && no_choices(&v);
+        let usage_only = view.usage.is_some() && no_choices(v);
         if let Some(u) = view.usage {
             seen.usage = Some(u);
-            self.rewrite_cached(&mut v);
+            self.rewrite_cached(v);
         }
         if let Some(r) = view.finish_reason.clone() {
             seen.reason = Some(r);
@@ -277,17 +279,17 @@ impl Relay {
             // The usage chunk we forced on: counted, not passed on.
             return Flow::More;
         }
-        self.rewrite(&mut v);
         // Ours goes on the last chunk the client gets: the usage chunk when it asked for usage,
-        // else the finishing one. (An engine's own `timing` was absorbed above.)
+        // else the finishing one. (An engine's own `timing` was absorbed above; `render` drops
+        // it and sets our model name.)
         let last = if self.client_usage { usage_only } else { view.finish_reason.is_some() };
+        let mut timing = None;
         if last && !seen.timed {
             seen.timed = true;
-            if let Ok(t) = serde_json::to_value(self.timing(seen, now)) {
-                v["timing"] = t;
-            }
+            timing = serde_json::to_value(self.timing(seen, now)).ok();
         }
-        if tx.send(WorkEvent::Chunk { json: v.to_string(), tokens }) {
+        let json = chunk.render(&self.served_model_name, timing.as_ref());
+        if tx.send(WorkEvent::Chunk { json, tokens }) {
             Flow::More
         } else {
             Flow::Gone

@@ -1,0 +1,125 @@
+//! One streamed chunk of an engine's answer, read once and written back without a round trip
+//! through a JSON tree: the members the relay reads are parsed, and the chunk the client gets is
+//! the engine's own bytes for every member the relay does not change (`choices` with its
+//! tool calls and logprobs, `id`, engine extensions), in the engine's order. Only `model` (our
+//! served name), `usage` (cached tokens rewritten in PD) and `timing` (ours, replacing any the
+//! engine sent) are written by us. Re-serializing the whole tree per event was the largest part
+//! of the relay's cost per chunk.
+
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+/// Members passed on untouched and never read (the relay parses all others).
+const UNREAD: [&str; 4] = ["id", "created", "model", "system_fingerprint"];
+
+/// A chunk: its top-level members as sent, and the parsed ones the relay reads and may change.
+#[derive(Debug)]
+pub(super) struct Chunk<'a> {
+    members: Members<'a>,
+    /// Every member but [`UNREAD`] ones, parsed (what `parse_stream_value` and the engine-stage
+    /// readers look at; `usage` is written back from here).
+    pub(super) value: Value,
+}
+
+impl<'a> Chunk<'a> {
+    /// `Err` when `data` is not a JSON object.
+    pub(super) fn parse(data: &'a str) -> Result<Self, serde_json::Error> {
+        let members: Members<'a> = serde_json::from_str(data)?;
+        let mut value = Map::new();
+        for (k, raw) in &members.0 {
+            if !UNREAD.contains(&k.as_str()) {
+                value.insert(k.clone(), serde_json::from_str(raw.get())?);
+            }
+        }
+        Ok(Self { members, value: Value::Object(value) })
+    }
+
+    /// The chunk for the client: `model` set to `model`, the engine's `timing` dropped and
+    /// `timing` appended when given, `usage` as it is in [`value`](Self::value) now.
+    pub(super) fn render(&self, model: &str, timing: Option<&Value>) -> String {
+        let mut out = String::with_capacity(self.members.len() + 64);
+        out.push('{');
+        let member = |out: &mut String, key: &str, value: &str| {
+            if out.len() > 1 {
+                out.push(',');
+            }
+            out.push_str(&Value::from(key).to_string());
+            out.push(':');
+            out.push_str(value);
+        };
+        for (k, raw) in &self.members.0 {
+            match k.as_str() {
+                "timing" => {}
+                "model" => member(&mut out, k, &Value::from(model).to_string()),
+                "usage" => member(&mut out, k, &self.value.get("usage").unwrap_or(&Value::Null).to_string()),
+                _ => member(&mut out, k, raw.get()),
+            }
+        }
+        if let Some(t) = timing {
+            member(&mut out, "timing", &t.to_string());
+        }
+        out.push('}');
+        out
+    }
+}
+
+/// Top-level members in their order, each value as its bytes.
+#[derive(Debug)]
+struct Members<'a>(Vec<(String, &'a RawValue)>);
+
+impl Members<'_> {
+    fn len(&self) -> usize {
+        self.0.iter().map(|(k, v)| k.len() + v.get().len() + 4).sum()
+    }
+}
+
+impl<'de> Deserialize<'de> for Members<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Object;
+        impl<'de> Visitor<'de> for Object {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some(member) = map.next_entry::<String, &'de RawValue>()? {
+                    out.push(member);
+                }
+                Ok(Members(out))
+            }
+        }
+        d.deserialize_map(Object)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unchanged_members_keep_the_engines_bytes_and_order() {
+        let data = r#"{"id":"c-1","object":"chat.completion.chunk","created":7,"model":"llama",
+            "choices":[{"index":0,"delta":{"content":"h\u00e9"},"logprobs":{"content":[{"token":"x","logprob":-0.5e0}]},"finish_reason":null}],
+            "timing":{"stages_ms":{}},"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+        let mut c = Chunk::parse(data).unwrap();
+        assert!(c.value.get("model").is_none() && c.value.get("choices").is_some());
+        c.value["usage"]["prompt_tokens_details"] = serde_json::json!({"cached_tokens": 2});
+        let out = c.render("served", Some(&serde_json::json!({"stages_ms": {"gateway": 0.1}})));
+        assert!(out.starts_with(r#"{"id":"c-1","object":"chat.completion.chunk","created":7,"model":"served","choices":[{"index":0,"delta":{"content":"h\u00e9"},"logprobs":{"content":[{"token":"x","logprob":-0.5e0}]}"#), "{out}");
+        let back: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(back["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+        assert_eq!(back["timing"]["stages_ms"]["gateway"], 0.1);
+        assert_eq!(out.matches("timing").count(), 1, "the engine's timing is replaced: {out}");
+    }
+
+    #[test]
+    fn what_is_not_an_object_is_refused() {
+        for bad in ["[1]", "\"x\"", "{\"a\":", "{\"a\":1} x", ""] {
+            assert!(Chunk::parse(bad).is_err(), "{bad}");
+        }
+        let c = Chunk::parse(r#"{"model":"m"}"#).unwrap();
+        assert_eq!(c.render("n", None), r#"{"model":"n"}"#);
+    }
+}
