@@ -99,8 +99,8 @@ pub fn split_events(
 ) -> bool {
     let content: Vec<usize> = (0..rec.events.len()).filter(|&i| rec.events[i].tokens > 0).collect();
     let usage = rec.usage.map(|u| u.completion_tokens);
-    let unsplit = content.iter().all(|&i| rec.events[i].tokens == 1)
-        && usage.is_none_or(|n| n > content.len() as u64);
+    let unsplit =
+        content.iter().all(|&i| rec.events[i].tokens == 1) && usage.is_none_or(|n| n > content.len() as u64);
     if !rec.streamed || content.is_empty() || !unsplit || ends.len() != rec.events.len() {
         return false;
     }

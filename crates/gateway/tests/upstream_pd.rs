@@ -90,6 +90,7 @@ async fn vllm_pd_sends_the_prefill_legs_transfer_params_verbatim_to_decode() {
     assert_eq!((d.body["stream"].clone(), d.body["min_tokens"].clone()), (json!(true), json!(2)));
     assert_eq!(d.body["max_completion_tokens"], 3);
     assert_eq!(d.body["stream_options"]["include_usage"], true);
+    assert_eq!(d.body["stream_options"]["continuous_usage_stats"], true, "usage on every chunk, forced");
     assert_eq!(d.body["model"], "big-model");
     assert!(p.request_id.is_some() && p.request_id == d.request_id, "one X-Request-Id on both legs");
     assert_eq!(params["remote_request_id"], json!(p.request_id), "the prefill saw the same id");
@@ -108,13 +109,26 @@ async fn vllm_pd_sends_the_prefill_legs_transfer_params_verbatim_to_decode() {
     assert_eq!(source(&t, "decode_queue").as_deref(), Some("gateway"), "{t}");
     assert_eq!(source(&t, "decode").as_deref(), Some("gateway"), "{t}");
     assert!(t["stages_ms"].get("kv_transfer").is_none(), "never invented: {t}");
+    // The forced per-chunk usage counted each token, then was taken off the content chunks (the
+    // client asked for the usage chunk only); a client that asks for it gets it.
+    let with_usage = events.iter().filter(|e| e.get("usage").is_some()).count();
+    assert_eq!(with_usage, 1, "only the usage chunk: {events:?}");
+    let body = base(json!({"stream": true, "stream_options": {"include_usage": true,
+        "continuous_usage_stats": true}}));
+    let events = Events::new(chat(&server, &body).await).rest().await.unwrap();
+    let counts: Vec<u64> = events
+        .iter()
+        .filter(|e| e["choices"].as_array().is_some_and(|c| !c.is_empty()))
+        .filter_map(|e| e["usage"]["completion_tokens"].as_u64())
+        .collect();
+    assert_eq!(counts, [1, 2, 3], "{events:?}");
     // Not streamed: the same sequence, the body rewritten the same way.
     let resp = chat(&server, &base(json!({}))).await;
     assert_eq!(resp.status(), 200);
     let v: Value = resp.json().await.unwrap();
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 16);
     assert_eq!(v["choices"][0]["message"]["content"], fake_engine::WORDS.concat());
-    assert_eq!(df.got()[1].body["kv_transfer_params"]["remote_engine_id"], "engine-p");
+    assert_eq!(df.got()[2].body["kv_transfer_params"]["remote_engine_id"], "engine-p");
     server.shutdown().await.unwrap();
 }
 

@@ -23,8 +23,8 @@
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
-use std::path::PathBuf;
 use std::os::fd::AsRawFd;
+use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -254,7 +254,9 @@ impl Worker {
             Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
                 Err(self.broken(&format!("took longer than {:.1} s and was stopped", deadline.as_secs_f64())))
             }
-            Ok(None) | Err(_) => Err(self.broken("stopped (the template crashed it or exhausted its memory)")),
+            Ok(None) | Err(_) => {
+                Err(self.broken("stopped (the template crashed it or exhausted its memory)"))
+            }
         }
     }
 

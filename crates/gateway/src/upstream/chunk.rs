@@ -36,7 +36,8 @@ impl<'a> Chunk<'a> {
     }
 
     /// The chunk for the client: `model` set to `model`, the engine's `timing` dropped and
-    /// `timing` appended when given, `usage` as it is in [`value`](Self::value) now.
+    /// `timing` appended when given, `usage` as it is in [`value`](Self::value) now (absent when
+    /// removed there).
     pub(super) fn render(&self, model: &str, timing: Option<&Value>) -> String {
         let mut out = String::with_capacity(self.members.len() + 64);
         out.push('{');
@@ -52,7 +53,12 @@ impl<'a> Chunk<'a> {
             match k.as_str() {
                 "timing" => {}
                 "model" => member(&mut out, k, &Value::from(model).to_string()),
-                "usage" => member(&mut out, k, &self.value.get("usage").unwrap_or(&Value::Null).to_string()),
+                "usage" => {
+                    // Taken off (`value` no longer has it) when the client did not ask for it.
+                    if let Some(u) = self.value.get("usage") {
+                        member(&mut out, k, &u.to_string());
+                    }
+                }
                 _ => member(&mut out, k, raw.get()),
             }
         }

@@ -126,12 +126,24 @@ impl Call<'_> {
             .unwrap_or(false)
     }
 
+    /// The client asked for `stream_options.continuous_usage_stats` (vLLM's usage on every chunk).
+    fn client_continuous_usage(&self) -> bool {
+        self.fwd
+            .body
+            .get("stream_options")
+            .and_then(|o| o.get("continuous_usage_stats"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    }
+
     fn timeouts(&self) -> (Duration, Duration) {
         let c = &self.pool.inner.config;
         (c.first_byte_timeout, c.idle_timeout)
     }
 
-    /// The client's body for `ep`: its model name, and usage forced on a stream.
+    /// The client's body for `ep`: its model name, and usage forced on a stream — on every
+    /// chunk from vLLM (`continuous_usage_stats`, which only vLLM takes), so output tokens are
+    /// charged and timed exactly when it puts several in one event.
     fn body_for(&self, ep: &Endpoint) -> Map<String, Value> {
         let mut body = self.fwd.body.clone();
         if let Some(m) = &ep.spec.model {
@@ -145,6 +157,9 @@ impl Call<'_> {
             }
             if let Some(o) = opts.as_object_mut() {
                 o.insert("include_usage".into(), true.into());
+                if ep.spec.kind == UpstreamKind::VllmPd {
+                    o.insert("continuous_usage_stats".into(), true.into());
+                }
             }
         }
         body
@@ -371,6 +386,7 @@ impl Call<'_> {
             prompt_tokens: self.work.prompt.len() as u64,
             meter: self.work.meter.clone(),
             client_usage: self.client_usage(),
+            strip_chunk_usage: ep.spec.kind == UpstreamKind::VllmPd && !self.client_continuous_usage(),
             prefill,
         };
         let (tx, out) = WorkStream::channel(self.work.id);

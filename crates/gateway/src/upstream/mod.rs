@@ -12,7 +12,8 @@
 //! joined by a bootstrap room; for `trtllm-pd` a `context_only` leg, then `generation_only`.
 //! The client's body goes on whole — unknown fields included, `model` rewritten to the
 //! upstream's name, `stream_options.include_usage` forced on a stream so output tokens are
-//! charged as they arrive — and the answer comes back as the engine sent it, with our model
+//! charged as they arrive (and `continuous_usage_stats` on a vLLM decode leg, so a chunk of
+//! several tokens is charged exactly) — and the answer comes back as the engine sent it, with our model
 //! name, our `timing` on the last chunk ([`relay`]) and, in PD, the prefill leg's cached tokens.
 //!
 //! The client's credentials never reach an upstream; the upstream's own key (if any) is sent

@@ -49,6 +49,9 @@ pub(super) struct Relay {
     pub(super) meter: Option<Arc<dyn TokenMeter>>,
     /// The client asked for `stream_options.include_usage`.
     pub(super) client_usage: bool,
+    /// We forced usage on every chunk (vLLM's `continuous_usage_stats`) and the client did not
+    /// ask for it: counted, then taken off every chunk but the usage chunk.
+    pub(super) strip_chunk_usage: bool,
     /// PD: the prefill leg.
     pub(super) prefill: Prefill,
 }
@@ -278,6 +281,11 @@ impl Relay {
         if usage_only && !self.client_usage {
             // The usage chunk we forced on: counted, not passed on.
             return Flow::More;
+        }
+        if self.strip_chunk_usage && !usage_only {
+            if let Some(o) = chunk.value.as_object_mut() {
+                o.remove("usage");
+            }
         }
         // Ours goes on the last chunk the client gets: the usage chunk when it asked for usage,
         // else the finishing one. (An engine's own `timing` was absorbed above; `render` drops

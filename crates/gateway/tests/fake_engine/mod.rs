@@ -196,10 +196,16 @@ async fn generate(
     let mut events: Vec<String> = Vec::new();
     // An SGLang prefill server computes the prompt and one token, then is done.
     let words = if fake.persona == Persona::SglangPrefill { &WORDS[..1] } else { &WORDS[..] };
+    // vLLM's `continuous_usage_stats`: the cumulative usage on every chunk.
+    let continuous = v["stream_options"]["continuous_usage_stats"] == json!(true);
     for (i, w) in words.iter().enumerate() {
         let last = i + 1 == words.len();
-        events
-            .push(chunk(json!({"content": w}), if last { json!("length") } else { Value::Null }).to_string());
+        let mut c = chunk(json!({"content": w}), if last { json!("length") } else { Value::Null });
+        if continuous {
+            c["usage"] = json!({"prompt_tokens": PROMPT_TOKENS, "completion_tokens": i + 1,
+                "total_tokens": PROMPT_TOKENS + i as u64 + 1});
+        }
+        events.push(c.to_string());
     }
     if v["stream_options"]["include_usage"] == json!(true) {
         events.push(
