@@ -117,23 +117,10 @@ impl Call<'_> {
         self.fwd.body.get("stream").and_then(Value::as_bool).unwrap_or(false)
     }
 
-    fn client_usage(&self) -> bool {
-        self.fwd
-            .body
-            .get("stream_options")
-            .and_then(|o| o.get("include_usage"))
-            .and_then(Value::as_bool)
-            .unwrap_or(false)
-    }
-
-    /// The client asked for `stream_options.continuous_usage_stats` (vLLM's usage on every chunk).
-    fn client_continuous_usage(&self) -> bool {
-        self.fwd
-            .body
-            .get("stream_options")
-            .and_then(|o| o.get("continuous_usage_stats"))
-            .and_then(Value::as_bool)
-            .unwrap_or(false)
+    /// Whether the client set `stream_options.<key>` to `true` (`include_usage`; vLLM's
+    /// `continuous_usage_stats`, usage on every chunk).
+    fn client_stream_option(&self, key: &str) -> bool {
+        self.fwd.body.get("stream_options").and_then(|o| o.get(key)).and_then(Value::as_bool).unwrap_or(false)
     }
 
     fn timeouts(&self) -> (Duration, Duration) {
@@ -385,8 +372,9 @@ impl Call<'_> {
             sent,
             prompt_tokens: self.work.prompt.len() as u64,
             meter: self.work.meter.clone(),
-            client_usage: self.client_usage(),
-            strip_chunk_usage: ep.spec.kind == UpstreamKind::VllmPd && !self.client_continuous_usage(),
+            client_usage: self.client_stream_option("include_usage"),
+            strip_chunk_usage: ep.spec.kind == UpstreamKind::VllmPd
+                && !self.client_stream_option("continuous_usage_stats"),
             prefill,
         };
         let (tx, out) = WorkStream::channel(self.work.id);
