@@ -213,6 +213,29 @@ async fn sglang_pd_waits_for_a_slow_prefill_leg_before_usage() {
     server.shutdown().await.unwrap();
 }
 
+/// Regression: a prefill leg whose stream ended without an event, while the decode leg waited
+/// for its KV, left the client waiting for the decode leg's idle timeout. Nothing had reached
+/// the client: the request fails at once (it is retried on another pair when there is one),
+/// and the decode leg is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_pd_fails_fast_when_the_prefill_leg_ends_before_the_first_event() {
+    let (pf, df, server) = pd_pair(
+        Persona::SglangPrefill,
+        Persona::SglangDecode,
+        UpstreamKind::SglangPd,
+        Duration::from_secs(600),
+    )
+    .await;
+    pf.set_mode(Mode::CloseBeforeFirst);
+    df.set_mode(Mode::StallBeforeFirst);
+    let resp = tokio::time::timeout(Duration::from_secs(60), chat(&server, &base(json!({"stream": true}))))
+        .await
+        .expect("an answer, not the decode leg's idle timeout");
+    assert!(resp.status().is_server_error(), "{}", resp.status());
+    wait_for(|| df.cut.load(Ordering::SeqCst) == 1, "the decode leg cancelled").await;
+    server.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_pd_cancels_the_other_leg_when_one_fails() {
     let (pf, df, server) = pd_pair(

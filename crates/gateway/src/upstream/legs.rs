@@ -303,12 +303,39 @@ impl Call<'_> {
             let _ = done_tx.send(drained);
         });
         let (_, idle) = self.timeouts();
-        let answer = if self.streams() {
-            Answer::Stream(relay::open(d, idle).await.map_err(|m| Failure::broken(decode, &m))?)
-        } else {
-            Answer::Body(relay::read_json(d, idle).await.map_err(|m| Failure::broken(decode, &m))?)
+        let streams = self.streams();
+        let open = async move {
+            if streams {
+                relay::open(d, idle).await.map(Answer::Stream)
+            } else {
+                relay::read_json(d, idle).await.map(Answer::Body)
+            }
         };
-        Ok(self.relay(decode, sent, answer, Prefill::Concurrent(done_rx), held))
+        tokio::pin!(open);
+        // A prefill leg that fails before the decode leg's first event leaves the decode engine
+        // waiting out its bootstrap timeout; nothing has reached the client, so it is a failure
+        // before the first byte (retried on another pair), and the decode leg is dropped.
+        let mut done_rx = done_rx;
+        let (answer, ended) = tokio::select! {
+            a = &mut open => (a, None),
+            r = &mut done_rx => match r {
+                Ok(Err(m)) => return Err(Failure::broken(prefill, &m)),
+                r => (open.await, Some(r)),
+            },
+        };
+        let answer = answer.map_err(|m| Failure::broken(decode, &m))?;
+        let prefill_end = match ended {
+            None => done_rx,
+            // Already ended (well): handed on as it ended.
+            Some(r) => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                if let Ok(leg) = r {
+                    let _ = tx.send(leg);
+                }
+                rx
+            }
+        };
+        Ok(self.relay(decode, sent, answer, Prefill::Concurrent(prefill_end), held))
     }
 
     async fn trtllm(&self, prefill: &Arc<Endpoint>, decode: &Arc<Endpoint>) -> Result<WorkStream, Failure> {
@@ -430,7 +457,7 @@ async fn drain(resp: reqwest::Response, idle: Duration) -> Result<PrefillLeg, St
     let mut bytes = resp.bytes_stream();
     let mut sse = SseDecoder::new();
     let (mut events, mut whole, mut total) = (Vec::new(), Vec::new(), 0usize);
-    let mut cached = None;
+    let (mut cached, mut answered) = (None, false);
     loop {
         let chunk = match tokio::time::timeout(idle, bytes.next()).await {
             Err(_) => return Err(format!("no byte for {} s", idle.as_secs())),
@@ -447,6 +474,7 @@ async fn drain(resp: reqwest::Response, idle: Duration) -> Result<PrefillLeg, St
         }
         if sse.feed(&chunk, &mut events).is_ok() {
             for ev in events.drain(..) {
+                answered = true;
                 if let Ok(v) = serde_json::from_str::<Value>(&ev.data) {
                     if v.get("error").is_some() {
                         return Err("it streamed an error".into());
@@ -458,7 +486,12 @@ async fn drain(resp: reqwest::Response, idle: Duration) -> Result<PrefillLeg, St
         }
     }
     if let Ok(v) = serde_json::from_slice::<Value>(&whole) {
+        answered = true;
         cached = cached.or(v.pointer("/usage/prompt_tokens_details/cached_tokens").and_then(Value::as_u64));
+    }
+    if !answered {
+        // Headers, then the end: the engine gave up on the prompt without saying so.
+        return Err("its answer ended before any event or body".into());
     }
     Ok(PrefillLeg { done: Instant::now(), cached_tokens: cached, engine: BTreeMap::new() })
 }
