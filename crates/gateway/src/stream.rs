@@ -21,10 +21,10 @@ use tokenpath_protocol::work::{TokenUsage, WorkEvent, WorkStream};
 use tokenpath_protocol::{sse_event, ApiError, ChatStream, CompletionStream, SSE_DONE};
 use tokenpath_timeline::{ClientRecord, RequestId, ServerTiming, StreamEvent};
 
-/// How chunks of one endpoint are shaped.
 /// Most bytes of ready pieces sent in one body frame.
 const COALESCE_BYTES: usize = 64 << 10;
 
+/// How chunks of one endpoint are shaped.
 #[derive(Debug)]
 pub(crate) enum SseFormat {
     Chat(ChatStream),
@@ -90,7 +90,6 @@ impl Drop for SseState {
 }
 
 impl SseState {
-    /// The next piece of the body; `None` when the stream is over.
     /// What the client gets next: the next piece, with every piece already waiting behind it
     /// (up to [`COALESCE_BYTES`]) in the same body frame — an engine that sends a burst of
     /// events in one read is answered with one write, not one per event. Nothing waits to be
@@ -106,6 +105,7 @@ impl SseState {
         Some(out)
     }
 
+    /// The next piece of the body; `None` when the stream is over.
     async fn next_piece(&mut self) -> Option<String> {
         if let Some(p) = self.pending.pop_front() {
             return Some(p);
@@ -129,6 +129,7 @@ impl SseState {
         Some(self.piece_of(Some(event)))
     }
 
+    /// The piece an event becomes (`None`: the producer went away).
     fn piece_of(&mut self, event: Option<WorkEvent>) -> String {
         match event {
             Some(WorkEvent::Text { delta, tokens }) => {
@@ -161,6 +162,7 @@ impl SseState {
         }
     }
 
+    /// An in-stream error event (the status line was already sent), then the end.
     fn fail(&mut self, message: &str) -> String {
         tracing::error!(request = %self.work.id(), "streamed request failed: {message}");
         self.closed = true;

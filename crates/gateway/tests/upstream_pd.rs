@@ -32,6 +32,11 @@ async fn pd_pair(
     pd_pair_paced(p, d, kind, idle, Duration::from_millis(5)).await
 }
 
+/// An SGLang PD pair behind the gateway.
+async fn sglang_pair(idle: Duration) -> (Arc<Fake>, Arc<Fake>, common::Server) {
+    pd_pair(Persona::SglangPrefill, Persona::SglangDecode, UpstreamKind::SglangPd, idle).await
+}
+
 /// The same, the prefill engine pausing `prefill_gap` between its stream's events.
 async fn pd_pair_paced(
     p: Persona,
@@ -154,13 +159,7 @@ async fn vllm_pd_falls_back_to_decode_only_when_the_prefill_leg_fails() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_pd_sends_one_body_with_one_room_to_both_legs_at_once() {
-    let (pf, df, server) = pd_pair(
-        Persona::SglangPrefill,
-        Persona::SglangDecode,
-        UpstreamKind::SglangPd,
-        Duration::from_secs(10),
-    )
-    .await;
+    let (pf, df, server) = sglang_pair(Duration::from_secs(10)).await;
     let resp = chat(&server, &base(json!({"stream": true, "stream_options": {"include_usage": true}}))).await;
     assert_eq!(resp.status(), 200);
     let events = Events::new(resp).rest().await.unwrap();
@@ -219,13 +218,7 @@ async fn sglang_pd_waits_for_a_slow_prefill_leg_before_usage() {
 /// and the decode leg is dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_pd_fails_fast_when_the_prefill_leg_ends_before_the_first_event() {
-    let (pf, df, server) = pd_pair(
-        Persona::SglangPrefill,
-        Persona::SglangDecode,
-        UpstreamKind::SglangPd,
-        Duration::from_secs(600),
-    )
-    .await;
+    let (pf, df, server) = sglang_pair(Duration::from_secs(600)).await;
     pf.set_mode(Mode::CloseBeforeFirst);
     df.set_mode(Mode::StallBeforeFirst);
     let resp = tokio::time::timeout(Duration::from_secs(60), chat(&server, &base(json!({"stream": true}))))
@@ -238,13 +231,7 @@ async fn sglang_pd_fails_fast_when_the_prefill_leg_ends_before_the_first_event()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_pd_cancels_the_other_leg_when_one_fails() {
-    let (pf, df, server) = pd_pair(
-        Persona::SglangPrefill,
-        Persona::SglangDecode,
-        UpstreamKind::SglangPd,
-        Duration::from_secs(10),
-    )
-    .await;
+    let (pf, df, server) = sglang_pair(Duration::from_secs(10)).await;
     // The prefill refuses: the decode leg (waiting on its room) is dropped, the client told.
     pf.set_mode(Mode::Fail500);
     df.set_mode(Mode::StallBeforeFirst);
@@ -268,13 +255,7 @@ async fn sglang_pd_cancels_the_other_leg_when_one_fails() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_and_a_stalled_decode_leave_nothing_open() {
-    let (pf, df, server) = pd_pair(
-        Persona::SglangPrefill,
-        Persona::SglangDecode,
-        UpstreamKind::SglangPd,
-        Duration::from_secs(1),
-    )
-    .await;
+    let (pf, df, server) = sglang_pair(Duration::from_secs(1)).await;
     pf.set_mode(Mode::StallAfterFirst);
     df.set_mode(Mode::StallAfterFirst);
     let resp = chat(&server, &base(json!({"stream": true}))).await;

@@ -316,26 +316,18 @@ impl Call<'_> {
         // waiting out its bootstrap timeout; nothing has reached the client, so it is a failure
         // before the first byte (retried on another pair), and the decode leg is dropped.
         let mut done_rx = done_rx;
-        let (answer, ended) = tokio::select! {
+        let (answer, prefill_leg) = tokio::select! {
             a = &mut open => (a, None),
             r = &mut done_rx => match r {
+                // Ended well before decode's first event: what a finished prefill leg is.
+                Ok(Ok(leg)) => (open.await, Some(Prefill::Done(leg))),
                 Ok(Err(m)) => return Err(Failure::broken(prefill, &m)),
-                r => (open.await, Some(r)),
+                Err(_) => return Err(Failure::broken(prefill, "the prefill leg was lost")),
             },
         };
         let answer = answer.map_err(|m| Failure::broken(decode, &m))?;
-        let prefill_end = match ended {
-            None => done_rx,
-            // Already ended (well): handed on as it ended.
-            Some(r) => {
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                if let Ok(leg) = r {
-                    let _ = tx.send(leg);
-                }
-                rx
-            }
-        };
-        Ok(self.relay(decode, sent, answer, Prefill::Concurrent(prefill_end), held))
+        let prefill_leg = prefill_leg.unwrap_or(Prefill::Concurrent(done_rx));
+        Ok(self.relay(decode, sent, answer, prefill_leg, held))
     }
 
     async fn trtllm(&self, prefill: &Arc<Endpoint>, decode: &Arc<Endpoint>) -> Result<WorkStream, Failure> {
