@@ -34,6 +34,11 @@ struct Cli {
     /// and replaced when it crashes, runs out of memory or passes this.
     #[arg(long, global = true, default_value_t = 5.0, env = "TOKENPATH_TEMPLATE_TIMEOUT_S")]
     template_timeout_s: f64,
+    /// BLAKE3 digest (hex) of a chat template you have read and found bounded: it renders
+    /// in-process instead of in the sandbox (the log prints each template's digest at start;
+    /// the default model's template is reviewed already). Repeat or separate with commas.
+    #[arg(long, global = true, env = "TOKENPATH_TRUST_TEMPLATE", value_delimiter = ',')]
+    trust_template: Vec<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -118,7 +123,7 @@ fn main() -> anyhow::Result<()> {
     if matches!(cli.command, Command::RenderTemplate) {
         return Ok(sandbox::serve_stdio()?);
     }
-    install_template_sandbox(cli.template_timeout_s)?;
+    install_template_sandbox(cli.template_timeout_s, &cli.trust_template)?;
     match cli.command {
         Command::RenderTemplate => unreachable!("handled above"),
         Command::Bench(args) => bench::run_bench(args),
@@ -140,16 +145,20 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// Every chat template this process builds renders in children of this same binary.
-fn install_template_sandbox(timeout_s: f64) -> anyhow::Result<()> {
+fn install_template_sandbox(timeout_s: f64, trusted: &[String]) -> anyhow::Result<()> {
     anyhow::ensure!(
         timeout_s.is_finite() && timeout_s > 0.0 && timeout_s <= 3600.0,
         "--template-timeout-s must be in (0, 3600]"
     );
+    if let Some(bad) = trusted.iter().find(|d| d.len() != 64 || !d.bytes().all(|b| b.is_ascii_hexdigit())) {
+        anyhow::bail!("--trust-template {bad:?} is not a BLAKE3 digest (64 hex digits)");
+    }
     let program = std::env::current_exe().context("locating this binary for the template sandbox")?;
     sandbox::install(sandbox::SandboxProgram {
         program,
         args: vec!["__render-template".into()],
         deadline: std::time::Duration::from_secs_f64(timeout_s),
+        trusted: trusted.to_vec(),
     });
     Ok(())
 }

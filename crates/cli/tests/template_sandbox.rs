@@ -77,3 +77,52 @@ fn hostile_chat_templates_fail_one_request_each_and_the_server_carries_on() {
     served.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The command lines of `pid`'s children that are template-sandbox children.
+fn sandbox_children(pid: u32) -> usize {
+    let mut n = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let kids = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        for kid in kids.split_whitespace() {
+            let cmd = std::fs::read(format!("/proc/{kid}/cmdline")).unwrap_or_default();
+            n += usize::from(String::from_utf8_lossy(&cmd).contains("__render-template"));
+        }
+    }
+    n
+}
+
+#[test]
+fn a_template_the_operator_trusts_by_digest_renders_in_process_and_a_malformed_digest_is_refused() {
+    let dir = std::env::temp_dir().join(format!("tp-template-trust-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.gguf");
+    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
+    let digest = tokenpath_engine::tokenizer::reviewed::template_digest(TINY_CHAT_TEMPLATE);
+    let args = ["--served-model-name", "tiny", "--kv-tokens", "1024"];
+
+    // Not reviewed: the first render starts a sandbox child, and the log says how to trust it.
+    let mut sandboxed = support::serve(&model, &args);
+    assert_eq!(chat(sandboxed.port, "hello").0, 200);
+    assert_eq!(sandbox_children(sandboxed.child.id()), 1);
+    sandboxed.stop_ref();
+    assert!(sandboxed.logs().contains(&format!("--trust-template {digest}")));
+
+    // Trusted: the same answer, no child.
+    let mut with = args.to_vec();
+    with.extend(["--trust-template", &digest]);
+    let mut trusted = support::serve(&model, &with);
+    let (status, body) = chat(trusted.port, "hello");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(sandbox_children(trusted.child.id()), 0);
+    trusted.stop_ref();
+    assert!(trusted.logs().contains("(operator-trusted) renders in-process"));
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+        .args(["serve", "--trust-template", "abc", "--model"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a BLAKE3 digest"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -34,6 +34,9 @@ pub enum TimelineError {
         /// Its time.
         later_ns: u64,
     },
+    /// A `traceparent` or a trace/span id that does not parse.
+    #[error("bad trace context: {0}")]
+    BadTraceContext(String),
     /// A latency histogram could not be built or merged.
     #[error("histogram: {0}")]
     Histogram(String),

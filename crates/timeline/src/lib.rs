@@ -5,10 +5,13 @@
 //! itself ([`ServerTimeline`] → [`ServerTiming`]); the client stamps its own marks
 //! ([`ClientRecord`]). Every metric — TTFT, TPOT, both ITL flavours, E2E, throughput, goodput,
 //! percentiles, tail attribution — is defined here once, and the server, the bench and the
-//! simulator all call these functions. That is why this crate is pure (no I/O, no clocks): a
+//! simulator all call these functions. What other engines report is mapped onto the same stages in
+//! one table (`engines`), and the W3C ids that join an engine's span to a client record are here
+//! too (`trace`). That is why this crate is pure (no I/O, no clocks): a
 //! definition that depends on where it runs is not a definition.
 
 mod client;
+pub mod engines;
 mod error;
 mod hist;
 mod ids;
@@ -16,6 +19,7 @@ mod server;
 mod slo;
 mod stats;
 mod tail;
+mod trace;
 mod window;
 
 pub use client::{ClientRecord, NOutSource, Outcome, StreamEvent, Usage};
@@ -26,6 +30,7 @@ pub use server::{FinishReason, Mark, ServerTimeline, ServerTiming, Stage, StageS
 pub use slo::{goodput, Goodput, SloMetric, SloSpec, SloTarget};
 pub use stats::{percentile, Summary, P999_MIN_SAMPLES};
 pub use tail::{tail_attribution, TailAttribution, TailMetric, OTHER_COMPONENT};
+pub use trace::{EngineSpan, SpanId, TraceId, TraceParent};
 pub use window::{throughput, Throughput, Window};
 
 /// Nanoseconds on one process's monotonic clock, from an origin that process chose (run start

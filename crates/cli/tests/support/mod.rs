@@ -40,12 +40,12 @@ pub const TEST_CLUSTER_SECRET: &str = "tokenpath-test-cluster-secret";
 pub struct Served {
     pub child: Child,
     pub port: u16,
-    /// Every log line the server writes after announcing its address, returned when it exits.
+    /// Every log line the server writes, returned when it exits.
     logs: Option<JoinHandle<Vec<String>>>,
 }
 
 impl Served {
-    /// The log lines written after the address, once the server has exited.
+    /// The server's log lines, once it has exited.
     pub fn logs(&mut self) -> String {
         self.logs.take().map(|h| h.join().unwrap().join("\n")).unwrap_or_default()
     }
@@ -71,13 +71,15 @@ pub fn serve_on(port: u16, model: &Path, extra: &[&str]) -> Served {
         .unwrap();
     // The log line announcing the address carries the port the OS picked.
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut before = Vec::new();
     let port = loop {
         let line = lines.next().expect("server exited before listening").unwrap();
         if let Some(rest) = line.split("serving the OpenAI API on http://127.0.0.1:").nth(1) {
             break rest.split('/').next().unwrap().parse().unwrap();
         }
+        before.push(line);
     };
-    let logs = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let logs = std::thread::spawn(move || before.into_iter().chain(lines.map_while(Result::ok)).collect());
     Served { child, port, logs: Some(logs) }
 }
 
@@ -152,6 +154,11 @@ pub fn worker_with_secret(model: &Path, role: &str, extra: &[&str], secret: &str
 impl Served {
     /// Kills the server (and, through its guard, any worker processes it started).
     pub fn stop(mut self) {
+        self.stop_ref();
+    }
+
+    /// [`stop`](Self::stop), keeping the handle (for its logs).
+    pub fn stop_ref(&mut self) {
         let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while self.child.try_wait().unwrap().is_none() {

@@ -8,12 +8,14 @@
 //! supplies them (rather than pulling in minijinja-contrib). The template is compiled once;
 //! broken templates fail at `new` with `TemplateSyntax`, runtime failures (including
 //! `raise_exception`) with `TemplateRender`. When the binary installed a sandbox
-//! (`sandbox.rs`), renders run in child processes, because a template is untrusted code.
+//! (`sandbox.rs`), renders run in child processes, because a template is untrusted code — except the
+//! templates `reviewed.rs` recognises by digest.
 
 use minijinja::value::Value;
 use minijinja::{Environment, Error, ErrorKind};
 
 use super::pycompat::{self, python_method, tojson};
+use super::reviewed;
 use super::sandbox::{self, Init, Sandbox};
 use super::TokenizerError;
 use tokenpath_protocol::PromptMessage;
@@ -29,8 +31,11 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
-    /// Where renders run when the process installed a sandbox.
+    /// Where renders run when the process installed a sandbox and the template is not
+    /// a reviewed one.
     sandbox: Option<Sandbox>,
+    /// BLAKE3 of the source (what `--trust-template` takes).
+    digest: String,
 }
 
 impl ChatTemplate {
@@ -40,8 +45,30 @@ impl ChatTemplate {
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, TokenizerError> {
         let init = Init { source: source.into(), bos_token: bos_token.into(), eos_token: eos_token.into() };
         let mut t = Self::in_process(&init)?;
-        t.sandbox = sandbox::installed().map(|program| Sandbox::new(program, init));
+        if let Some(program) = sandbox::installed() {
+            match reviewed::trusted_name(&t.digest, &program.trusted) {
+                Some(name) => tracing::info!("chat template {} ({name}) renders in-process", t.digest),
+                None => {
+                    tracing::info!(
+                        "chat template {} renders in a sandbox (--trust-template {0} renders it in-process)",
+                        t.digest
+                    );
+                    t.sandbox = Some(Sandbox::new(program, init));
+                }
+            }
+        }
         Ok(t)
+    }
+
+    /// BLAKE3 of the template source, lowercase hex.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+
+    /// Whether renders run in sandbox children (an installed sandbox and a template that is
+    /// neither reviewed nor trusted by the operator).
+    pub fn sandboxed(&self) -> bool {
+        self.sandbox.is_some()
     }
 
     /// Compiles for rendering in this process (what a sandbox child does).
@@ -61,7 +88,8 @@ impl ChatTemplate {
         env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| TokenizerError::TemplateSyntax(describe(&e)))?;
-        Ok(Self { env, bos_token: bos_token.clone(), eos_token: eos_token.clone(), sandbox: None })
+        let digest = reviewed::template_digest(source);
+        Ok(Self { env, bos_token: bos_token.clone(), eos_token: eos_token.clone(), sandbox: None, digest })
     }
 
     /// Renders `messages`; with `add_generation_prompt` the template appends the opening of

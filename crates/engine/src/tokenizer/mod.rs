@@ -8,7 +8,7 @@
 //! - `bpe.rs`: rank-ordered merges; `special.rs`: special-token partition;
 //! - `unicode.rs`: code-point classes (Unicode general categories, GPT-2 byte map);
 //! - `stream.rs`: [`StreamDecoder`] for SSE; `chat.rs`: [`ChatTemplate`]; `sandbox.rs`: the
-//!   child processes templates render in;
+//!   child processes templates render in; `reviewed.rs`: the templates that need none;
 //! - `error.rs`: [`TokenizerError`], wrapped by the engine's error enum;
 //! - `from_gguf.rs`: which `tokenizer.*` GGUF keys build all of the above; `prompt.rs`:
 //!   [`ModelTokenizer`], tokenizer and template together (the protocol's `PromptTokenizer`).
@@ -20,6 +20,7 @@ mod from_gguf;
 mod pretokenize;
 mod prompt;
 mod pycompat;
+pub mod reviewed;
 pub mod sandbox;
 mod special;
 mod stream;

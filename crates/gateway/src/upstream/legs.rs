@@ -433,7 +433,7 @@ async fn run(r: Relay, answer: Answer, tx: &StreamSender, idle: Duration) -> End
 /// prefill times (vLLM's `metrics`).
 fn prefill_leg(v: &Value) -> PrefillLeg {
     let mut engine = BTreeMap::new();
-    super::stages::engine_stages(v, &mut engine);
+    tokenpath_timeline::engines::body_stages(v, &mut engine);
     engine.retain(|s, _| matches!(s, Stage::Queue | Stage::Prefill));
     PrefillLeg {
         done: Instant::now(),

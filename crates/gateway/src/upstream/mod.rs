@@ -27,7 +27,6 @@ mod legs;
 mod load;
 mod pool;
 mod relay;
-mod stages;
 
 pub use crate::route::BALANCE_THRESHOLD;
 pub use discover::DNS_INTERVAL;

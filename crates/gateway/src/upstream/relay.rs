@@ -31,7 +31,7 @@ use tokenpath_timeline::{FinishReason, ServerTiming, Stage, StageSource};
 use tokio::sync::oneshot;
 
 use super::chunk::Chunk;
-use super::stages::engine_stages;
+use tokenpath_timeline::engines::body_stages as engine_stages;
 
 /// One request's relay.
 #[derive(Debug)]

@@ -1,0 +1,212 @@
+//! The spans received so far, in one owning task: a handle, a command enum, a channel.
+//!
+//! Only traces someone announced ([`SpanStore::expect`]) are kept, each with at most
+//! [`StoreLimits::spans_per_trace`] spans and at most [`StoreLimits::traces`] traces in all, so
+//! what an exporter sends cannot grow the store past what its user asked for; the rest is
+//! counted. [`SpanStore::collect`] waits until every expected trace has a span or a deadline
+//! passes, whichever is first, and hands back what arrived.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tokenpath_timeline::{EngineSpan, TraceId};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::OtlpError;
+
+/// The store's bounds.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreLimits {
+    /// Most traces expected at once (one per request of a run).
+    pub traces: usize,
+    /// Most spans kept for one trace.
+    pub spans_per_trace: usize,
+}
+
+impl Default for StoreLimits {
+    fn default() -> Self {
+        Self { traces: 1 << 20, spans_per_trace: 64 }
+    }
+}
+
+/// What [`SpanStore::collect`] hands back.
+#[derive(Debug, Default)]
+pub struct Collected {
+    /// The spans of each expected trace that got any.
+    pub spans: HashMap<TraceId, Vec<EngineSpan>>,
+    /// Expected traces that got no span before the deadline.
+    pub missing: usize,
+    /// Spans received for traces nobody expected (an engine's start-up spans, other clients).
+    pub unexpected: u64,
+    /// Spans dropped because their trace had its fill.
+    pub over_limit: u64,
+}
+
+enum Cmd {
+    Expect(TraceId),
+    Add(Vec<EngineSpan>),
+    Collect { within: Duration, reply: oneshot::Sender<Collected> },
+}
+
+/// A handle to the store's task; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct SpanStore {
+    tx: mpsc::UnboundedSender<Cmd>,
+}
+
+impl SpanStore {
+    /// Starts the task (on the current runtime).
+    pub fn start(limits: StoreLimits) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(rx, limits));
+        Self { tx }
+    }
+
+    /// Announces a trace whose spans are to be kept (before its request is sent). Past
+    /// [`StoreLimits::traces`] the trace is not kept, and counts as missing.
+    pub fn expect(&self, trace: TraceId) -> Result<(), OtlpError> {
+        self.tx.send(Cmd::Expect(trace)).map_err(|_| OtlpError::Stopped)
+    }
+
+    /// Hands received spans to the store.
+    pub(crate) fn add(&self, spans: Vec<EngineSpan>) -> Result<(), OtlpError> {
+        self.tx.send(Cmd::Add(spans)).map_err(|_| OtlpError::Stopped)
+    }
+
+    /// Waits at most `within` for every expected trace to have a span, then returns what
+    /// arrived and forgets it (the next collect starts empty).
+    pub async fn collect(&self, within: Duration) -> Result<Collected, OtlpError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Cmd::Collect { within, reply }).map_err(|_| OtlpError::Stopped)?;
+        rx.await.map_err(|_| OtlpError::Stopped)
+    }
+}
+
+struct State {
+    limits: StoreLimits,
+    /// Expected traces → their spans so far.
+    traces: HashMap<TraceId, Vec<EngineSpan>>,
+    /// Expected traces with no span yet.
+    waiting: usize,
+    /// Announced past the bound.
+    refused: usize,
+    unexpected: u64,
+    over_limit: u64,
+}
+
+impl State {
+    fn add(&mut self, span: EngineSpan) {
+        let Some(spans) = self.traces.get_mut(&span.trace_id) else {
+            self.unexpected += 1;
+            return;
+        };
+        if spans.len() >= self.limits.spans_per_trace {
+            self.over_limit += 1;
+            return;
+        }
+        if spans.is_empty() {
+            self.waiting -= 1;
+        }
+        spans.push(span);
+    }
+
+    fn take(&mut self) -> Collected {
+        let missing = self.waiting + self.refused;
+        let spans = std::mem::take(&mut self.traces).into_iter().filter(|(_, s)| !s.is_empty()).collect();
+        let out = Collected { spans, missing, unexpected: self.unexpected, over_limit: self.over_limit };
+        (self.waiting, self.refused, self.unexpected, self.over_limit) = (0, 0, 0, 0);
+        out
+    }
+}
+
+async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, limits: StoreLimits) {
+    let mut st =
+        State { limits, traces: HashMap::new(), waiting: 0, refused: 0, unexpected: 0, over_limit: 0 };
+    let mut pending: Option<(Instant, oneshot::Sender<Collected>)> = None;
+    loop {
+        let deadline = pending.as_ref().map(|(d, _)| *d);
+        let cmd = tokio::select! {
+            c = rx.recv() => match c {
+                Some(c) => Some(c),
+                None => return,
+            },
+            () = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => None,
+        };
+        match cmd {
+            Some(Cmd::Expect(t)) => {
+                if st.traces.len() >= st.limits.traces {
+                    st.refused += 1;
+                } else if st.traces.insert(t, Vec::new()).is_none() {
+                    st.waiting += 1;
+                }
+            }
+            Some(Cmd::Add(spans)) => spans.into_iter().for_each(|s| st.add(s)),
+            Some(Cmd::Collect { within, reply }) => pending = Some((Instant::now() + within, reply)),
+            None => {} // the deadline: answered below
+        }
+        let due = pending.as_ref().is_some_and(|(d, _)| st.waiting == 0 || Instant::now() >= *d);
+        if due {
+            if let Some((_, reply)) = pending.take() {
+                let _ = reply.send(st.take());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenpath_timeline::SpanId;
+
+    fn span(t: u8, s: u8) -> EngineSpan {
+        EngineSpan {
+            trace_id: TraceId([t; 16]),
+            span_id: SpanId([s; 8]),
+            parent: None,
+            name: "llm_request".into(),
+            service: None,
+            start_unix_ns: 0,
+            end_unix_ns: 1,
+            attributes: Default::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn collect_returns_as_soon_as_every_expected_trace_has_a_span() {
+        let store = SpanStore::start(StoreLimits { traces: 10, spans_per_trace: 2 });
+        store.expect(TraceId([1; 16])).unwrap();
+        store.expect(TraceId([2; 16])).unwrap();
+        store.add(vec![span(1, 1), span(1, 2), span(1, 3), span(5, 1)]).unwrap();
+        let s2 = store.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            s2.add(vec![span(2, 1)]).unwrap();
+        });
+        // A deadline far beyond the test's patience: only the arrival can end the wait.
+        let got = tokio::time::timeout(Duration::from_secs(30), store.collect(Duration::from_secs(3600)))
+            .await
+            .expect("collect waited for the deadline although every trace had a span")
+            .unwrap();
+        assert_eq!(got.spans.len(), 2);
+        assert_eq!(got.spans[&TraceId([1; 16])].len(), 2);
+        assert_eq!((got.missing, got.unexpected, got.over_limit), (0, 1, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn collect_gives_up_at_its_deadline_and_counts_the_missing() {
+        let store = SpanStore::start(StoreLimits { traces: 2, spans_per_trace: 4 });
+        for t in 1..=3 {
+            store.expect(TraceId([t; 16])).unwrap();
+        }
+        store.add(vec![span(1, 1)]).unwrap();
+        let got = store.collect(Duration::from_secs(5)).await.unwrap();
+        assert_eq!(got.spans.len(), 1);
+        assert_eq!(got.missing, 2, "one never arrived, one was past the bound");
+        // Forgotten: a span for an old trace is now unexpected.
+        store.add(vec![span(1, 2)]).unwrap();
+        let again = store.collect(Duration::ZERO).await.unwrap();
+        assert!(again.spans.is_empty());
+        assert_eq!(again.unexpected, 1);
+    }
+}
