@@ -8,7 +8,7 @@ use crate::workload::RequestSpec;
 use futures_util::StreamExt as _;
 use std::time::{Duration, Instant};
 use tokenpath_protocol::{parse_response_body, parse_stream_chunk, SseDecoder};
-use tokenpath_timeline::{ClientRecord, Nanos, Outcome, RequestId, StreamEvent};
+use tokenpath_timeline::{ClientRecord, Nanos, Outcome, RequestId, StreamEvent, TraceParent};
 
 /// Where and how to send.
 #[derive(Debug, Clone)]
@@ -86,7 +86,25 @@ pub async fn send(
     t0: Instant,
     t_sched: Option<Nanos>,
 ) -> ClientRecord {
-    send_chat(client, target, id, &messages_of(spec, &[]), spec.max_tokens, t0, t_sched).await.0
+    let messages = messages_of(spec, &[]);
+    let ask = Ask { id, messages: &messages, max_tokens: spec.max_tokens, t_sched, trace: None };
+    send_chat(client, target, ask, t0).await.0
+}
+
+/// One request to send.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    /// Its id within the run.
+    pub id: u64,
+    /// The chat messages (joined for the completions endpoint).
+    pub messages: &'a [PromptMessage],
+    /// `max_tokens`.
+    pub max_tokens: u32,
+    /// When the arrival process meant to send (`None` in a closed loop: the send is the
+    /// schedule).
+    pub t_sched: Option<Nanos>,
+    /// Sent as `traceparent`, and kept on the record, so the engine's span joins it.
+    pub trace: Option<TraceParent>,
 }
 
 /// The messages of `spec` after the earlier turns `history` (system message first).
@@ -131,21 +149,20 @@ fn chat_body(target: &Target, messages: &[PromptMessage], max_tokens: u32) -> se
     body
 }
 
-/// Like [`send`] with explicit chat `messages`; also returns what the answer said.
+/// Like [`send`] with explicit chat messages and trace context; also returns what the answer
+/// said.
 pub async fn send_chat(
     client: &reqwest::Client,
     target: &Target,
-    id: u64,
-    messages: &[PromptMessage],
-    max_tokens: u32,
+    ask: Ask<'_>,
     t0: Instant,
-    t_sched: Option<Nanos>,
 ) -> (ClientRecord, Answer) {
     let t_send = since(t0);
-    let mut rec = ClientRecord::new(RequestId(id), t_sched.unwrap_or(t_send), t_send, target.stream);
-    let body = chat_body(target, messages, max_tokens);
+    let mut rec = ClientRecord::new(RequestId(ask.id), ask.t_sched.unwrap_or(t_send), t_send, target.stream);
+    rec.trace_id = ask.trace.map(|t| t.trace_id);
+    let body = chat_body(target, ask.messages, ask.max_tokens);
     let mut answer = Answer::default();
-    let fut = exchange(client, target, body, &mut rec, &mut answer, t0);
+    let fut = exchange(client, target, body, ask.trace, &mut rec, &mut answer, t0);
     match tokio::time::timeout(target.timeout, fut).await {
         Ok(Ok(())) => {}
         Ok(Err((kind, message))) => {
@@ -172,12 +189,16 @@ async fn exchange(
     client: &reqwest::Client,
     target: &Target,
     body: serde_json::Value,
+    trace: Option<TraceParent>,
     rec: &mut ClientRecord,
     answer: &mut Answer,
     t0: Instant,
 ) -> Result<(), Failure> {
     let url = format!("{}{}", target.url.trim_end_matches('/'), target.endpoint.path());
     let mut req = client.post(url).json(&body);
+    if let Some(tp) = trace {
+        req = req.header("traceparent", tp.to_string());
+    }
     if let Some(k) = &target.api_key {
         req = req.bearer_auth(k);
     }

@@ -17,6 +17,7 @@ pub mod report;
 pub mod run;
 pub mod search;
 pub mod side_by_side;
+pub mod spans;
 pub mod text;
 pub mod tokens;
 pub mod trace;

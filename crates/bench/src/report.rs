@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use tokenpath_timeline::{
     goodput, tail_attribution, throughput, ClientRecord, Goodput, NOutSource, Outcome, SloSpec, Stage,
-    Summary, TailAttribution, TailMetric, Throughput, Window,
+    StageSource, Summary, TailAttribution, TailMetric, Throughput, Window,
 };
 
 /// What to put in a report.
@@ -80,6 +80,14 @@ pub struct Report {
     /// Client token counts (with a tokenizer) against the server's `usage`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_check: Option<crate::tokens::TokenCheck>,
+    /// Who measured each stage (`<stage>_ms` → source → requests), when an external engine
+    /// did: `span` (its exported span), `engine` (its response body), `gateway` (our gateway's
+    /// clock), `tokenpath` (a tokenpath process's own marks).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub stage_sources: BTreeMap<String, BTreeMap<String, u64>>,
+    /// How the requests' trace contexts joined engines' spans, when they carried one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spans: Option<crate::spans::SpanJoin>,
 }
 
 fn summarize(values: Vec<f64>) -> Option<Summary> {
@@ -193,6 +201,7 @@ impl Report {
                 stages.insert(format!("{}_ms", stage.name()), s);
             }
         }
+        let stage_sources = stage_sources(&ok);
         let ok_owned: Vec<ClientRecord> = ok.iter().map(|r| (*r).clone()).collect();
         let tail = [TailMetric::Ttft, TailMetric::E2e]
             .into_iter()
@@ -234,6 +243,15 @@ impl Report {
                  chunk: the split is unknown, so their ITL is per event (the chunk gap), not per token"
             ));
         }
+        let spans = crate::spans::SpanJoin::of(&in_window);
+        if let Some(j) = spans.filter(|j| j.joined < j.sent) {
+            notes.push(format!(
+                "{} of {} requests got no span from the engine (not exported, not sampled, or later \
+                 than the wait): their stages are the server's `timing` or absent",
+                j.sent - j.joined,
+                j.sent
+            ));
+        }
         let token_check = crate::tokens::TokenCheck::of(in_window.iter().copied());
         if token_check.is_none() {
             notes.push(
@@ -246,7 +264,19 @@ impl Report {
                     .into(),
             );
         }
-        Ok(Report { window, summary, stages, tail, goodput: good, errors, n_out_sources, notes, token_check })
+        Ok(Report {
+            window,
+            summary,
+            stages,
+            tail,
+            goodput: good,
+            errors,
+            n_out_sources,
+            notes,
+            token_check,
+            stage_sources,
+            spans,
+        })
     }
 
     /// A plain-text table for the terminal.
@@ -274,12 +304,24 @@ impl Report {
             ("E2E", &s.e2e_ms),
             ("client schedule lag", &s.schedule_lag_ms),
         ];
-        let stage_rows = self.stages.iter().map(|(k, v)| (k.as_str(), v));
-        for (name, sum) in rows.iter().filter_map(|(n, s)| Some((*n, s.as_ref()?))).chain(stage_rows) {
+        let named = |k: &String| match self.stage_sources.get(k) {
+            Some(by) => format!("{k} [{}]", by.keys().cloned().collect::<Vec<_>>().join("+")),
+            None => k.clone(),
+        };
+        let stage_rows = self.stages.iter().map(|(k, v)| (named(k), v));
+        let top = rows.iter().filter_map(|(n, s)| Some(((*n).to_owned(), s.as_ref()?)));
+        for (name, sum) in top.chain(stage_rows) {
             let _ = writeln!(
                 out,
                 "{:<22}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>8}",
                 name, sum.mean, sum.p50, sum.p90, sum.p99, sum.max, sum.count
+            );
+        }
+        if let Some(j) = &self.spans {
+            let _ = writeln!(
+                out,
+                "engine spans: {} of {} requests joined by trace id ({} with stages)",
+                j.joined, j.sent, j.timed
             );
         }
         let _ = writeln!(
@@ -322,6 +364,27 @@ impl Report {
         }
         out
     }
+}
+
+/// Who measured each stage, counted over `ok`; empty when every stage was a tokenpath
+/// process's own (the common case, not worth a column).
+fn stage_sources(ok: &[&ClientRecord]) -> BTreeMap<String, BTreeMap<String, u64>> {
+    let mut out: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    for r in ok {
+        let Some(s) = &r.server else { continue };
+        for stage in s.stages_ms.keys() {
+            let src = s.sources.get(stage).map_or("tokenpath", |x| match x {
+                StageSource::Span => "span",
+                StageSource::Engine => "engine",
+                StageSource::Gateway => "gateway",
+            });
+            *out.entry(format!("{}_ms", stage.name())).or_default().entry(src.to_owned()).or_insert(0) += 1;
+        }
+    }
+    if out.values().all(|by| by.len() == 1 && by.contains_key("tokenpath")) {
+        out.clear();
+    }
+    out
 }
 
 /// Reads records from a bench JSON file (an object with a `requests` array) or from JSON Lines

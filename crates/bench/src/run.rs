@@ -7,13 +7,14 @@
 //! sessions start under the arrival process and interleave freely.
 
 use crate::arrival::{Arrival, Ramp};
-use crate::client::{messages_of, send_chat, Target};
+use crate::client::{messages_of, send_chat, Ask, Target};
 use crate::tokens::{PromptMessage, PromptTokenizer, Role};
 use crate::workload::{RequestSpec, Workload};
 use crate::BenchError;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokenpath_otlp::SpanStore;
 use tokenpath_timeline::{ClientRecord, Nanos};
 
 /// Everything a run needs.
@@ -43,6 +44,9 @@ pub struct RunConfig {
     /// ([`crate::progress::LiveStats::send_counter`]); a config cloned for several runs counts the
     /// sends of all of them.
     pub send_counter: Option<Arc<AtomicUsize>>,
+    /// Where engines' spans arrive (`--otlp-listen`): each request then carries a fresh
+    /// `traceparent`, announced to the store before it is sent.
+    pub traces: Option<SpanStore>,
 }
 
 impl RunConfig {
@@ -59,6 +63,7 @@ impl RunConfig {
             ramp: None,
             tokenizer: None,
             send_counter: None,
+            traces: None,
         }
     }
 
@@ -94,6 +99,7 @@ struct Ctx {
     target: Target,
     tok: Option<Arc<dyn PromptTokenizer>>,
     sent: Option<Arc<AtomicUsize>>,
+    traces: Option<SpanStore>,
     t0: Instant,
     tx: tokio::sync::mpsc::UnboundedSender<ClientRecord>,
 }
@@ -113,8 +119,14 @@ impl Ctx {
         if let Some(sent) = &self.sent {
             sent.fetch_add(1, Ordering::Relaxed);
         }
-        let (mut rec, answer) =
-            send_chat(&self.client, &self.target, id, &messages, spec.max_tokens, self.t0, t_sched).await;
+        let trace = self.traces.as_ref().map(|store| {
+            let tp = crate::spans::fresh_context();
+            // A store that stopped only loses the join; the request still goes.
+            let _ = store.expect(tp.trace_id);
+            tp
+        });
+        let ask = Ask { id, messages: &messages, max_tokens: spec.max_tokens, t_sched, trace };
+        let (mut rec, answer) = send_chat(&self.client, &self.target, ask, self.t0).await;
         if let Some(tok) = &self.tok {
             rec.prompt_tokens_hint = tok.count_chat(&messages).map(|n| n as u64);
             if rec.is_ok() {
@@ -193,7 +205,15 @@ pub async fn run(cfg: &RunConfig, progress: Progress<'_>) -> Result<Vec<ClientRe
     let total = specs.len();
     let t0 = Instant::now();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let ctx = Ctx { client, target, tok: cfg.tokenizer.clone(), sent: cfg.send_counter.clone(), t0, tx };
+    let ctx = Ctx {
+        client,
+        target,
+        tok: cfg.tokenizer.clone(),
+        sent: cfg.send_counter.clone(),
+        traces: cfg.traces.clone(),
+        t0,
+        tx,
+    };
     let mut tasks = tokio::task::JoinSet::new();
     let jobs = specs.into_iter().enumerate().map(|(id, spec)| (id as u64, spec));
     let start = tokio::time::Instant::from_std(t0);

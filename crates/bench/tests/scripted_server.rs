@@ -88,6 +88,7 @@ fn config(addr: std::net::SocketAddr, stream: bool, num_requests: usize, timeout
         ramp: None,
         tokenizer: None,
         send_counter: None,
+        traces: None,
     }
 }
 

@@ -21,6 +21,7 @@ async fn mock(per_chunk: usize, continuous: bool) -> String {
         tokens: 0,
         model: "m".into(),
         log: None,
+        otlp: None,
         token_delay: Duration::from_millis(4),
         always_usage: false,
         tokens_per_chunk: per_chunk,

@@ -124,6 +124,28 @@ pub struct BenchArgs {
     max_probes: usize,
     #[command(flatten)]
     output: crate::output::OutputArgs,
+    #[command(flatten)]
+    otlp: OtlpArgs,
+}
+
+/// Engines' spans joined to the records (vLLM: `--otlp-traces-endpoint`).
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Engine spans (OpenTelemetry)")]
+struct OtlpArgs {
+    /// Run an OTLP trace receiver here (OTLP/HTTP at /v1/traces and OTLP/gRPC on the same
+    /// port), send a fresh W3C `traceparent` with every request, and join each span the engine
+    /// exports to its request by trace id: per-stage distributions and tail attribution for an
+    /// engine that reports no `timing`, each stage marked with who measured it.
+    #[arg(long, env = "TOKENPATH_OTLP_LISTEN", conflicts_with = "find_max_rate")]
+    otlp_listen: Option<std::net::SocketAddr>,
+    /// How long to wait after the last request for spans still on their way (vLLM exports in
+    /// batches, about every 5 s); requests without a span by then are counted and said so.
+    #[arg(long, default_value_t = 10.0, requires = "otlp_listen")]
+    otlp_wait_s: f64,
+    /// Require `authorization: Bearer <token>` on every export (set the engine's
+    /// `OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>`).
+    #[arg(long, env = "TOKENPATH_OTLP_TOKEN", hide_env_values = true, requires = "otlp_listen")]
+    otlp_token: Option<String>,
 }
 
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
@@ -174,6 +196,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             None => None,
         },
         send_counter: None,
+        traces: None,
     };
     if args.find_max_rate {
         return search_max_rate(&args, &cfg);
@@ -192,10 +215,35 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         t.model
     );
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let receiver = match args.otlp.otlp_listen {
+        Some(listen) => {
+            let mut rc = tokenpath_otlp::ReceiverConfig::new(listen);
+            rc.token = args.otlp.otlp_token.clone();
+            let r = rt.block_on(tokenpath_otlp::Receiver::start(rc))?;
+            eprintln!(
+                "bench: receiving engine spans on {} (OTLP/HTTP {} and OTLP/gRPC)",
+                r.addr,
+                tokenpath_otlp::HTTP_TRACES_PATH
+            );
+            cfg.traces = Some(r.store.clone());
+            Some(r)
+        }
+        None => None,
+    };
     let live = crate::output::Live::start(&mut cfg, &args.output);
     let records = rt.block_on(run(&cfg, &mut live.callback()));
     live.finish();
-    let records = records?;
+    let mut records = records?;
+    if let Some(r) = &receiver {
+        let wait = Duration::from_secs_f64(args.otlp.otlp_wait_s.clamp(0.0, 600.0));
+        eprintln!("bench: waiting up to {:.0} s for the engine's spans", wait.as_secs_f64());
+        let collected = rt.block_on(r.store.collect(wait))?;
+        let j = tokenpath_bench::spans::join(&mut records, collected);
+        eprintln!(
+            "bench: spans joined to {} of {} requests ({} with stages); {} spans of other traces ignored",
+            j.joined, j.sent, j.timed, j.unexpected
+        );
+    }
     let opts =
         ReportOptions { warmup_s: args.window.warmup_s, cooldown_s: args.window.cooldown_s, slo: args.slo };
     let report = Report::build(&records, &opts)?;

@@ -38,6 +38,14 @@ pub struct MockEngineArgs {
     /// The model name it lists.
     #[arg(long, default_value = "mock")]
     model: String,
+    /// Export a vLLM-shaped `llm_request` span for every request that carries a `traceparent`
+    /// to this OTLP receiver (base URL, e.g. `http://127.0.0.1:4318`), with the latencies the
+    /// mock measured.
+    #[arg(long)]
+    otlp_endpoint: Option<String>,
+    /// Export over OTLP/gRPC instead of OTLP/HTTP protobuf.
+    #[arg(long, requires = "otlp_endpoint")]
+    otlp_grpc: bool,
     /// Append every generation request to this JSONL file.
     #[arg(long)]
     log: Option<PathBuf>,
@@ -54,6 +62,9 @@ pub fn run(args: MockEngineArgs) -> anyhow::Result<()> {
         always_usage: args.always_usage,
         tokens_per_chunk: args.tokens_per_chunk,
         continuous_usage: args.continuous_usage,
+        otlp: args
+            .otlp_endpoint
+            .map(|endpoint| tokenpath_bench::mock::MockOtlp { endpoint, grpc: args.otlp_grpc }),
     };
     let runtime = match args.threads {
         0 | 1 => tokio::runtime::Builder::new_current_thread().enable_all().build()?,

@@ -5,7 +5,9 @@
 use std::io::Read;
 
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, KeyValue};
+use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, ArrayValue, KeyValue, KeyValueList};
+use opentelemetry_proto::tonic::resource::v1::Resource;
+use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
 use prost::Message;
 use serde_json::{Map, Value};
 use tokenpath_timeline::{EngineSpan, SpanId, TraceId};
@@ -28,6 +30,74 @@ pub fn decode_json(body: &[u8]) -> Result<Vec<EngineSpan>, OtlpError> {
     let req: ExportTraceServiceRequest =
         serde_json::from_slice(body).map_err(|e| OtlpError::Decode(e.to_string()))?;
     Ok(spans_of(req))
+}
+
+/// Encodes `spans` as one OTLP/protobuf export (what an engine sends; the mock engine and the
+/// tests use it), each span under a resource named by its `service`.
+pub fn encode_protobuf(spans: &[EngineSpan]) -> Vec<u8> {
+    let resource_spans = spans
+        .iter()
+        .map(|s| ResourceSpans {
+            resource: Some(Resource {
+                attributes: s
+                    .service
+                    .iter()
+                    .map(|name| KeyValue {
+                        key: "service.name".into(),
+                        value: Some(AnyValue { value: Some(any_value::Value::StringValue(name.clone())) }),
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            }),
+            scope_spans: vec![ScopeSpans {
+                spans: vec![Span {
+                    trace_id: s.trace_id.0.to_vec(),
+                    span_id: s.span_id.0.to_vec(),
+                    parent_span_id: s.parent.map(|p| p.0.to_vec()).unwrap_or_default(),
+                    name: s.name.clone(),
+                    kind: 2, // SERVER
+                    start_time_unix_nano: s.start_unix_ns,
+                    end_time_unix_nano: s.end_unix_ns,
+                    attributes: s
+                        .attributes
+                        .iter()
+                        .map(|(k, v)| KeyValue {
+                            key: k.clone(),
+                            value: Some(any_of(v)),
+                            ..Default::default()
+                        })
+                        .collect(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+        .collect();
+    ExportTraceServiceRequest { resource_spans }.encode_to_vec()
+}
+
+fn any_of(v: &Value) -> AnyValue {
+    let value = match v {
+        Value::Null => None,
+        Value::Bool(b) => Some(any_value::Value::BoolValue(*b)),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => Some(any_value::Value::IntValue(i)),
+            None => Some(any_value::Value::DoubleValue(n.as_f64().unwrap_or(f64::NAN))),
+        },
+        Value::String(s) => Some(any_value::Value::StringValue(s.clone())),
+        Value::Array(a) => {
+            Some(any_value::Value::ArrayValue(ArrayValue { values: a.iter().map(any_of).collect() }))
+        }
+        Value::Object(o) => Some(any_value::Value::KvlistValue(KeyValueList {
+            values: o
+                .iter()
+                .map(|(k, x)| KeyValue { key: k.clone(), value: Some(any_of(x)), ..Default::default() })
+                .collect(),
+        })),
+    };
+    AnyValue { value }
 }
 
 /// Inflates a gzip body, refusing to produce more than `limit` bytes (a gzip bomb stops there).
@@ -111,8 +181,6 @@ fn json(v: &AnyValue, depth: usize) -> Value {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use opentelemetry_proto::tonic::resource::v1::Resource;
-    use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
 
     pub(crate) fn kv(key: &str, v: any_value::Value) -> KeyValue {
         KeyValue { key: key.into(), value: Some(AnyValue { value: Some(v) }), ..Default::default() }
@@ -163,6 +231,14 @@ pub(crate) mod tests {
         assert_eq!(s.service.as_deref(), Some("vllm"));
         assert_eq!(s.attributes["gen_ai.latency.time_in_queue"], 0.25);
         assert_eq!(s.attributes["gen_ai.usage.prompt_tokens"], 37);
+    }
+
+    #[test]
+    fn what_is_encoded_decodes_back() {
+        let spans = decode_protobuf(&export(&[([3; 16], 0.5), ([4; 16], 1.5)]).encode_to_vec()).unwrap();
+        let mut with_map = spans.clone();
+        with_map[0].attributes.insert("nested".into(), serde_json::json!({"a": [1, "x", true]}));
+        assert_eq!(decode_protobuf(&encode_protobuf(&with_map)).unwrap(), with_map);
     }
 
     #[test]

@@ -39,6 +39,15 @@ pub(crate) fn unframe(body: &[u8]) -> Result<(bool, &[u8]), OtlpError> {
     }
 }
 
+/// One message framed for a unary call (uncompressed): what a client sends.
+pub fn frame(message: &[u8]) -> Vec<u8> {
+    let mut framed = Vec::with_capacity(5 + message.len());
+    framed.push(0);
+    framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    framed.extend_from_slice(message);
+    framed
+}
+
 fn headers() -> HeaderMap {
     let mut h = HeaderMap::new();
     h.insert("content-type", HeaderValue::from_static("application/grpc"));
@@ -47,10 +56,7 @@ fn headers() -> HeaderMap {
 
 /// A successful unary reply: the framed `message`, then `grpc-status: 0` as a trailer.
 pub(crate) fn ok(message: &[u8]) -> Response {
-    let mut framed = Vec::with_capacity(5 + message.len());
-    framed.push(0);
-    framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
-    framed.extend_from_slice(message);
+    let framed = frame(message);
     let mut trailers = HeaderMap::new();
     trailers.insert("grpc-status", HeaderValue::from_static("0")); // OK
     let body = Full::new(Bytes::from(framed))

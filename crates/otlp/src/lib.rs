@@ -16,8 +16,9 @@ mod grpc;
 mod server;
 mod store;
 
-pub use decode::{decode_json, decode_protobuf, inflate_gzip, MAX_INFLATED};
+pub use decode::{decode_json, decode_protobuf, encode_protobuf, inflate_gzip, MAX_INFLATED};
 pub use error::OtlpError;
+pub use grpc::frame as grpc_frame;
 pub use server::{Receiver, ReceiverConfig, GRPC_EXPORT_PATH, HTTP_TRACES_PATH};
 pub use store::{Collected, SpanStore, StoreLimits};
 pub use tokenpath_timeline::{EngineSpan, SpanId, TraceId};

@@ -5,7 +5,7 @@
 //! letting each caller pick "the first chunk") is what makes the traps — a role-only first chunk,
 //! a chunk carrying several tokens — come out the same everywhere.
 
-use crate::{Nanos, RequestId, ServerTiming};
+use crate::{EngineSpan, Nanos, RequestId, ServerTiming, TraceId};
 use serde::{Deserialize, Serialize};
 
 /// One event of a response stream (an SSE `data:` line, or the whole body when not streaming).
@@ -88,9 +88,16 @@ pub struct ClientRecord {
     pub prompt_tokens_hint: Option<u64>,
     /// How it ended.
     pub outcome: Outcome,
-    /// The server's `timing` object, when sent.
+    /// The server's `timing` object, when sent; or the stages of the engine's span, joined by
+    /// trace id (then each stage's source says so).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server: Option<ServerTiming>,
+    /// The trace id sent with the request (`traceparent`), when one was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<TraceId>,
+    /// The spans engines exported under that trace id, every attribute kept raw.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spans: Vec<EngineSpan>,
 }
 
 impl ClientRecord {
@@ -108,6 +115,8 @@ impl ClientRecord {
             prompt_tokens_hint: None,
             outcome: Outcome::Ok { finish_reason: None },
             server: None,
+            trace_id: None,
+            spans: Vec::new(),
         }
     }
 

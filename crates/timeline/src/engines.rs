@@ -1,17 +1,17 @@
 //! What each engine reports about one request, mapped onto our stages: the one table of it.
 //!
 //! Engines report a request's stages in their own shapes — vLLM's per-request `metrics` object
-//! and its `llm_request` span, llama.cpp's `timings`, Dynamo's `nvext.timing`, TGI's response
-//! headers, a tokenpath upstream's `timing` — in their own units. The gateway (relaying an
+//! and its `llm_request` span, SGLang's request slices, llama.cpp's `timings`, Dynamo's
+//! `nvext.timing`, TGI's response headers, a tokenpath upstream's `timing` — in their own units. The gateway (relaying an
 //! upstream's answer) and the bench (joining a client record to the engine's span) read them
 //! here, so one engine field means one stage everywhere, and the table in
 //! `docs/metrics.md#engine-stages` is this file. What is malformed, negative or not finite is
 //! left out; a stage an engine does not report is absent, never derived from what it lacks.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 use std::collections::BTreeMap;
 
-use crate::{ServerTiming, Stage, StageSource};
+use crate::{EngineSpan, ServerTiming, Stage, StageSource};
 
 /// The stage durations an engine put in a chunk or body (see the module docs), in ms; finite,
 /// non-negative numbers only.
@@ -70,40 +70,71 @@ fn seconds_ms(v: Option<&Value>) -> Option<f64> {
     v.and_then(Value::as_f64).filter(|s| s.is_finite() && *s >= 0.0).map(|s| s * 1e3)
 }
 
-/// The timing one engine span carries, when the span is one whose shape we know (today:
-/// vLLM's `llm_request`); every stage it gives is marked as the engine's.
-pub fn span_timing(name: &str, attributes: &Map<String, Value>) -> Option<ServerTiming> {
-    if name != VLLM_REQUEST_SPAN {
-        return None;
-    }
+/// SGLang's request slices (span names, v3 `RequestStage`) → stages. Each slice is one span on
+/// one process's clock; nested ones (`chunked_prefill`, `decode_loop`) are inside these and are
+/// not counted again. Its root span's `time_in_model_prefill` includes the queue wait, so the
+/// root's latencies are not read as stages (only its TTFT and E2E are).
+pub const SGLANG_SLICES: [(&str, Stage); 8] = [
+    ("tokenize", Stage::Gateway),
+    ("dispatch", Stage::Gateway),
+    ("api_server_dispatch", Stage::Gateway),
+    ("prefill_waiting", Stage::Queue),
+    ("prefill_forward", Stage::Prefill),
+    // The decode side's wait for the KV to arrive: the transfer as the request sees it.
+    ("decode_transferred", Stage::KvTransfer),
+    ("decode_waiting", Stage::DecodeQueue),
+    ("decode_forward", Stage::Decode),
+];
+
+/// The timing the spans of one trace carry, when their shape is one we know: vLLM's
+/// `llm_request` span (its attributes), or SGLang's request slices (their durations). Every
+/// stage it gives is marked as the span's.
+pub fn spans_timing(spans: &[EngineSpan]) -> Option<ServerTiming> {
     let mut t = ServerTiming::default();
-    for (key, stage) in VLLM_SPAN_ATTRIBUTES {
-        if let Some(ms) = seconds_ms(attributes.get(key)) {
-            t.stages_ms.insert(stage, ms);
+    if let Some(v) = spans.iter().find(|s| s.name == VLLM_REQUEST_SPAN) {
+        let attributes = &v.attributes;
+        for (key, stage) in VLLM_SPAN_ATTRIBUTES {
+            if let Some(ms) = seconds_ms(attributes.get(key)) {
+                t.stages_ms.insert(stage, ms);
+            }
+        }
+        t.ttft_ms = seconds_ms(attributes.get(VLLM_TTFT));
+        t.e2e_ms = seconds_ms(attributes.get(VLLM_E2E));
+        if let (Some(ttft), Some(q), Some(p)) =
+            (t.ttft_ms, t.stages_ms.get(&Stage::Queue), t.stages_ms.get(&Stage::Prefill))
+        {
+            // Measured on one clock (vLLM's), so the difference is a measurement, not a guess;
+            // it can dip below zero by rounding only.
+            t.stages_ms.insert(Stage::Gateway, (ttft - q - p).max(0.0));
+        }
+    } else {
+        let mut any = false;
+        for s in spans {
+            if let Some((_, stage)) = SGLANG_SLICES.iter().find(|(n, _)| *n == s.name) {
+                let ms = s.end_unix_ns.saturating_sub(s.start_unix_ns) as f64 / 1e6;
+                *t.stages_ms.entry(*stage).or_insert(0.0) += ms;
+                any = true;
+            }
+            if s.attributes.contains_key("rid") {
+                t.ttft_ms = t.ttft_ms.or_else(|| seconds_ms(s.attributes.get(VLLM_TTFT)));
+                t.e2e_ms = t.e2e_ms.or_else(|| seconds_ms(s.attributes.get(VLLM_E2E)));
+            }
+        }
+        if !any {
+            return None;
         }
     }
-    t.ttft_ms = seconds_ms(attributes.get(VLLM_TTFT));
-    t.e2e_ms = seconds_ms(attributes.get(VLLM_E2E));
-    if let (Some(ttft), Some(q), Some(p)) =
-        (t.ttft_ms, t.stages_ms.get(&Stage::Queue), t.stages_ms.get(&Stage::Prefill))
-    {
-        // Measured on one clock (vLLM's), so the difference is a measurement, not a guess;
-        // it can dip below zero by rounding only.
-        t.stages_ms.insert(Stage::Gateway, (ttft - q - p).max(0.0));
-    }
-    if let Some(n) = attributes.get("gen_ai.usage.cached_tokens").and_then(Value::as_u64) {
+    if let Some(n) = spans.iter().find_map(|s| s.attributes.get("gen_ai.usage.cached_tokens")?.as_u64()) {
         t.cached_tokens = n;
     }
-    t.sources = t.stages_ms.keys().map(|s| (*s, StageSource::Engine)).collect();
+    t.sources = t.stages_ms.keys().map(|s| (*s, StageSource::Span)).collect();
     Some(t)
 }
 
-/// TGI's per-request timing headers (milliseconds) → stages.
-pub const TGI_HEADERS: [(&str, Stage); 3] = [
-    ("x-validation-time", Stage::Gateway),
-    ("x-queue-time", Stage::Queue),
-    ("x-inference-time", Stage::Decode),
-];
+/// TGI's per-request timing headers (whole milliseconds, on whole responses only) → stages.
+/// `x-inference-time` is prefill and decode together, so it is no stage.
+pub const TGI_HEADERS: [(&str, Stage); 2] =
+    [("x-validation-time", Stage::Gateway), ("x-queue-time", Stage::Queue)];
 
 /// The stages TGI's response headers give (`headers`: lowercase name, value).
 pub fn header_stages<'a>(
@@ -156,6 +187,19 @@ mod tests {
         assert!(out.is_empty(), "no total: no decode stage invented");
     }
 
+    fn span(name: &str, start_ms: u64, end_ms: u64, attrs: Value) -> EngineSpan {
+        EngineSpan {
+            trace_id: crate::TraceId([1; 16]),
+            span_id: crate::SpanId([2; 8]),
+            parent: Some(crate::SpanId([3; 8])),
+            name: name.into(),
+            service: None,
+            start_unix_ns: start_ms * 1_000_000,
+            end_unix_ns: end_ms * 1_000_000,
+            attributes: attrs.as_object().cloned().unwrap_or_default(),
+        }
+    }
+
     #[test]
     fn a_vllm_span_gives_queue_prefill_decode_and_the_frontends_remainder() {
         let attrs = serde_json::json!({
@@ -163,22 +207,67 @@ mod tests {
             "gen_ai.latency.time_in_model_prefill": 0.2117, "gen_ai.latency.time_in_model_decode": 0.4509,
             "gen_ai.latency.e2e": 0.6973, "gen_ai.request.id": "chatcmpl-1", "gen_ai.usage.prompt_tokens": 37
         });
-        let t = span_timing(VLLM_REQUEST_SPAN, attrs.as_object().unwrap()).unwrap();
+        let t =
+            spans_timing(&[span("Load weights", 0, 9, Value::Null), span(VLLM_REQUEST_SPAN, 0, 1, attrs)])
+                .unwrap();
         let ms = |s: Stage| t.stages_ms[&s];
         assert!((ms(Stage::Queue) - 2.0).abs() < 1e-9);
         assert!((ms(Stage::Prefill) - 211.7).abs() < 1e-9);
         assert!((ms(Stage::Decode) - 450.9).abs() < 1e-9);
         assert!((ms(Stage::Gateway) - 34.8).abs() < 1e-9);
         assert!((t.ttft_ms.unwrap() - 248.5).abs() < 1e-9 && (t.e2e_ms.unwrap() - 697.3).abs() < 1e-9);
-        assert!(t.sources.values().all(|s| *s == StageSource::Engine) && t.sources.len() == 4);
+        assert!(t.sources.values().all(|s| *s == StageSource::Span) && t.sources.len() == 4);
         assert!(!t.stages_ms.contains_key(&Stage::KvTransfer), "never invented");
     }
 
     #[test]
-    fn other_spans_and_bad_attribute_values_give_nothing() {
+    fn sglang_slices_give_stages_by_duration_and_nested_slices_are_not_counted_twice() {
+        let root = serde_json::json!({"rid": "1a2b", "gen_ai.latency.time_to_first_token": 0.05,
+            "gen_ai.latency.time_in_model_prefill": 0.04});
+        let t = spans_timing(&[
+            span(" Req 1a2b3c4d", 0, 100, root),
+            span("tokenize", 0, 2, Value::Null),
+            span("dispatch", 2, 3, Value::Null),
+            span("prefill_waiting", 3, 10, Value::Null),
+            span("prefill_forward", 10, 40, Value::Null),
+            span("chunked_prefill", 10, 25, Value::Null),
+            span("chunked_prefill", 25, 40, Value::Null),
+            span("decode_waiting", 40, 41, Value::Null),
+            span("decode_forward", 41, 100, Value::Null),
+            span("decode_loop", 41, 50, Value::Null),
+        ])
+        .unwrap();
+        let want = [
+            (Stage::Gateway, 3.0),
+            (Stage::Queue, 7.0),
+            (Stage::Prefill, 30.0),
+            (Stage::DecodeQueue, 1.0),
+            (Stage::Decode, 59.0),
+        ];
+        assert_eq!(t.stages_ms, want.into_iter().collect::<BTreeMap<_, _>>());
+        assert!((t.ttft_ms.unwrap() - 50.0).abs() < 1e-9);
+        assert!(spans_timing(&[span("something", 0, 1, Value::Null)]).is_none());
+    }
+
+    #[test]
+    fn tgi_headers_give_validation_and_queue_only() {
+        let mut out = BTreeMap::new();
+        header_stages(
+            [
+                ("x-validation-time", "3"),
+                ("x-queue-time", "12"),
+                ("x-inference-time", "400"),
+                ("x-total-time", "x"),
+            ],
+            &mut out,
+        );
+        assert_eq!(out, BTreeMap::from([(Stage::Gateway, 3.0), (Stage::Queue, 12.0)]));
+    }
+
+    #[test]
+    fn bad_attribute_values_give_no_stage() {
         let attrs = serde_json::json!({"gen_ai.latency.time_in_queue": -1.0, "gen_ai.latency.time_in_model_prefill": "x"});
-        assert!(span_timing("Load weights", attrs.as_object().unwrap()).is_none());
-        let t = span_timing(VLLM_REQUEST_SPAN, attrs.as_object().unwrap()).unwrap();
+        let t = spans_timing(&[span(VLLM_REQUEST_SPAN, 0, 1, attrs)]).unwrap();
         assert!(t.stages_ms.is_empty() && t.ttft_ms.is_none());
     }
 }

@@ -242,6 +242,9 @@ pub enum StageSource {
     /// and last token received), so it includes the network and whatever the engine did not
     /// split out.
     Gateway,
+    /// The engine's exported span (OTLP) said so; the span was joined to the request by its
+    /// trace id.
+    Span,
 }
 
 impl ServerTiming {

@@ -128,7 +128,7 @@ impl FromStr for TraceParent {
 }
 
 /// One span an engine exported, as the receiver kept it: enough to place it in the request's
-/// tree and to read its stages (`engines::span_timing`); attributes whose meaning we do not map
+/// tree and to read its stages (`engines::spans_timing`); attributes whose meaning we do not map
 /// are kept, raw, for the JSON output.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EngineSpan {

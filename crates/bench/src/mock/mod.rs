@@ -24,6 +24,11 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use tokenpath_timeline::TraceParent;
+
+mod spans;
+pub use spans::MockOtlp;
+use spans::SpanClock;
 
 /// Which engine it plays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,6 +83,8 @@ pub struct MockConfig {
     pub model: String,
     /// Append every generation request here (JSONL).
     pub log: Option<PathBuf>,
+    /// Export a vLLM-shaped span per traced request here.
+    pub otlp: Option<MockOtlp>,
 }
 
 /// Most bytes of a request body it reads.
@@ -92,6 +99,15 @@ struct Mock {
     log: Option<Mutex<std::fs::File>>,
     running: AtomicUsize,
     served: AtomicU64,
+    otlp_client: reqwest::Client,
+}
+
+impl Mock {
+    fn log_line(&self, line: &Value) {
+        if let Some(Ok(mut f)) = self.log.as_ref().map(|l| l.lock()) {
+            let _ = writeln!(f, "{line}");
+        }
+    }
 }
 
 /// The mock's routes, ready for `axum::serve`.
@@ -100,7 +116,14 @@ pub fn router(config: MockConfig) -> Result<Router, std::io::Error> {
         Some(p) => Some(Mutex::new(std::fs::OpenOptions::new().create(true).append(true).open(p)?)),
         None => None,
     };
-    let mock = Arc::new(Mock { config, log, running: AtomicUsize::new(0), served: AtomicU64::new(0) });
+    let otlp_client = match &config.otlp {
+        // gRPC is HTTP/2 with prior knowledge on a plain port.
+        Some(o) if o.grpc => reqwest::Client::builder().http2_prior_knowledge().build(),
+        _ => reqwest::Client::builder().build(),
+    }
+    .map_err(std::io::Error::other)?;
+    let mock =
+        Arc::new(Mock { config, log, running: AtomicUsize::new(0), served: AtomicU64::new(0), otlp_client });
     Ok(Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/v1/models", get(models))
@@ -181,38 +204,56 @@ async fn generate(
     m.served.fetch_add(1, Ordering::Relaxed);
     m.running.fetch_add(1, Ordering::Relaxed);
     let running = Running(Arc::clone(&m));
-    if let Some(log) = &m.log {
-        let line = json!({
+    if m.log.is_some() {
+        m.log_line(&json!({
             "path": uri.path(),
             "request_id": headers.get("x-request-id").and_then(|h| h.to_str().ok()),
             "authorization": headers.contains_key("authorization"),
             "body": v,
-        });
-        if let Ok(mut f) = log.lock() {
-            let _ = writeln!(f, "{line}");
-        }
+        }));
     }
     let chat = uri.path().ends_with("/chat/completions");
     let answer = Answer::new(&m.config, &v, chat);
+    let trace = headers.get("traceparent").and_then(|h| h.to_str().ok()?.parse::<TraceParent>().ok());
+    let mut clock = trace
+        .filter(|_| m.config.otlp.is_some())
+        .map(|t| SpanClock::start(&m, t, answer.prompt_tokens, answer.tokens as u64));
     if v["stream"] == json!(true) {
         let usage = m.config.always_usage || v.pointer("/stream_options/include_usage") == Some(&json!(true));
         let continuous = m.config.continuous_usage
             || v.pointer("/stream_options/continuous_usage_stats") == Some(&json!(true));
-        let chunks = answer.chunks(usage, m.config.tokens_per_chunk.max(1), continuous);
+        let per_chunk = m.config.tokens_per_chunk.max(1);
+        let chunks = answer.chunks(usage, per_chunk, continuous);
+        // Which events carry content: after the role event of a chat stream, one per chunk.
+        let first_content = usize::from(chat);
+        let content = first_content..first_content + answer.tokens.div_ceil(per_chunk);
         let delay = m.config.token_delay;
         let body = if delay.is_zero() {
             // One write for the whole answer: the cheapest stream a server can send.
             drop(running);
+            if let Some(c) = clock.as_mut() {
+                c.content();
+            }
+            drop(clock);
             Body::from(chunks.concat())
         } else {
             let s = futures_util::stream::unfold(
-                (chunks.into_iter(), true, running),
-                move |(mut it, first, r)| async move {
-                    let c = it.next()?;
-                    if !first {
-                        tokio::time::sleep(delay).await;
+                (chunks.into_iter().enumerate(), true, running, clock),
+                move |(mut it, first, r, mut clock)| {
+                    let content = content.clone();
+                    async move {
+                        if let Some(c) = clock.as_mut() {
+                            c.polled();
+                        }
+                        let (i, c) = it.next()?;
+                        if !first {
+                            tokio::time::sleep(delay).await;
+                        }
+                        if let Some(clk) = clock.as_mut().filter(|_| content.contains(&i)) {
+                            clk.content();
+                        }
+                        Some((Ok::<_, std::convert::Infallible>(Bytes::from(c)), (it, false, r, clock)))
                     }
-                    Some((Ok::<_, std::convert::Infallible>(Bytes::from(c)), (it, false, r)))
                 },
             );
             Body::from_stream(s)
@@ -224,6 +265,10 @@ async fn generate(
             .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response"))
     } else {
         drop(running);
+        if let Some(c) = clock.as_mut() {
+            c.content();
+        }
+        drop(clock);
         ([("content-type", "application/json")], answer.whole().to_string()).into_response()
     }
 }
@@ -381,6 +426,7 @@ mod tests {
             tokens: 3,
             model: "m".into(),
             log: None,
+            otlp: None,
             token_delay: std::time::Duration::ZERO,
             always_usage: false,
             tokens_per_chunk: 1,

@@ -1,0 +1,152 @@
+//! Engines' spans joined to the bench's records: a fresh W3C trace context per request, and
+//! after the run, each record's spans (by trace id) read into stages through the one engines
+//! table (`timeline::engines`). A record the server already timed (our own `timing`) keeps its
+//! stages; a span only adds stages it lacks.
+
+use serde::{Deserialize, Serialize};
+use tokenpath_otlp::Collected;
+use tokenpath_timeline::engines::spans_timing;
+use tokenpath_timeline::{ClientRecord, ServerTiming, SpanId, StageSource, TraceId, TraceParent};
+
+/// A random, sampled context (the OS's CSPRNG: ids from two runs against one engine must not
+/// collide, whatever their seeds).
+pub fn fresh_context() -> TraceParent {
+    loop {
+        let mut t = [0u8; 16];
+        let mut s = [0u8; 8];
+        // getrandom fails only without an OS RNG; an all-zero id is invalid and drawn again.
+        if getrandom::fill(&mut t).is_ok() && getrandom::fill(&mut s).is_ok() {
+            if let (Some(trace), Some(span)) = (TraceId::from_slice(&t), SpanId::from_slice(&s)) {
+                return TraceParent::new(trace, span);
+            }
+        }
+    }
+}
+
+/// How the join went.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpanJoin {
+    /// Requests sent with a trace context.
+    pub sent: u64,
+    /// Of which got at least one span.
+    pub joined: u64,
+    /// Of which got a span whose shape gave stages.
+    pub timed: u64,
+    /// Spans that arrived for traces this run did not send (an engine's start-up spans).
+    #[serde(default)]
+    pub unexpected: u64,
+}
+
+impl SpanJoin {
+    /// The join as the records show it (`unexpected` is not on them: 0); `None` when no
+    /// request carried a trace context.
+    pub fn of(records: &[&ClientRecord]) -> Option<Self> {
+        let traced: Vec<&ClientRecord> = records.iter().copied().filter(|r| r.trace_id.is_some()).collect();
+        if traced.is_empty() {
+            return None;
+        }
+        let timed = |r: &ClientRecord| {
+            r.server.as_ref().is_some_and(|s| s.sources.values().any(|x| *x == StageSource::Span))
+        };
+        Some(Self {
+            sent: traced.len() as u64,
+            joined: traced.iter().filter(|r| !r.spans.is_empty()).count() as u64,
+            timed: traced.iter().filter(|r| timed(r)).count() as u64,
+            unexpected: 0,
+        })
+    }
+}
+
+/// Puts each record's spans on it and the stages they give into its `server` timing.
+pub fn join(records: &mut [ClientRecord], mut collected: Collected) -> SpanJoin {
+    let mut out = SpanJoin { unexpected: collected.unexpected, ..SpanJoin::default() };
+    for rec in records.iter_mut() {
+        let Some(trace) = rec.trace_id else { continue };
+        out.sent += 1;
+        let Some(mut spans) = collected.spans.remove(&trace) else { continue };
+        out.joined += 1;
+        spans.sort_by_key(|s| s.start_unix_ns);
+        if let Some(timing) = spans_timing(&spans) {
+            out.timed += 1;
+            merge(&mut rec.server, timing);
+        }
+        rec.spans = spans;
+    }
+    out
+}
+
+fn merge(server: &mut Option<ServerTiming>, from_span: ServerTiming) {
+    let Some(s) = server else {
+        *server = Some(from_span);
+        return;
+    };
+    for (stage, ms) in from_span.stages_ms {
+        if let std::collections::btree_map::Entry::Vacant(e) = s.stages_ms.entry(stage) {
+            e.insert(ms);
+            if let Some(src) = from_span.sources.get(&stage) {
+                s.sources.insert(stage, *src);
+            }
+        }
+    }
+    s.ttft_ms = s.ttft_ms.or(from_span.ttft_ms);
+    s.e2e_ms = s.e2e_ms.or(from_span.e2e_ms);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenpath_timeline::{EngineSpan, RequestId, Stage};
+
+    fn span(trace: TraceId, name: &str, queue_s: f64) -> EngineSpan {
+        let attrs = serde_json::json!({"gen_ai.latency.time_in_queue": queue_s, "gen_ai.latency.time_in_model_prefill": 0.1,
+            "vllm.custom": "kept"});
+        EngineSpan {
+            trace_id: trace,
+            span_id: SpanId([1; 8]),
+            parent: None,
+            name: name.into(),
+            service: Some("vllm".into()),
+            start_unix_ns: 5,
+            end_unix_ns: 6,
+            attributes: attrs.as_object().unwrap().clone(),
+        }
+    }
+
+    #[test]
+    fn spans_join_by_trace_id_and_only_fill_stages_the_server_did_not_give() {
+        let ids: Vec<TraceId> = (0..4).map(|_| fresh_context().trace_id).collect();
+        let mut recs: Vec<ClientRecord> = (0..5)
+            .map(|i| {
+                let mut r = ClientRecord::new(RequestId(i), 0, 0, true);
+                r.trace_id = ids.get(i as usize).copied();
+                r
+            })
+            .collect();
+        // Record 1 was timed by a tokenpath server already: its queue stays.
+        let mut ours = ServerTiming::default();
+        ours.stages_ms.insert(Stage::Queue, 7.0);
+        recs[1].server = Some(ours);
+        let mut collected = Collected::default();
+        collected.spans.insert(ids[0], vec![span(ids[0], "llm_request", 0.25)]);
+        collected.spans.insert(ids[1], vec![span(ids[1], "llm_request", 0.5)]);
+        collected.spans.insert(ids[2], vec![span(ids[2], "something else", 0.5)]);
+        collected.unexpected = 3;
+        let j = join(&mut recs, collected);
+        assert_eq!(j, SpanJoin { sent: 4, joined: 3, timed: 2, unexpected: 3 });
+        let s0 = recs[0].server.as_ref().unwrap();
+        assert_eq!(s0.stages_ms[&Stage::Queue], 250.0);
+        assert_eq!(s0.sources[&Stage::Queue], StageSource::Span);
+        let s1 = recs[1].server.as_ref().unwrap();
+        assert_eq!(s1.stages_ms[&Stage::Queue], 7.0, "the server's own measurement stays");
+        assert!(!s1.sources.contains_key(&Stage::Queue));
+        assert_eq!(s1.sources[&Stage::Prefill], StageSource::Span);
+        assert!(recs[2].server.is_none() && recs[2].spans.len() == 1);
+        assert_eq!(recs[0].spans[0].attributes["vllm.custom"], "kept");
+        assert!(recs[3].spans.is_empty() && recs[4].trace_id.is_none());
+    }
+
+    #[test]
+    fn fresh_contexts_differ() {
+        assert_ne!(fresh_context().trace_id, fresh_context().trace_id);
+    }
+}
