@@ -120,7 +120,7 @@ impl Ctx {
             sent.fetch_add(1, Ordering::Relaxed);
         }
         let trace = self.traces.as_ref().map(|store| {
-            let tp = crate::spans::fresh_context();
+            let tp = tokenpath_otlp::fresh_context();
             // A store that stopped only loses the join; the request still goes.
             let _ = store.expect(tp.trace_id);
             tp

@@ -1,27 +1,14 @@
 //! Engines' spans joined to the bench's records: a fresh W3C trace context per request, and
 //! after the run, each record's spans (by trace id) read into stages through the one engines
-//! table (`timeline::engines`). A record the server already timed (our own `timing`) keeps its
-//! stages; a span only adds stages it lacks.
+//! table (`timeline::engines`). A record the server already timed keeps the stages a tokenpath
+//! process or the engine's body measured; a span adds the stages it lacks and replaces the ones
+//! our gateway could only see from outside the engine.
 
 use serde::{Deserialize, Serialize};
+pub use tokenpath_otlp::fresh_context;
 use tokenpath_otlp::Collected;
 use tokenpath_timeline::engines::spans_timing;
-use tokenpath_timeline::{ClientRecord, ServerTiming, SpanId, StageSource, TraceId, TraceParent};
-
-/// A random, sampled context (the OS's CSPRNG: ids from two runs against one engine must not
-/// collide, whatever their seeds).
-pub fn fresh_context() -> TraceParent {
-    loop {
-        let mut t = [0u8; 16];
-        let mut s = [0u8; 8];
-        // getrandom fails only without an OS RNG; an all-zero id is invalid and drawn again.
-        if getrandom::fill(&mut t).is_ok() && getrandom::fill(&mut s).is_ok() {
-            if let (Some(trace), Some(span)) = (TraceId::from_slice(&t), SpanId::from_slice(&s)) {
-                return TraceParent::new(trace, span);
-            }
-        }
-    }
-}
+use tokenpath_timeline::{ClientRecord, ServerTiming, StageSource};
 
 /// How the join went.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -81,11 +68,16 @@ fn merge(server: &mut Option<ServerTiming>, from_span: ServerTiming) {
         return;
     };
     for (stage, ms) in from_span.stages_ms {
-        if let std::collections::btree_map::Entry::Vacant(e) = s.stages_ms.entry(stage) {
-            e.insert(ms);
-            if let Some(src) = from_span.sources.get(&stage) {
-                s.sources.insert(stage, *src);
-            }
+        // What the engine measured beats what our gateway saw at its boundaries (which holds
+        // the network and everything the engine did not split out); a tokenpath process's own
+        // marks, or the engine's body, stay.
+        let replace = match s.sources.get(&stage) {
+            None => !s.stages_ms.contains_key(&stage),
+            Some(src) => *src == StageSource::Gateway,
+        };
+        if replace {
+            s.stages_ms.insert(stage, ms);
+            s.sources.insert(stage, StageSource::Span);
         }
     }
     s.ttft_ms = s.ttft_ms.or(from_span.ttft_ms);
@@ -95,7 +87,7 @@ fn merge(server: &mut Option<ServerTiming>, from_span: ServerTiming) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokenpath_timeline::{EngineSpan, RequestId, Stage};
+    use tokenpath_timeline::{EngineSpan, RequestId, SpanId, Stage, TraceId};
 
     fn span(trace: TraceId, name: &str, queue_s: f64) -> EngineSpan {
         let attrs = serde_json::json!({"gen_ai.latency.time_in_queue": queue_s, "gen_ai.latency.time_in_model_prefill": 0.1,
@@ -122,9 +114,12 @@ mod tests {
                 r
             })
             .collect();
-        // Record 1 was timed by a tokenpath server already: its queue stays.
+        // Record 1 was timed by a tokenpath server already: its queue stays; the prefill our
+        // gateway measured around the engine gives way to the engine's own.
         let mut ours = ServerTiming::default();
         ours.stages_ms.insert(Stage::Queue, 7.0);
+        ours.stages_ms.insert(Stage::Prefill, 900.0);
+        ours.sources.insert(Stage::Prefill, StageSource::Gateway);
         recs[1].server = Some(ours);
         let mut collected = Collected::default();
         collected.spans.insert(ids[0], vec![span(ids[0], "llm_request", 0.25)]);
@@ -140,6 +135,7 @@ mod tests {
         assert_eq!(s1.stages_ms[&Stage::Queue], 7.0, "the server's own measurement stays");
         assert!(!s1.sources.contains_key(&Stage::Queue));
         assert_eq!(s1.sources[&Stage::Prefill], StageSource::Span);
+        assert_eq!(s1.stages_ms[&Stage::Prefill], 100.0);
         assert!(recs[2].server.is_none() && recs[2].spans.len() == 1);
         assert_eq!(recs[0].spans[0].attributes["vllm.custom"], "kept");
         assert!(recs[3].spans.is_empty() && recs[4].trace_id.is_none());

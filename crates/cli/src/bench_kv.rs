@@ -190,6 +190,7 @@ async fn live_handoff(decode: &WorkerHandle, tokens: usize) -> anyhow::Result<(f
             meter: None,
             cache_scope: None,
             forward: None,
+            trace: None,
         })
         .await?;
     while let Some(ev) = stream.next().await {

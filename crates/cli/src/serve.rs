@@ -38,6 +38,26 @@ pub struct ServeArgs {
     secret: SecretArgs,
     #[command(flatten)]
     upstream: crate::upstream::UpstreamArgs,
+    #[command(flatten)]
+    spans: SpanArgs,
+}
+
+/// Upstream engines' spans (vLLM: `--otlp-traces-endpoint` pointed here).
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Upstream engines' spans (OpenTelemetry)")]
+struct SpanArgs {
+    /// Receive the upstream engines' OTLP spans here (OTLP/HTTP at /v1/traces and OTLP/gRPC on
+    /// the same port). Every forwarded request continues the client's `traceparent` (or starts
+    /// a fresh trace) on each leg; the stages of the span that comes back are exported as
+    /// `tokenpath_engine_span_stage_seconds`.
+    #[arg(long, env = "TOKENPATH_OTLP_LISTEN")]
+    otlp_listen: Option<std::net::SocketAddr>,
+    /// Require `authorization: Bearer <token>` on every export.
+    #[arg(long, env = "TOKENPATH_OTLP_TOKEN", hide_env_values = true, requires = "otlp_listen")]
+    otlp_token: Option<String>,
+    /// From admission, how long a request's span is waited for before it counts as missing.
+    #[arg(long, default_value_t = 120.0, env = "TOKENPATH_OTLP_WAIT_S", requires = "otlp_listen")]
+    otlp_wait_s: f64,
 }
 
 /// Which processes run the model: one colocated worker in this process (the default), worker
@@ -218,7 +238,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             api_keys.tenants().filter(|(_, l)| !l.is_unlimited()).map(|(t, _)| t.0.as_str()).collect();
         tracing::info!(keys = api_keys.len(), rate_limited_tenants = ?limited, "API keys required");
     }
-    let gateway_config = GatewayConfig {
+    let mut gateway_config = GatewayConfig {
         served_model_name: served_model_name.clone(),
         max_body_bytes: args.http.max_body_bytes,
         shutdown_grace: Duration::from_secs(args.http.shutdown_grace_s),
@@ -239,6 +259,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             write_stall: Duration::from_secs(args.http.write_timeout_s.max(1)),
         },
         prefix_cache_scope: args.batching.prefix_cache_scope,
+        // Set once the receiver runs (it needs the runtime).
+        engine_spans: None,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -249,6 +271,20 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut children = Children::default();
     let mut local = None;
     runtime.block_on(async {
+        // Kept for as long as the gateway serves.
+        let _receiver = match args.spans.otlp_listen {
+            Some(listen) => {
+                let mut rc = tokenpath_otlp::ReceiverConfig::new(listen);
+                rc.token = args.spans.otlp_token.clone();
+                let r = tokenpath_otlp::Receiver::start(rc).await?;
+                gateway_config.engine_spans = Some(tokenpath_gateway::EngineSpans {
+                    store: r.store.clone(),
+                    wait: Duration::from_secs_f64(args.spans.otlp_wait_s.clamp(1.0, 3600.0)),
+                });
+                Some(r)
+            }
+            None => None,
+        };
         let plan = match &args.topology.cluster {
             Some(file) => cluster_file::load(file, |var| std::env::var(var).ok())?,
             None => ClusterPlan::default(),

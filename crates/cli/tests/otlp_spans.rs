@@ -4,9 +4,13 @@
 //! every span the engine sent is joined to its request by trace id, its stages are exactly the
 //! span's attributes (checked against the engine's own log of what it exported), marked as
 //! measured by the span, with unmapped attributes kept raw; a run whose engine exports nothing
-//! says so instead of passing silently.
+//! says so instead of passing silently. Through our gateway (`serve --upstream --otlp-listen`),
+//! the client's trace context reaches the engine, and the engine's spans come back to the
+//! gateway's own receiver and its stage metrics.
 
 #![allow(clippy::unwrap_used)]
+
+mod support;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -124,5 +128,55 @@ fn requests_without_a_span_are_counted_and_said_so() {
     let table = bench(m.1, free_port(), "0.5", &out);
     assert!(table.contains("engine spans: 0 of 6 requests joined"), "{table}");
     assert!(table.contains("6 of 6 requests got no span"), "{table}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn through_the_gateway_the_trace_reaches_the_engine_and_its_spans_come_back_to_the_gateway() {
+    let dir = std::env::temp_dir().join(format!("tp-otlp-gw-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.gguf");
+    let spec = tokenpath_engine::tiny::TinySpec::default();
+    std::fs::write(&model, tokenpath_engine::tiny::tiny_model_bytes(&spec).unwrap()).unwrap();
+    let gw_otlp = free_port();
+    let log = dir.join("mock.jsonl");
+    let m = mock(&["--otlp-endpoint", &format!("http://127.0.0.1:{gw_otlp}")], &log);
+    let listen = format!("127.0.0.1:{gw_otlp}");
+    let upstream = format!("http://127.0.0.1:{}", m.1);
+    let gateway = support::serve(
+        &model,
+        &["--served-model-name", "mock", "--upstream", &upstream, "--otlp-listen", &listen],
+    );
+    // Six requests carry the bench's trace context (its own receiver hears nothing: the engine
+    // exports to the gateway); three carry none, and the gateway starts their traces.
+    let out = dir.join("run.json");
+    bench(gateway.port, free_port(), "0.2", &out);
+    let body = serde_json::json!({"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    for _ in 0..3 {
+        let (status, text) = support::http(gateway.port, "POST", "/v1/chat/completions", &body.to_string());
+        assert_eq!(status, 200, "{text}");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let metrics = loop {
+        let (_, text) = support::http(gateway.port, "GET", "/metrics", "");
+        if text.contains("tokenpath_engine_spans_total{outcome=\"joined\"} 9") {
+            break text;
+        }
+        assert!(std::time::Instant::now() < deadline, "the gateway never joined 9 spans:\n{text}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    for stage in ["queue", "prefill", "decode", "gateway"] {
+        let line = format!("tokenpath_engine_span_stage_seconds_count{{stage=\"{stage}\"}} 9");
+        assert!(metrics.contains(&line), "{line}\n{metrics}");
+    }
+    assert!(!metrics.contains("outcome=\"missing\""), "{metrics}");
+    let sent = exported_spans(&log);
+    assert_eq!(sent.len(), 9, "one span per request, each its own trace");
+    let run: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    for r in run["requests"].as_array().unwrap() {
+        let trace = r["trace_id"].as_str().unwrap();
+        assert!(sent.contains_key(trace), "the bench's trace {trace} reached the engine through the gateway");
+    }
+    drop(gateway);
     let _ = std::fs::remove_dir_all(&dir);
 }

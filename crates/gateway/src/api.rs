@@ -17,7 +17,7 @@ use crate::AppState;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Extension, State};
-use axum::http::{header, HeaderValue, StatusCode, Uri};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -30,7 +30,7 @@ use tokenpath_protocol::{
     ApiError, ChatCompletionResponse, ChatStream, CompletionResponse, CompletionStream, FinishReason,
     GenerationRequest, Prompt, ProtocolError, Usage,
 };
-use tokenpath_timeline::{ClientRecord, FinishReason as Finish, Nanos, RequestId, StreamEvent};
+use tokenpath_timeline::{ClientRecord, FinishReason as Finish, Nanos, RequestId, StreamEvent, TraceParent};
 
 pub(crate) use tokenpath_protocol::forward::ApiEndpoint as Endpoint;
 
@@ -38,18 +38,22 @@ pub(crate) use tokenpath_protocol::forward::ApiEndpoint as Endpoint;
 pub(crate) async fn chat(
     State(app): State<Arc<AppState>>,
     Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(app, Endpoint::Chat, caller.0, body).await
+    let trace = crate::spans::context(&app, &headers);
+    generate(app, Endpoint::Chat, caller.0, trace, body).await
 }
 
 /// `POST /v1/completions`.
 pub(crate) async fn completions(
     State(app): State<Arc<AppState>>,
     Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    generate(app, Endpoint::Completions, caller.0, body).await
+    let trace = crate::spans::context(&app, &headers);
+    generate(app, Endpoint::Completions, caller.0, trace, body).await
 }
 
 /// Bodies larger than this are parsed and tokenized on the blocking pool, so a long prompt
@@ -63,6 +67,7 @@ async fn generate(
     app: Arc<AppState>,
     endpoint: Endpoint,
     tenant: Option<Tenant>,
+    trace: Option<TraceParent>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrived = Instant::now();
@@ -82,7 +87,7 @@ async fn generate(
         let Ok(_turn) = Arc::clone(&app.tokenizing).acquire_owned().await else {
             return server_error(&app, "the tokenization gate closed");
         };
-        tokio::task::spawn_blocking(move || admit(&state, endpoint, body, arrived, t.as_ref(), pass))
+        tokio::task::spawn_blocking(move || admit(&state, endpoint, body, arrived, t.as_ref(), pass, trace))
             .await
             .unwrap_or_else(|e| {
                 tracing::error!("admission task failed: {e}");
@@ -91,10 +96,13 @@ async fn generate(
                 )))
             })
     } else {
-        admit(&app, endpoint, body, arrived, tenant.as_ref(), pass)
+        admit(&app, endpoint, body, arrived, tenant.as_ref(), pass, trace)
     };
     match admitted {
-        Ok(admitted) => respond(app, endpoint, admitted, arrived).await,
+        Ok(admitted) => {
+            crate::spans::await_spans(&app, admitted.work.trace);
+            respond(app, endpoint, admitted, arrived).await
+        }
         Err(reject) => {
             app.metrics.record_status(reject.status().as_u16(), "none");
             reject.into_response()
@@ -118,6 +126,7 @@ fn admit(
     arrived: Instant,
     tenant: Option<&Tenant>,
     pass: crate::ratelimit::Pass,
+    trace: Option<TraceParent>,
 ) -> Result<Admitted, Reject> {
     if app.is_draining() {
         return Err(Reject::new(ApiError::overloaded("The server is shutting down.")));
@@ -172,6 +181,7 @@ fn admit(
             Some(crate::PrefixScope::Tenant) | None => tenant.map(|t| t.0.clone()),
         },
         forward,
+        trace,
     };
     Ok(Admitted { id, req, work, meter })
 }

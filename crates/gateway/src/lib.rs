@@ -20,6 +20,7 @@ pub mod metrics;
 mod ratelimit;
 mod route;
 mod server;
+mod spans;
 mod stream;
 pub mod upstream;
 
@@ -72,6 +73,18 @@ pub struct GatewayConfig {
     pub http: HttpLimits,
     /// Who shares prefix-cache blocks; `None`: per tenant when API keys are configured.
     pub prefix_cache_scope: Option<PrefixScope>,
+    /// Engines' spans received for the requests this gateway forwards (`--otlp-listen`).
+    pub engine_spans: Option<EngineSpans>,
+}
+
+/// Where engines' spans arrive and how long a request's are waited for.
+#[derive(Clone, Debug)]
+pub struct EngineSpans {
+    /// The receiver's store (`tokenpath_otlp::Receiver::store`).
+    pub store: tokenpath_otlp::SpanStore,
+    /// From admission, how long the spans of one request are waited for (an engine exports
+    /// after the request ends, in batches).
+    pub wait: Duration,
 }
 
 /// Who may reuse whose prompt KV (`--prefix-cache-scope`).
@@ -107,6 +120,7 @@ impl Default for GatewayConfig {
             metrics_elsewhere: false,
             http: HttpLimits::default(),
             prefix_cache_scope: None,
+            engine_spans: None,
         }
     }
 }

@@ -15,6 +15,8 @@
 //! | `tokenpath_request_stage_seconds{stage="prefill"}` | `vllm:request_prefill_time_seconds` |
 //! | `tokenpath_request_stage_seconds{stage="decode"}` | `vllm:request_decode_time_seconds` |
 //! | `tokenpath_request_stage_seconds{stage="gateway"\|"decode_queue"\|"kv_transfer"}` | — (no equivalent) |
+//! | `tokenpath_engine_span_stage_seconds{stage}` | — (the stages an upstream engine reported in its exported span, joined by trace id: `--otlp-listen`) |
+//! | `tokenpath_engine_spans_total{outcome}` | — (forwarded requests whose span was `joined`, or `missing` when the wait ended) |
 //! | `tokenpath_time_to_first_token_seconds` | `vllm:time_to_first_token_seconds` |
 //! | `tokenpath_time_per_output_token_seconds` | `vllm:request_time_per_output_token_seconds` |
 //! | `tokenpath_inter_token_latency_seconds` | `vllm:inter_token_latency_seconds` (`time_per_output_token_seconds` before v0.11) |
@@ -45,6 +47,10 @@ use tokenpath_timeline::{ClientRecord, ServerTiming, Stage};
 
 /// Stage durations (histogram, `stage` label).
 pub const REQUEST_STAGE_SECONDS: &str = "tokenpath_request_stage_seconds";
+/// Stages an upstream engine's exported span gave (histogram, `stage` label).
+pub const ENGINE_SPAN_STAGE_SECONDS: &str = "tokenpath_engine_span_stage_seconds";
+/// Forwarded requests by whether their engine span arrived (`outcome`: joined, missing).
+pub const ENGINE_SPANS: &str = "tokenpath_engine_spans";
 /// Server TTFT: first token sent − arrived.
 pub const TTFT_SECONDS: &str = "tokenpath_time_to_first_token_seconds";
 /// Per-request TPOT.
@@ -107,6 +113,12 @@ struct RateLimitLabels {
     limit: &'static str,
 }
 
+/// `outcome` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
 /// `status` and `finish_reason` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -121,6 +133,8 @@ type FloatCounter = Counter<f64, AtomicU64>;
 pub struct Metrics {
     registry: Registry,
     stages: Family<StageLabel, Histogram, fn() -> Histogram>,
+    span_stages: Family<StageLabel, Histogram, fn() -> Histogram>,
+    spans: Family<OutcomeLabel, Counter>,
     ttft: Histogram,
     tpot: Histogram,
     itl: Histogram,
@@ -190,9 +204,13 @@ impl Metrics {
         let mut registry = Registry::default();
         let stages =
             Family::<StageLabel, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+        let span_stages =
+            Family::<StageLabel, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
         let m = Metrics {
             registry: Registry::default(),
             stages,
+            span_stages,
+            spans: Family::default(),
             ttft: latency_histogram(),
             tpot: latency_histogram(),
             itl: latency_histogram(),
@@ -219,6 +237,16 @@ impl Metrics {
             REQUEST_STAGE_SECONDS,
             "Duration of each stage of the request path",
             m.stages.clone(),
+        );
+        registry.register(
+            ENGINE_SPAN_STAGE_SECONDS,
+            "Duration of each stage an upstream engine reported in its exported span",
+            m.span_stages.clone(),
+        );
+        registry.register(
+            ENGINE_SPANS,
+            "Forwarded requests by whether their engine span arrived",
+            m.spans.clone(),
         );
         registry.register(
             TTFT_SECONDS,
@@ -296,6 +324,17 @@ impl Metrics {
         self.generation_tokens.inc_by(usage.completion_tokens);
         self.cached_tokens.inc_by(usage.cached_tokens);
         self.record_status(200, finish_reason);
+    }
+
+    /// What an upstream engine's spans of one request said (nothing arrived: `missing`).
+    pub fn record_engine_spans(&self, spans: &[tokenpath_timeline::EngineSpan]) {
+        let outcome = if spans.is_empty() { "missing" } else { "joined" };
+        self.spans.get_or_create(&OutcomeLabel { outcome }).inc();
+        if let Some(t) = tokenpath_timeline::engines::spans_timing(spans) {
+            for (stage, ms) in &t.stages_ms {
+                self.span_stages.get_or_create(&StageLabel { stage: Stage::name(*stage) }).observe(ms / 1e3);
+            }
+        }
     }
 
     /// A request that ended with `status` (an error, or a stream cut short: `cancelled`).

@@ -21,4 +21,23 @@ pub use error::OtlpError;
 pub use grpc::frame as grpc_frame;
 pub use server::{Receiver, ReceiverConfig, GRPC_EXPORT_PATH, HTTP_TRACES_PATH};
 pub use store::{Collected, SpanStore, StoreLimits};
-pub use tokenpath_timeline::{EngineSpan, SpanId, TraceId};
+pub use tokenpath_timeline::{EngineSpan, SpanId, TraceId, TraceParent};
+
+/// A random, sampled context (the OS's CSPRNG: ids from two runs against one engine must not
+/// collide, whatever their seeds). Without an OS RNG the ids are a BLAKE3 of the clock, the
+/// process and a counter: unique, if not secret (a trace id is no secret).
+pub fn fresh_context() -> TraceParent {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut bytes = [0u8; 24];
+    if getrandom::fill(&mut bytes).is_err() || bytes[..16] == [0; 16] || bytes[16..] == [0; 8] {
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let mut h = blake3::Hasher::new();
+        h.update(&now.to_le_bytes()).update(&std::process::id().to_le_bytes()).update(&n.to_le_bytes());
+        h.finalize_xof().fill(&mut bytes);
+    }
+    let trace = TraceId::from_slice(&bytes[..16]).unwrap_or(TraceId([1; 16]));
+    let span = SpanId::from_slice(&bytes[16..]).unwrap_or(SpanId([1; 8]));
+    TraceParent::new(trace, span)
+}

@@ -47,6 +47,14 @@ enum Cmd {
     Expect(TraceId),
     Add(Vec<EngineSpan>),
     Collect { within: Duration, reply: oneshot::Sender<Collected> },
+    Take { trace: TraceId, within: Duration, settle: Duration, reply: oneshot::Sender<Vec<EngineSpan>> },
+}
+
+/// One trace's waiter: answered at `until`, which moves up to `settle` after its first span.
+struct Taker {
+    until: Instant,
+    settle: Duration,
+    reply: oneshot::Sender<Vec<EngineSpan>>,
 }
 
 /// A handle to the store's task; cheap to clone.
@@ -74,6 +82,21 @@ impl SpanStore {
         self.tx.send(Cmd::Add(spans)).map_err(|_| OtlpError::Stopped)
     }
 
+    /// Waits at most `within` for the spans of one expected trace and forgets it. The answer
+    /// comes `settle` after its first span (an engine that exports several spans per request,
+    /// SGLang, sends them in batches), or at `within` with whatever arrived (maybe nothing).
+    /// A trace that was never expected gets nothing, at once.
+    pub async fn take(
+        &self,
+        trace: TraceId,
+        within: Duration,
+        settle: Duration,
+    ) -> Result<Vec<EngineSpan>, OtlpError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Cmd::Take { trace, within, settle, reply }).map_err(|_| OtlpError::Stopped)?;
+        rx.await.map_err(|_| OtlpError::Stopped)
+    }
+
     /// Waits at most `within` for every expected trace to have a span, then returns what
     /// arrived and forgets it (the next collect starts empty).
     pub async fn collect(&self, within: Duration) -> Result<Collected, OtlpError> {
@@ -93,9 +116,33 @@ struct State {
     refused: usize,
     unexpected: u64,
     over_limit: u64,
+    takers: HashMap<TraceId, Taker>,
 }
 
 impl State {
+    /// Forgets `trace` and hands over its spans.
+    fn remove(&mut self, trace: &TraceId) -> Vec<EngineSpan> {
+        let spans = self.traces.remove(trace).unwrap_or_default();
+        if spans.is_empty() && self.waiting > 0 {
+            self.waiting -= 1;
+        }
+        spans
+    }
+
+    /// Answers every taker whose time has come.
+    fn answer_due(&mut self, now: Instant) {
+        let due: Vec<TraceId> = self.takers.iter().filter(|(_, t)| t.until <= now).map(|(k, _)| *k).collect();
+        for trace in due {
+            if let Some(taker) = self.takers.remove(&trace) {
+                let _ = taker.reply.send(self.remove(&trace));
+            }
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.takers.values().map(|t| t.until).min()
+    }
+
     fn add(&mut self, span: EngineSpan) {
         let Some(spans) = self.traces.get_mut(&span.trace_id) else {
             self.unexpected += 1;
@@ -107,25 +154,46 @@ impl State {
         }
         if spans.is_empty() {
             self.waiting -= 1;
+            if let Some(t) = self.takers.get_mut(&span.trace_id) {
+                t.until = t.until.min(Instant::now() + t.settle);
+            }
         }
         spans.push(span);
     }
 
     fn take(&mut self) -> Collected {
-        let missing = self.waiting + self.refused;
+        // Traces someone is taking one by one are theirs, not the collector's.
+        let taken: Vec<(TraceId, Vec<EngineSpan>)> =
+            self.takers.keys().filter_map(|k| Some((*k, self.traces.remove(k)?))).collect();
+        let missing = self.waiting - taken.iter().filter(|(_, s)| s.is_empty()).count() + self.refused;
         let spans = std::mem::take(&mut self.traces).into_iter().filter(|(_, s)| !s.is_empty()).collect();
+        self.waiting = 0;
+        for (k, s) in taken {
+            self.waiting += usize::from(s.is_empty());
+            self.traces.insert(k, s);
+        }
         let out = Collected { spans, missing, unexpected: self.unexpected, over_limit: self.over_limit };
-        (self.waiting, self.refused, self.unexpected, self.over_limit) = (0, 0, 0, 0);
+        (self.refused, self.unexpected, self.over_limit) = (0, 0, 0);
         out
     }
 }
 
 async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, limits: StoreLimits) {
-    let mut st =
-        State { limits, traces: HashMap::new(), waiting: 0, refused: 0, unexpected: 0, over_limit: 0 };
+    let mut st = State {
+        limits,
+        traces: HashMap::new(),
+        waiting: 0,
+        refused: 0,
+        unexpected: 0,
+        over_limit: 0,
+        takers: HashMap::new(),
+    };
     let mut pending: Option<(Instant, oneshot::Sender<Collected>)> = None;
     loop {
-        let deadline = pending.as_ref().map(|(d, _)| *d);
+        let deadline = match (pending.as_ref().map(|(d, _)| *d), st.next_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let cmd = tokio::select! {
             c = rx.recv() => match c {
                 Some(c) => Some(c),
@@ -143,8 +211,19 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, limits: StoreLimits) {
             }
             Some(Cmd::Add(spans)) => spans.into_iter().for_each(|s| st.add(s)),
             Some(Cmd::Collect { within, reply }) => pending = Some((Instant::now() + within, reply)),
+            Some(Cmd::Take { trace, within, settle, reply }) => match st.traces.get(&trace) {
+                None => {
+                    let _ = reply.send(Vec::new());
+                }
+                Some(spans) => {
+                    let now = Instant::now();
+                    let until = if spans.is_empty() { now + within } else { now + settle.min(within) };
+                    st.takers.insert(trace, Taker { until, settle, reply });
+                }
+            },
             None => {} // the deadline: answered below
         }
+        st.answer_due(Instant::now());
         let due = pending.as_ref().is_some_and(|(d, _)| st.waiting == 0 || Instant::now() >= *d);
         if due {
             if let Some((_, reply)) = pending.take() {
@@ -191,6 +270,37 @@ mod tests {
         assert_eq!(got.spans.len(), 2);
         assert_eq!(got.spans[&TraceId([1; 16])].len(), 2);
         assert_eq!((got.missing, got.unexpected, got.over_limit), (0, 1, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn take_answers_a_settle_after_the_first_span_or_at_its_deadline() {
+        let store = SpanStore::start(StoreLimits::default());
+        store.expect(TraceId([1; 16])).unwrap();
+        store.expect(TraceId([2; 16])).unwrap();
+        let (s1, s2) = (store.clone(), store.clone());
+        let one = tokio::spawn(async move {
+            s1.take(TraceId([1; 16]), Duration::from_secs(60), Duration::from_secs(1)).await.unwrap()
+        });
+        let two = tokio::spawn(async move {
+            s2.take(TraceId([2; 16]), Duration::from_secs(5), Duration::from_secs(1)).await.unwrap()
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let t0 = Instant::now();
+        store.add(vec![span(1, 1)]).unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        store.add(vec![span(1, 2)]).unwrap();
+        let got = one.await.unwrap();
+        assert_eq!(got.len(), 2, "the second span came within the settle");
+        assert!(Instant::now() - t0 < Duration::from_secs(2), "answered after the settle, not at 60 s");
+        assert!(two.await.unwrap().is_empty(), "nothing came: answered empty at its deadline");
+        // Both traces are forgotten; an unknown trace is answered at once.
+        let c = store.collect(Duration::ZERO).await.unwrap();
+        assert_eq!((c.spans.len(), c.missing), (0, 0));
+        assert!(store
+            .take(TraceId([9; 16]), Duration::from_secs(60), Duration::ZERO)
+            .await
+            .unwrap()
+            .is_empty());
     }
 
     #[tokio::test(start_paused = true)]

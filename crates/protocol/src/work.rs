@@ -18,7 +18,7 @@ use crate::ProtocolError;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
-use tokenpath_timeline::{FinishReason, RequestId, ServerTiming};
+use tokenpath_timeline::{FinishReason, RequestId, ServerTiming, TraceParent};
 
 pub use crate::cluster::TransferToken;
 
@@ -93,6 +93,9 @@ pub struct WorkRequest {
     /// The client's whole body, for a backend that forwards it to an HTTP upstream
     /// ([`crate::backend::Backend::forwards`]); `None` for every other backend.
     pub forward: Option<Arc<crate::forward::Forwarded>>,
+    /// The W3C trace context the request continues (the client's `traceparent`, or a fresh one
+    /// when the gateway receives engines' spans), sent on to the engines that serve it.
+    pub trace: Option<TraceParent>,
 }
 
 /// Token counts of a request.

@@ -32,6 +32,7 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: Option<u32>) -> WorkRequest {
         meter: None,
         cache_scope: None,
         forward: None,
+        trace: None,
     }
 }
 

@@ -46,6 +46,7 @@ fn request(id: u64, prompt: Vec<u32>, sampling: SamplingParams, mode: WorkMode) 
         meter: None,
         cache_scope: None,
         forward: None,
+        trace: None,
     }
 }
 

@@ -82,7 +82,7 @@ impl Drop for SpanClock {
         let s = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64();
         let span = EngineSpan {
             trace_id: self.trace.trace_id,
-            span_id: crate::spans::fresh_context().parent,
+            span_id: tokenpath_otlp::fresh_context().parent,
             parent: Some(self.trace.parent),
             name: "llm_request".into(),
             service: Some("tokenpath-mock".into()),

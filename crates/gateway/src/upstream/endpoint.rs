@@ -7,6 +7,7 @@ use super::UpstreamSpec;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokenpath_timeline::TraceParent;
 
 /// How often each upstream's health is asked.
 pub(super) const HEALTH_INTERVAL: Duration = Duration::from_secs(5);
@@ -128,13 +129,14 @@ impl Endpoint {
         load::parse(&String::from_utf8_lossy(&body))
     }
 
-    /// A POST of `body` to `path` with the request id and this upstream's key. No reqwest
+    /// A POST of `body` to `path` with the request id, its trace context and this upstream's key. No reqwest
     /// timeout: that one covers the whole body, and a stream may rightly run for longer than
     /// its first byte may take (the legs bound the headers and each silence themselves).
     pub(super) fn post(
         &self,
         path: &str,
         request_id: &str,
+        trace: Option<&TraceParent>,
         body: &serde_json::Map<String, serde_json::Value>,
     ) -> reqwest::RequestBuilder {
         let mut req = self
@@ -142,6 +144,11 @@ impl Endpoint {
             .post(format!("{}{path}", self.spec.url))
             .header("x-request-id", request_id)
             .json(body);
+        // Every leg continues the request's trace: an engine that exports spans (vLLM) parents
+        // its span to it, and a receiver joins the span back to the request by trace id.
+        if let Some(tp) = trace {
+            req = req.header("traceparent", tp.to_string());
+        }
         if let Some(key) = &self.api_key {
             req = req.bearer_auth(key);
         }

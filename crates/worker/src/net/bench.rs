@@ -118,6 +118,7 @@ async fn one_transfer(
         meter: None,
         cache_scope: None,
         forward: None,
+        trace: None,
     })?;
     // The reservation is queued before any chunk: the batcher's channel keeps order. The chunks
     // are copied, and their frames hashed, before the clock starts: on a prefill worker both

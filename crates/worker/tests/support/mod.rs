@@ -115,6 +115,7 @@ pub fn decode_request(id: u64, prompt: Vec<u32>, transfer: u64) -> WorkRequest {
         meter: None,
         cache_scope: None,
         forward: None,
+        trace: None,
     }
 }
 
