@@ -116,6 +116,10 @@ pub struct GenerateMsg {
     /// The prefix-cache scope (a tenant): KV is shared only within it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_scope: Option<String>,
+    /// The request's W3C trace context (sent only when the request has one, so a message
+    /// without it is byte for byte what older workers take).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<tokenpath_timeline::TraceParent>,
 }
 
 /// Messages to a worker.
@@ -362,9 +366,15 @@ mod tests {
                 decode_addr: "127.0.0.1:1".into(),
             },
             cache_scope: Some("alice".into()),
+            trace: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".parse().unwrap()),
         });
         let back: ToWorker = decode_control(&encode_control(&msg).unwrap()).unwrap();
         assert_eq!(back, msg);
+        let wire = String::from_utf8(encode_control(&msg).unwrap()).unwrap();
+        assert!(
+            wire.contains(r#""trace":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01""#),
+            "{wire}"
+        );
         let h = FromWorker::Handoff {
             first_token: 5,
             sampler: SamplerState { seed: u64::MAX, word_pos: u128::MAX },

@@ -91,6 +91,20 @@ macro_rules! hex_id {
 hex_id!(TraceId, 16, "trace id");
 hex_id!(SpanId, 8, "span id");
 
+impl Serialize for TraceParent {
+    /// As the `traceparent` header writes it.
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for TraceParent {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = std::borrow::Cow::<str>::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 impl TraceParent {
     /// The context a request starts with, sampled.
     pub fn new(trace_id: TraceId, parent: SpanId) -> Self {
@@ -193,6 +207,8 @@ mod tests {
             prop_assert_eq!(tp.to_string().parse::<TraceParent>().unwrap(), tp);
             let json = serde_json::to_string(&tp.trace_id).unwrap();
             prop_assert_eq!(serde_json::from_str::<TraceId>(&json).unwrap(), tp.trace_id);
+            let json = serde_json::to_string(&tp).unwrap();
+            prop_assert_eq!(serde_json::from_str::<TraceParent>(&json).unwrap(), tp);
         }
 
         #[test]

@@ -101,6 +101,7 @@ impl Cluster {
             ignore_eos: work.ignore_eos,
             mode,
             cache_scope: work.cache_scope.clone(),
+            trace: work.trace,
         };
         let secret = self.registry.secret();
         let open = |addr: String, mode: Mode| async move {

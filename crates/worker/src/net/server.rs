@@ -227,7 +227,7 @@ async fn generate(
         meter: None,
         cache_scope: msg.cache_scope.clone(),
         forward: None,
-        trace: None,
+        trace: msg.trace,
     };
     let mut stream = match handle.submit(req) {
         Ok(s) => s,

@@ -144,6 +144,7 @@ pub fn msg(id: u64, prompt: Vec<u32>, mode: Mode) -> GenerateMsg {
         ignore_eos: true,
         mode,
         cache_scope: None,
+        trace: None,
     }
 }
 
