@@ -58,6 +58,15 @@ struct SpanArgs {
     /// From admission, how long a request's span is waited for before it counts as missing.
     #[arg(long, default_value_t = 120.0, env = "TOKENPATH_OTLP_WAIT_S", requires = "otlp_listen")]
     otlp_wait_s: f64,
+    /// Export this gateway's own spans to this OTLP/HTTP collector (base URL or its
+    /// `/v1/traces`): per request a `tokenpath.request` span continuing the client's
+    /// `traceparent` (the parent the engines' legs are given) and one span per stage. Off by
+    /// default.
+    #[arg(long, env = "TOKENPATH_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// Bearer token for --otlp-endpoint.
+    #[arg(long, env = "TOKENPATH_OTLP_ENDPOINT_TOKEN", hide_env_values = true, requires = "otlp_endpoint")]
+    otlp_endpoint_token: Option<String>,
 }
 
 /// Which processes run the model: one colocated worker in this process (the default), worker
@@ -259,8 +268,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             write_stall: Duration::from_secs(args.http.write_timeout_s.max(1)),
         },
         prefix_cache_scope: args.batching.prefix_cache_scope,
-        // Set once the receiver runs (it needs the runtime).
+        // Set once the runtime runs (the receiver and the exporter are tasks).
         engine_spans: None,
+        span_export: None,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -271,6 +281,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut children = Children::default();
     let mut local = None;
     runtime.block_on(async {
+        if let Some(endpoint) = &args.spans.otlp_endpoint {
+            gateway_config.span_export =
+                Some(tokenpath_otlp::SpanExporter::start(endpoint, args.spans.otlp_endpoint_token.clone()));
+        }
         // Kept for as long as the gateway serves.
         let _receiver = match args.spans.otlp_listen {
             Some(listen) => {

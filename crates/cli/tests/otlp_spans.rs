@@ -143,14 +143,27 @@ fn through_the_gateway_the_trace_reaches_the_engine_and_its_spans_come_back_to_t
     let m = mock(&["--otlp-endpoint", &format!("http://127.0.0.1:{gw_otlp}")], &log);
     let listen = format!("127.0.0.1:{gw_otlp}");
     let upstream = format!("http://127.0.0.1:{}", m.1);
+    // The gateway exports its own spans to the bench's receiver; the engine exports to the
+    // gateway's.
+    let bench_otlp = free_port();
+    let ours = format!("http://127.0.0.1:{bench_otlp}");
     let gateway = support::serve(
         &model,
-        &["--served-model-name", "mock", "--upstream", &upstream, "--otlp-listen", &listen],
+        &[
+            "--served-model-name",
+            "mock",
+            "--upstream",
+            &upstream,
+            "--otlp-listen",
+            &listen,
+            "--otlp-endpoint",
+            &ours,
+        ],
     );
-    // Six requests carry the bench's trace context (its own receiver hears nothing: the engine
-    // exports to the gateway); three carry none, and the gateway starts their traces.
+    // Six requests carry the bench's trace context; three carry none, and the gateway starts
+    // their traces.
     let out = dir.join("run.json");
-    bench(gateway.port, free_port(), "0.2", &out);
+    bench(gateway.port, bench_otlp, "30", &out);
     let body = serde_json::json!({"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     for _ in 0..3 {
         let (status, text) = support::http(gateway.port, "POST", "/v1/chat/completions", &body.to_string());
@@ -176,7 +189,49 @@ fn through_the_gateway_the_trace_reaches_the_engine_and_its_spans_come_back_to_t
     for r in run["requests"].as_array().unwrap() {
         let trace = r["trace_id"].as_str().unwrap();
         assert!(sent.contains_key(trace), "the bench's trace {trace} reached the engine through the gateway");
+        // One tree: the engine's span is a child of the gateway's root span.
+        let root = r["spans"].as_array().unwrap().iter().find(|s| s["name"] == "tokenpath.request").unwrap();
+        assert_eq!(sent[trace]["parent"], root["span_id"], "{r}");
     }
     drop(gateway);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn our_servers_own_spans_reach_the_bench_as_one_tree_per_request_with_the_timings_durations() {
+    let dir = std::env::temp_dir().join(format!("tp-otlp-out-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.gguf");
+    let spec = tokenpath_engine::tiny::TinySpec::default();
+    std::fs::write(&model, tokenpath_engine::tiny::tiny_model_bytes(&spec).unwrap()).unwrap();
+    let otlp_port = free_port();
+    let endpoint = format!("http://127.0.0.1:{otlp_port}");
+    let served = support::serve(
+        &model,
+        &["--served-model-name", "mock", "--kv-tokens", "1024", "--otlp-endpoint", &endpoint],
+    );
+    let out = dir.join("run.json");
+    let table = bench(served.port, otlp_port, "30", &out);
+    assert!(table.contains("engine spans: 6 of 6 requests joined by trace id"), "{table}");
+    let run: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    for r in run["requests"].as_array().unwrap() {
+        let spans = r["spans"].as_array().unwrap();
+        let roots: Vec<&Value> = spans.iter().filter(|s| s["name"] == "tokenpath.request").collect();
+        assert_eq!(roots.len(), 1, "{r}");
+        let root = roots[0];
+        assert_eq!(root["trace_id"], r["trace_id"]);
+        assert!(root.get("parent").is_some(), "the root continues the bench's context");
+        let stages = r["server"]["stages_ms"].as_object().unwrap();
+        let kids: Vec<&Value> = spans.iter().filter(|s| s["name"] != "tokenpath.request").collect();
+        assert_eq!(kids.len(), stages.len(), "one span per stage: {r}");
+        for k in kids {
+            assert_eq!(k["parent"], root["span_id"]);
+            let stage = k["attributes"]["tokenpath.stage"].as_str().unwrap();
+            let ns = k["end_unix_ns"].as_u64().unwrap() - k["start_unix_ns"].as_u64().unwrap();
+            let want = stages[stage].as_f64().unwrap();
+            assert!((ns as f64 / 1e6 - want).abs() < 1e-5, "{stage}: span {ns} ns, timing {want} ms");
+        }
+    }
+    drop(served);
     let _ = std::fs::remove_dir_all(&dir);
 }

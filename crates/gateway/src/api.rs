@@ -30,7 +30,7 @@ use tokenpath_protocol::{
     ApiError, ChatCompletionResponse, ChatStream, CompletionResponse, CompletionStream, FinishReason,
     GenerationRequest, Prompt, ProtocolError, Usage,
 };
-use tokenpath_timeline::{ClientRecord, FinishReason as Finish, Nanos, RequestId, StreamEvent, TraceParent};
+use tokenpath_timeline::{ClientRecord, FinishReason as Finish, Nanos, RequestId, StreamEvent};
 
 pub(crate) use tokenpath_protocol::forward::ApiEndpoint as Endpoint;
 
@@ -67,7 +67,7 @@ async fn generate(
     app: Arc<AppState>,
     endpoint: Endpoint,
     tenant: Option<Tenant>,
-    trace: Option<TraceParent>,
+    trace: Option<crate::spans::RequestTrace>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrived = Instant::now();
@@ -100,7 +100,7 @@ async fn generate(
     };
     match admitted {
         Ok(admitted) => {
-            crate::spans::await_spans(&app, admitted.work.trace);
+            crate::spans::await_spans(&app, admitted.trace.as_ref());
             respond(app, endpoint, admitted, arrived).await
         }
         Err(reject) => {
@@ -117,6 +117,8 @@ struct Admitted {
     work: WorkRequest,
     /// Charges the tenant's output tokens as they are generated (shared with the producer).
     meter: Arc<OutputMeter>,
+    /// Its place in its trace.
+    trace: Option<crate::spans::RequestTrace>,
 }
 
 fn admit(
@@ -126,7 +128,7 @@ fn admit(
     arrived: Instant,
     tenant: Option<&Tenant>,
     pass: crate::ratelimit::Pass,
-    trace: Option<TraceParent>,
+    trace: Option<crate::spans::RequestTrace>,
 ) -> Result<Admitted, Reject> {
     if app.is_draining() {
         return Err(Reject::new(ApiError::overloaded("The server is shutting down.")));
@@ -181,9 +183,9 @@ fn admit(
             Some(crate::PrefixScope::Tenant) | None => tenant.map(|t| t.0.clone()),
         },
         forward,
-        trace,
+        trace: trace.as_ref().and_then(crate::spans::RequestTrace::outgoing),
     };
-    Ok(Admitted { id, req, work, meter })
+    Ok(Admitted { id, req, work, meter, trace })
 }
 
 /// The prompt's token ids. Text that cannot fit the context is refused before it is tokenized
@@ -238,7 +240,7 @@ pub(crate) fn since(arrived: Instant) -> Nanos {
 }
 
 async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arrived: Instant) -> Response {
-    let Admitted { id, req, work, meter } = admitted;
+    let Admitted { id, req, work, meter, trace } = admitted;
     let mut stream = match app.backend.submit(work).await {
         Ok(s) => s,
         Err(e) => {
@@ -267,7 +269,7 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
                 include_usage,
             )),
         };
-        return sse_response(app, format, stream, meter, id, arrived);
+        return sse_response(app, format, stream, meter, id, arrived, trace);
     }
     let mut text = String::new();
     // An upstream's own response body, passed on whole (forwarding backends).
@@ -294,6 +296,7 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
                 log_finished(id, label, u, &timing);
                 sent.usage = Some(usage(u).to_timeline());
                 app.metrics.record_finished(label, u, &timing, &sent);
+                crate::spans::finished(&app, trace.as_ref(), arrived, &timing, u);
                 let header_value = HeaderValue::from_str(&server_timing_header(&timing)).ok();
                 // Both endpoints answer with one choice and the timeline; only the response type and
                 // the id prefix differ.

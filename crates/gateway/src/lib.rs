@@ -75,6 +75,9 @@ pub struct GatewayConfig {
     pub prefix_cache_scope: Option<PrefixScope>,
     /// Engines' spans received for the requests this gateway forwards (`--otlp-listen`).
     pub engine_spans: Option<EngineSpans>,
+    /// Where this gateway's own spans go (`--otlp-endpoint`): a root span per request and one
+    /// per stage.
+    pub span_export: Option<tokenpath_otlp::SpanExporter>,
 }
 
 /// Where engines' spans arrive and how long a request's are waited for.
@@ -121,6 +124,7 @@ impl Default for GatewayConfig {
             http: HttpLimits::default(),
             prefix_cache_scope: None,
             engine_spans: None,
+            span_export: None,
         }
     }
 }

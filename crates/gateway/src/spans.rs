@@ -4,37 +4,98 @@
 //! comes back — after the request, in the engine's next export batch — its stages go into
 //! `tokenpath_engine_span_stage_seconds`. A span that does not come within the wait counts as
 //! `missing`; the receiver keeps only traces announced here, so nothing else can fill it.
+//! With `--otlp-endpoint`, the request's own timeline goes out too: a root span (the legs are
+//! its children's siblings, parented to it) and one span per stage.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::http::HeaderMap;
-use tokenpath_timeline::TraceParent;
+use tokenpath_protocol::work::TokenUsage;
+use tokenpath_timeline::{ServerTiming, SpanId, TraceId, TraceParent};
 
 use crate::AppState;
 
 /// After a request's first span, how long its other spans (SGLang exports several) may take.
 const SETTLE: Duration = Duration::from_secs(2);
 
-/// The request's trace context: the client's, when it sent a valid one (an invalid one is
-/// dropped, as W3C asks); a fresh one when this gateway receives engines' spans; else none.
-pub(crate) fn context(app: &AppState, headers: &HeaderMap) -> Option<TraceParent> {
+/// One request's place in its trace.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RequestTrace {
+    /// The trace (the client's, or fresh).
+    trace: TraceId,
+    /// The client's span, when it sent a context: our root span's parent.
+    caller: Option<SpanId>,
+    /// Our root span, when we export spans.
+    root: Option<SpanId>,
+    /// The parent every leg is given: our root span, else the client's span, else (a fresh
+    /// trace we do not export) a fresh id.
+    legs_parent: SpanId,
+}
+
+impl RequestTrace {
+    /// The context the request's legs carry: under our root span when we export one, else the
+    /// client's as it came.
+    pub(crate) fn outgoing(&self) -> Option<TraceParent> {
+        Some(TraceParent::new(self.trace, self.legs_parent))
+    }
+}
+
+/// The request's trace: the client's, when it sent a valid context (an invalid one is dropped,
+/// as W3C asks); a fresh one when this gateway receives engines' spans or exports its own;
+/// else none.
+pub(crate) fn context(app: &AppState, headers: &HeaderMap) -> Option<RequestTrace> {
     let theirs = headers.get("traceparent").and_then(|v| v.to_str().ok()?.parse::<TraceParent>().ok());
-    theirs.or_else(|| app.config.engine_spans.as_ref().map(|_| tokenpath_otlp::fresh_context()))
+    let exporting = app.config.span_export.is_some();
+    let root = exporting.then(|| tokenpath_otlp::fresh_context().parent);
+    let (trace, caller) = match theirs {
+        Some(tp) => (tp.trace_id, Some(tp.parent)),
+        None if exporting || app.config.engine_spans.is_some() => {
+            (tokenpath_otlp::fresh_context().trace_id, None)
+        }
+        None => return None,
+    };
+    let legs_parent = root.or(caller).unwrap_or_else(|| tokenpath_otlp::fresh_context().parent);
+    Some(RequestTrace { trace, caller, root, legs_parent })
+}
+
+/// A request finished: with `--otlp-endpoint`, its timeline goes out as a root span and one
+/// span per stage.
+pub(crate) fn finished(
+    app: &AppState,
+    trace: Option<&RequestTrace>,
+    arrived: Instant,
+    timing: &ServerTiming,
+    usage: TokenUsage,
+) {
+    let (Some(exporter), Some(t)) = (&app.config.span_export, trace) else { return };
+    let (Some(root), Some(ctx)) = (t.root, t.outgoing()) else { return };
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let arrived_unix_ns = now.saturating_sub(arrived.elapsed().as_nanos() as u64);
+    let spans = tokenpath_otlp::request_spans(
+        &ctx,
+        t.caller,
+        root,
+        arrived_unix_ns,
+        timing,
+        (usage.prompt_tokens, usage.completion_tokens),
+    );
+    exporter.export(spans);
 }
 
 /// Announces `trace` to the receiver and, off the request's path, waits for its spans and
 /// records them. Only forwarded requests: our own workers report their stages in `timing`.
-pub(crate) fn await_spans(app: &Arc<AppState>, trace: Option<TraceParent>) {
+pub(crate) fn await_spans(app: &Arc<AppState>, trace: Option<&RequestTrace>) {
     let (Some(spans), Some(trace), true) = (&app.config.engine_spans, trace, app.backend.forwards()) else {
         return;
     };
-    if spans.store.expect(trace.trace_id).is_err() {
+    let id = trace.trace;
+    if spans.store.expect(id).is_err() {
         return;
     }
     let (store, wait, app) = (spans.store.clone(), spans.wait, Arc::clone(app));
     tokio::spawn(async move {
-        if let Ok(got) = store.take(trace.trace_id, wait, SETTLE).await {
+        if let Ok(got) = store.take(id, wait, SETTLE).await {
             app.metrics.record_engine_spans(&got);
         }
     });

@@ -78,6 +78,8 @@ struct SseState {
     sent: ClientRecord,
     /// The closing event was seen (finished or failed): nothing left to record on drop.
     closed: bool,
+    /// Its place in its trace (the spans it exports when it finishes).
+    trace: Option<crate::spans::RequestTrace>,
 }
 
 impl Drop for SseState {
@@ -150,6 +152,7 @@ impl SseState {
                 log_finished(self.work.id(), label, u, &timing);
                 self.sent.usage = Some(usage(u).to_timeline());
                 self.app.metrics.record_finished(label, u, &timing, &self.sent);
+                crate::spans::finished(&self.app, self.trace.as_ref(), self.arrived, &timing, u);
                 self.pending.extend(self.format.closing(wire, u, timing));
                 self.pending.push_back(SSE_DONE.to_owned());
                 self.pending.pop_front().unwrap_or_default()
@@ -181,6 +184,7 @@ pub(crate) fn sse_response(
     meter: Arc<OutputMeter>,
     id: RequestId,
     arrived: Instant,
+    trace: Option<crate::spans::RequestTrace>,
 ) -> Response {
     let mut pending = VecDeque::new();
     pending.extend(format.opening());
@@ -193,6 +197,7 @@ pub(crate) fn sse_response(
         arrived,
         sent: ClientRecord::new(id, 0, 0, true),
         closed: false,
+        trace,
     };
     let body = futures_util::stream::unfold(state, |mut st| async move {
         let piece = st.next_frame().await?;

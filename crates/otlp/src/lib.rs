@@ -8,16 +8,20 @@
 //! fuzzed), and the spans live in one owning task (`store.rs`) that keeps only traces someone
 //! said it expects — so a hostile exporter can neither grow its memory with made-up trace ids nor
 //! flood one trace — and that answers "wait at most this long for these traces" once. The bench
-//! (`--otlp-listen`) is its first user; the gateway's upstream timeline is the next.
+//! (`--otlp-listen`) and the gateway's upstream timeline are its users. Spans out
+//! (`export.rs`): our own timeline of a request as a root span and one child per stage, shipped
+//! by an owning task over OTLP/HTTP (`--otlp-endpoint`).
 
 mod decode;
 mod error;
+mod export;
 mod grpc;
 mod server;
 mod store;
 
 pub use decode::{decode_json, decode_protobuf, encode_protobuf, inflate_gzip, MAX_INFLATED};
 pub use error::OtlpError;
+pub use export::{request_spans, SpanExporter, REQUEST_SPAN};
 pub use grpc::frame as grpc_frame;
 pub use server::{Receiver, ReceiverConfig, GRPC_EXPORT_PATH, HTTP_TRACES_PATH};
 pub use store::{Collected, SpanStore, StoreLimits};
