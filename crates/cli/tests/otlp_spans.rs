@@ -64,6 +64,17 @@ fn bench(mock_port: u16, otlp_port: u16, wait_s: &str, out: &Path) -> String {
     stdout
 }
 
+/// A fresh directory holding the tiny model (its tokenizer and template are what a gateway
+/// needs; served, it is a real engine).
+fn tiny_model(tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("tp-otlp-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.gguf");
+    let spec = tokenpath_engine::tiny::TinySpec::default();
+    std::fs::write(&model, tokenpath_engine::tiny::tiny_model_bytes(&spec).unwrap()).unwrap();
+    (dir, model)
+}
+
 fn exported_spans(log: &Path) -> HashMap<String, Value> {
     std::fs::read_to_string(log)
         .unwrap()
@@ -133,11 +144,7 @@ fn requests_without_a_span_are_counted_and_said_so() {
 
 #[test]
 fn through_the_gateway_the_trace_reaches_the_engine_and_its_spans_come_back_to_the_gateway() {
-    let dir = std::env::temp_dir().join(format!("tp-otlp-gw-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let model = dir.join("tiny.gguf");
-    let spec = tokenpath_engine::tiny::TinySpec::default();
-    std::fs::write(&model, tokenpath_engine::tiny::tiny_model_bytes(&spec).unwrap()).unwrap();
+    let (dir, model) = tiny_model("gw");
     let gw_otlp = free_port();
     let log = dir.join("mock.jsonl");
     let m = mock(&["--otlp-endpoint", &format!("http://127.0.0.1:{gw_otlp}")], &log);
@@ -199,11 +206,7 @@ fn through_the_gateway_the_trace_reaches_the_engine_and_its_spans_come_back_to_t
 
 #[test]
 fn our_servers_own_spans_reach_the_bench_as_one_tree_per_request_with_the_timings_durations() {
-    let dir = std::env::temp_dir().join(format!("tp-otlp-out-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let model = dir.join("tiny.gguf");
-    let spec = tokenpath_engine::tiny::TinySpec::default();
-    std::fs::write(&model, tokenpath_engine::tiny::tiny_model_bytes(&spec).unwrap()).unwrap();
+    let (dir, model) = tiny_model("out");
     let otlp_port = free_port();
     let endpoint = format!("http://127.0.0.1:{otlp_port}");
     let served = support::serve(
