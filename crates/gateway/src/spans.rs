@@ -31,13 +31,15 @@ pub(crate) struct RequestTrace {
     /// The parent every leg is given: our root span, else the client's span, else (a fresh
     /// trace we do not export) a fresh id.
     legs_parent: SpanId,
+    /// The client's sampling decision, kept (a fresh trace is sampled).
+    sampled: bool,
 }
 
 impl RequestTrace {
     /// The context the request's legs carry: under our root span when we export one, else the
     /// client's as it came.
     pub(crate) fn outgoing(&self) -> Option<TraceParent> {
-        Some(TraceParent::new(self.trace, self.legs_parent))
+        Some(TraceParent { trace_id: self.trace, parent: self.legs_parent, sampled: self.sampled })
     }
 }
 
@@ -48,15 +50,15 @@ pub(crate) fn context(app: &AppState, headers: &HeaderMap) -> Option<RequestTrac
     let theirs = headers.get("traceparent").and_then(|v| v.to_str().ok()?.parse::<TraceParent>().ok());
     let exporting = app.config.span_export.is_some();
     let root = exporting.then(|| tokenpath_otlp::fresh_context().parent);
-    let (trace, caller) = match theirs {
-        Some(tp) => (tp.trace_id, Some(tp.parent)),
+    let (trace, caller, sampled) = match theirs {
+        Some(tp) => (tp.trace_id, Some(tp.parent), tp.sampled),
         None if exporting || app.config.engine_spans.is_some() => {
-            (tokenpath_otlp::fresh_context().trace_id, None)
+            (tokenpath_otlp::fresh_context().trace_id, None, true)
         }
         None => return None,
     };
     let legs_parent = root.or(caller).unwrap_or_else(|| tokenpath_otlp::fresh_context().parent);
-    Some(RequestTrace { trace, caller, root, legs_parent })
+    Some(RequestTrace { trace, caller, root, legs_parent, sampled })
 }
 
 /// A request finished: with `--otlp-endpoint`, its timeline goes out as a root span and one

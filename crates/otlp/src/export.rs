@@ -33,14 +33,16 @@ pub fn request_spans(
     timing: &ServerTiming,
     usage: (u64, u64),
 ) -> Vec<EngineSpan> {
-    let ns = |ms: f64| (ms.max(0.0) * 1e6).round() as u64;
+    // A stage longer than a day is an engine's garbage, not a duration: clamped, never an
+    // overflow.
+    let ns = |ms: f64| (ms.clamp(0.0, 86_400_000.0) * 1e6).round() as u64;
     let mut cursor = arrived_unix_ns;
     let mut out = Vec::with_capacity(1 + timing.stages_ms.len());
     let mut kids = Vec::new();
     for stage in Stage::ALL {
         let Some(ms) = timing.stages_ms.get(&stage) else { continue };
         let start = cursor;
-        cursor += ns(*ms);
+        cursor = cursor.saturating_add(ns(*ms));
         let source = match timing.sources.get(&stage) {
             None => "tokenpath",
             Some(StageSource::Engine) => "engine",
@@ -66,7 +68,7 @@ pub fn request_spans(
             attributes: attrs.as_object().cloned().unwrap_or_default(),
         });
     }
-    let end = timing.e2e_ms.map_or(cursor, |e| arrived_unix_ns + ns(e)).max(cursor);
+    let end = timing.e2e_ms.map_or(cursor, |e| arrived_unix_ns.saturating_add(ns(e))).max(cursor);
     let mut attrs = json!({
         "gen_ai.usage.input_tokens": usage.0,
         "gen_ai.usage.output_tokens": usage.1,

@@ -117,22 +117,27 @@ struct State {
     unexpected: u64,
     over_limit: u64,
     takers: HashMap<TraceId, Taker>,
+    /// The takers' deadlines in order: the next one is the first (no scan per command).
+    deadlines: std::collections::BTreeSet<(Instant, TraceId)>,
 }
 
 impl State {
     /// Forgets `trace` and hands over its spans.
     fn remove(&mut self, trace: &TraceId) -> Vec<EngineSpan> {
         let spans = self.traces.remove(trace).unwrap_or_default();
-        if spans.is_empty() && self.waiting > 0 {
-            self.waiting -= 1;
+        if spans.is_empty() {
+            self.waiting = self.waiting.saturating_sub(1);
         }
         spans
     }
 
     /// Answers every taker whose time has come.
     fn answer_due(&mut self, now: Instant) {
-        let due: Vec<TraceId> = self.takers.iter().filter(|(_, t)| t.until <= now).map(|(k, _)| *k).collect();
-        for trace in due {
+        while let Some(&(until, trace)) = self.deadlines.first() {
+            if until > now {
+                break;
+            }
+            self.deadlines.pop_first();
             if let Some(taker) = self.takers.remove(&trace) {
                 let _ = taker.reply.send(self.remove(&trace));
             }
@@ -140,7 +145,7 @@ impl State {
     }
 
     fn next_deadline(&self) -> Option<Instant> {
-        self.takers.values().map(|t| t.until).min()
+        self.deadlines.first().map(|(d, _)| *d)
     }
 
     fn add(&mut self, span: EngineSpan) {
@@ -153,9 +158,14 @@ impl State {
             return;
         }
         if spans.is_empty() {
-            self.waiting -= 1;
+            self.waiting = self.waiting.saturating_sub(1);
             if let Some(t) = self.takers.get_mut(&span.trace_id) {
-                t.until = t.until.min(Instant::now() + t.settle);
+                let sooner = Instant::now() + t.settle;
+                if sooner < t.until {
+                    self.deadlines.remove(&(t.until, span.trace_id));
+                    t.until = sooner;
+                    self.deadlines.insert((sooner, span.trace_id));
+                }
             }
         }
         spans.push(span);
@@ -165,7 +175,8 @@ impl State {
         // Traces someone is taking one by one are theirs, not the collector's.
         let taken: Vec<(TraceId, Vec<EngineSpan>)> =
             self.takers.keys().filter_map(|k| Some((*k, self.traces.remove(k)?))).collect();
-        let missing = self.waiting - taken.iter().filter(|(_, s)| s.is_empty()).count() + self.refused;
+        let missing =
+            self.waiting.saturating_sub(taken.iter().filter(|(_, s)| s.is_empty()).count()) + self.refused;
         let spans = std::mem::take(&mut self.traces).into_iter().filter(|(_, s)| !s.is_empty()).collect();
         self.waiting = 0;
         for (k, s) in taken {
@@ -187,6 +198,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, limits: StoreLimits) {
         unexpected: 0,
         over_limit: 0,
         takers: HashMap::new(),
+        deadlines: std::collections::BTreeSet::new(),
     };
     let mut pending: Option<(Instant, oneshot::Sender<Collected>)> = None;
     loop {
@@ -203,21 +215,37 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, limits: StoreLimits) {
         };
         match cmd {
             Some(Cmd::Expect(t)) => {
-                if st.traces.len() >= st.limits.traces {
+                if st.traces.contains_key(&t) {
+                    // Announced twice (an agent sends one trace id on every call): one entry,
+                    // its spans kept.
+                } else if st.traces.len() >= st.limits.traces {
                     st.refused += 1;
-                } else if st.traces.insert(t, Vec::new()).is_none() {
+                } else {
+                    st.traces.insert(t, Vec::new());
                     st.waiting += 1;
                 }
             }
             Some(Cmd::Add(spans)) => spans.into_iter().for_each(|s| st.add(s)),
-            Some(Cmd::Collect { within, reply }) => pending = Some((Instant::now() + within, reply)),
+            Some(Cmd::Collect { within, reply }) => {
+                // One collector at a time: an earlier one gets what is there now.
+                if let Some((_, earlier)) = pending.take() {
+                    let _ = earlier.send(st.take());
+                }
+                pending = Some((Instant::now() + within, reply));
+            }
             Some(Cmd::Take { trace, within, settle, reply }) => match st.traces.get(&trace) {
+                // Not expected, or someone takes it already (the same trace id on two
+                // requests): nothing, at once — the spans go to the first taker only.
+                Some(_) if st.takers.contains_key(&trace) => {
+                    let _ = reply.send(Vec::new());
+                }
                 None => {
                     let _ = reply.send(Vec::new());
                 }
                 Some(spans) => {
                     let now = Instant::now();
                     let until = if spans.is_empty() { now + within } else { now + settle.min(within) };
+                    st.deadlines.insert((until, trace));
                     st.takers.insert(trace, Taker { until, settle, reply });
                 }
             },
@@ -301,6 +329,27 @@ mod tests {
             .await
             .unwrap()
             .is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_trace_id_on_two_requests_keeps_its_spans_and_answers_both_takers() {
+        let store = SpanStore::start(StoreLimits::default());
+        let t = TraceId([4; 16]);
+        store.expect(t).unwrap();
+        store.add(vec![span(4, 1)]).unwrap();
+        store.expect(t).unwrap(); // the second request with the same id
+        store.add(vec![span(4, 2)]).unwrap();
+        let (a, b) = (store.clone(), store.clone());
+        let first =
+            tokio::spawn(async move { a.take(t, Duration::from_secs(60), Duration::from_secs(1)).await });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let second = b.take(t, Duration::from_secs(60), Duration::from_secs(1)).await.unwrap();
+        assert!(second.is_empty(), "the spans go to the first taker only");
+        assert_eq!(first.await.unwrap().unwrap().len(), 2, "nothing was dropped by the second announce");
+        // The store is alive and consistent afterwards.
+        store.expect(TraceId([5; 16])).unwrap();
+        let c = store.collect(Duration::ZERO).await.unwrap();
+        assert_eq!(c.missing, 1);
     }
 
     #[tokio::test(start_paused = true)]

@@ -91,15 +91,20 @@ pub const SGLANG_SLICES: [(&str, Stage); 8] = [
 /// stage it gives is marked as the span's.
 pub fn spans_timing(spans: &[EngineSpan]) -> Option<ServerTiming> {
     let mut t = ServerTiming::default();
-    if let Some(v) = spans.iter().find(|s| s.name == VLLM_REQUEST_SPAN) {
-        let attributes = &v.attributes;
+    let vllm: Vec<&EngineSpan> = spans.iter().filter(|s| s.name == VLLM_REQUEST_SPAN).collect();
+    if let (Some(first), Some(last)) =
+        (vllm.iter().min_by_key(|s| s.start_unix_ns), vllm.iter().max_by_key(|s| s.end_unix_ns))
+    {
+        // In PD both legs export one: queue, prefill and TTFT are the prefill leg's (it starts
+        // first), decode and E2E the decode leg's (it ends last); colocated, both are one span.
         for (key, stage) in VLLM_SPAN_ATTRIBUTES {
-            if let Some(ms) = seconds_ms(attributes.get(key)) {
+            let from = if stage == Stage::Decode { last } else { first };
+            if let Some(ms) = seconds_ms(from.attributes.get(key)) {
                 t.stages_ms.insert(stage, ms);
             }
         }
-        t.ttft_ms = seconds_ms(attributes.get(VLLM_TTFT));
-        t.e2e_ms = seconds_ms(attributes.get(VLLM_E2E));
+        t.ttft_ms = seconds_ms(first.attributes.get(VLLM_TTFT));
+        t.e2e_ms = seconds_ms(last.attributes.get(VLLM_E2E));
         if let (Some(ttft), Some(q), Some(p)) =
             (t.ttft_ms, t.stages_ms.get(&Stage::Queue), t.stages_ms.get(&Stage::Prefill))
         {
@@ -218,6 +223,25 @@ mod tests {
         assert!((t.ttft_ms.unwrap() - 248.5).abs() < 1e-9 && (t.e2e_ms.unwrap() - 697.3).abs() < 1e-9);
         assert!(t.sources.values().all(|s| *s == StageSource::Span) && t.sources.len() == 4);
         assert!(!t.stages_ms.contains_key(&Stage::KvTransfer), "never invented");
+    }
+
+    #[test]
+    fn two_vllm_spans_in_pd_give_prefill_from_the_first_and_decode_from_the_last() {
+        let prefill = serde_json::json!({"gen_ai.latency.time_in_queue": 0.001, "gen_ai.latency.time_in_model_prefill": 0.2,
+            "gen_ai.latency.time_in_model_decode": 0.0, "gen_ai.latency.time_to_first_token": 0.25});
+        let decode = serde_json::json!({"gen_ai.latency.time_in_queue": 0.005, "gen_ai.latency.time_in_model_prefill": 0.01,
+            "gen_ai.latency.time_in_model_decode": 0.9, "gen_ai.latency.e2e": 1.3});
+        let t = spans_timing(&[
+            span(VLLM_REQUEST_SPAN, 300, 1300, decode),
+            span(VLLM_REQUEST_SPAN, 0, 260, prefill),
+        ])
+        .unwrap();
+        assert!(
+            (t.stages_ms[&Stage::Prefill] - 200.0).abs() < 1e-9
+                && (t.stages_ms[&Stage::Queue] - 1.0).abs() < 1e-9
+        );
+        assert!((t.stages_ms[&Stage::Decode] - 900.0).abs() < 1e-9);
+        assert!((t.ttft_ms.unwrap() - 250.0).abs() < 1e-9 && (t.e2e_ms.unwrap() - 1300.0).abs() < 1e-9);
     }
 
     #[test]
