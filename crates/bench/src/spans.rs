@@ -5,7 +5,6 @@
 //! our gateway could only see from outside the engine.
 
 use serde::{Deserialize, Serialize};
-pub use tokenpath_otlp::fresh_context;
 use tokenpath_otlp::Collected;
 use tokenpath_timeline::engines::spans_timing;
 use tokenpath_timeline::{ClientRecord, ServerTiming, StageSource};
@@ -87,6 +86,7 @@ fn merge(server: &mut Option<ServerTiming>, from_span: ServerTiming) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokenpath_otlp::fresh_context;
     use tokenpath_timeline::{EngineSpan, RequestId, SpanId, Stage, TraceId};
 
     fn span(trace: TraceId, name: &str, queue_s: f64) -> EngineSpan {

@@ -217,8 +217,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let receiver = match args.otlp.otlp_listen {
         Some(listen) => {
-            let mut rc = tokenpath_otlp::ReceiverConfig::new(listen);
-            rc.token = args.otlp.otlp_token.clone();
+            let rc = tokenpath_otlp::ReceiverConfig::new(listen).with_token(args.otlp.otlp_token.clone());
             let r = rt.block_on(tokenpath_otlp::Receiver::start(rc))?;
             eprintln!(
                 "bench: receiving engine spans on {} (OTLP/HTTP {} and OTLP/gRPC)",

@@ -288,8 +288,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         // Kept for as long as the gateway serves.
         let _receiver = match args.spans.otlp_listen {
             Some(listen) => {
-                let mut rc = tokenpath_otlp::ReceiverConfig::new(listen);
-                rc.token = args.spans.otlp_token.clone();
+                let rc = tokenpath_otlp::ReceiverConfig::new(listen).with_token(args.spans.otlp_token.clone());
                 let r = tokenpath_otlp::Receiver::start(rc).await?;
                 gateway_config.engine_spans = Some(tokenpath_gateway::EngineSpans {
                     store: r.store.clone(),

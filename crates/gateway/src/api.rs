@@ -183,7 +183,7 @@ fn admit(
             Some(crate::PrefixScope::Tenant) | None => tenant.map(|t| t.0.clone()),
         },
         forward,
-        trace: trace.as_ref().and_then(crate::spans::RequestTrace::outgoing),
+        trace: trace.as_ref().map(crate::spans::RequestTrace::outgoing),
     };
     Ok(Admitted { id, req, work, meter, trace })
 }

@@ -38,8 +38,8 @@ pub(crate) struct RequestTrace {
 impl RequestTrace {
     /// The context the request's legs carry: under our root span when we export one, else the
     /// client's as it came.
-    pub(crate) fn outgoing(&self) -> Option<TraceParent> {
-        Some(TraceParent { trace_id: self.trace, parent: self.legs_parent, sampled: self.sampled })
+    pub(crate) fn outgoing(&self) -> TraceParent {
+        TraceParent { trace_id: self.trace, parent: self.legs_parent, sampled: self.sampled }
     }
 }
 
@@ -71,11 +71,11 @@ pub(crate) fn finished(
     usage: TokenUsage,
 ) {
     let (Some(exporter), Some(t)) = (&app.config.span_export, trace) else { return };
-    let (Some(root), Some(ctx)) = (t.root, t.outgoing()) else { return };
+    let Some(root) = t.root else { return };
     let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let arrived_unix_ns = now.saturating_sub(arrived.elapsed().as_nanos() as u64);
     let spans = tokenpath_otlp::request_spans(
-        &ctx,
+        t.trace,
         t.caller,
         root,
         arrived_unix_ns,

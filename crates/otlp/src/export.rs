@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use tokenpath_timeline::{EngineSpan, ServerTiming, SpanId, Stage, StageSource, TraceParent};
+use tokenpath_timeline::{EngineSpan, ServerTiming, SpanId, Stage, StageSource, TraceId};
 use tokio::sync::mpsc;
 
 /// The root span's name; children are `tokenpath.<stage>`.
@@ -22,11 +22,11 @@ const BATCH: usize = 512;
 /// Longest a span waits for its batch.
 const LINGER: Duration = Duration::from_millis(500);
 
-/// One request's spans: `ctx` is the context it arrived with (its trace, and the caller's span
-/// as the root's parent when the caller sent one), `root` the root span's id (the parent every
-/// engine leg was given), `arrived_unix_ns` the arrival on the wall clock.
+/// One request's spans in `trace`: `caller` is the client's span (the root's parent) when it
+/// sent one, `root` the root span's id (the parent every engine leg was given),
+/// `arrived_unix_ns` the arrival on the wall clock.
 pub fn request_spans(
-    ctx: &TraceParent,
+    trace: TraceId,
     caller: Option<SpanId>,
     root: SpanId,
     arrived_unix_ns: u64,
@@ -58,7 +58,7 @@ pub fn request_spans(
             attrs["tokenpath.worker"] = json!(w.0);
         }
         kids.push(EngineSpan {
-            trace_id: ctx.trace_id,
+            trace_id: trace,
             span_id: crate::fresh_context().parent,
             parent: Some(root),
             name: format!("tokenpath.{}", stage.name()),
@@ -78,7 +78,7 @@ pub fn request_spans(
         attrs["gen_ai.server.time_to_first_token"] = json!(t / 1e3);
     }
     out.push(EngineSpan {
-        trace_id: ctx.trace_id,
+        trace_id: trace,
         span_id: root,
         parent: caller,
         name: REQUEST_SPAN.into(),
@@ -162,6 +162,7 @@ async fn run(mut rx: mpsc::Receiver<Vec<EngineSpan>>, url: String, token: Option
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokenpath_timeline::TraceParent;
 
     #[test]
     fn a_requests_stages_become_children_laid_end_to_end_under_one_root() {
@@ -173,7 +174,7 @@ mod tests {
         t.stages_ms.insert(Stage::Decode, 40.0);
         t.e2e_ms = Some(53.0);
         let root = SpanId([3; 8]);
-        let spans = request_spans(&ctx, Some(ctx.parent), root, 1_000_000_000, &t, (12, 8));
+        let spans = request_spans(ctx.trace_id, Some(ctx.parent), root, 1_000_000_000, &t, (12, 8));
         assert_eq!(spans.len(), 5);
         assert_eq!((spans[0].name.as_str(), spans[0].parent), (REQUEST_SPAN, Some(ctx.parent)));
         assert_eq!(spans[0].end_unix_ns - spans[0].start_unix_ns, 53_000_000);

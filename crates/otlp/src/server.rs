@@ -53,6 +53,11 @@ impl ReceiverConfig {
             limits: StoreLimits::default(),
         }
     }
+
+    /// The same, requiring `token` (when set) on every export.
+    pub fn with_token(self, token: Option<String>) -> Self {
+        Self { token, ..self }
+    }
 }
 
 /// A running receiver; dropping it stops the server.
