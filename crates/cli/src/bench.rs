@@ -236,7 +236,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(r) = &receiver {
         let wait = Duration::from_secs_f64(args.otlp.otlp_wait_s.clamp(0.0, 600.0));
         eprintln!("bench: waiting up to {:.0} s for the engine's spans", wait.as_secs_f64());
-        let collected = rt.block_on(r.store.collect(wait))?;
+        let collected = rt.block_on(r.store.collect(wait, tokenpath_otlp::SETTLE))?;
         let j = tokenpath_bench::spans::join(&mut records, collected);
         eprintln!(
             "bench: spans joined to {} of {} requests ({} with stages); {} spans of other traces ignored",

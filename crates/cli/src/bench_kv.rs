@@ -164,6 +164,7 @@ async fn live_handoff(decode: &WorkerHandle, tokens: usize) -> anyhow::Result<(f
                 kv_transport: KvTransport::Auto,
                 secret: secret.clone(),
                 draining: Default::default(),
+                spans: None,
             },
         ));
     }

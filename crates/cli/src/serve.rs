@@ -8,7 +8,7 @@
 
 use crate::generate::ModelArgs;
 use crate::secret::Secret;
-use crate::topology::{Children, CpuList, SecretArgs};
+use crate::topology::{ChildArgs, Children, CpuList, SecretArgs};
 use anyhow::Context as _;
 use clap::Args;
 use std::net::IpAddr;
@@ -58,15 +58,41 @@ struct SpanArgs {
     /// From admission, how long a request's span is waited for before it counts as missing.
     #[arg(long, default_value_t = 120.0, env = "TOKENPATH_OTLP_WAIT_S", requires = "otlp_listen")]
     otlp_wait_s: f64,
-    /// Export this gateway's own spans to this OTLP/HTTP collector (base URL or its
-    /// `/v1/traces`): per request a `tokenpath.request` span continuing the client's
-    /// `traceparent` (the parent the engines' legs are given) and one span per stage. Off by
-    /// default.
+    #[command(flatten)]
+    export: SpanExportArgs,
+}
+
+/// Spans out: this process's own timeline of each request.
+#[derive(Debug, Args)]
+pub(crate) struct SpanExportArgs {
+    /// Export this process's spans to this OTLP/HTTP collector (base URL or its `/v1/traces`).
+    /// A gateway exports per request a `tokenpath.request` span continuing the client's
+    /// `traceparent` (the parent its workers' and engines' legs are given) and a span per
+    /// stage it measured; a worker (and the workers `--prefill/--decode` start, which get this
+    /// flag too) a span per stage it ran. Off by default.
     #[arg(long, env = "TOKENPATH_OTLP_ENDPOINT")]
     otlp_endpoint: Option<String>,
     /// Bearer token for --otlp-endpoint.
     #[arg(long, env = "TOKENPATH_OTLP_ENDPOINT_TOKEN", hide_env_values = true, requires = "otlp_endpoint")]
     otlp_endpoint_token: Option<String>,
+}
+
+impl SpanExportArgs {
+    /// The exporting task, when a collector is set (call on the runtime).
+    pub(crate) fn exporter(&self) -> Option<tokenpath_otlp::SpanExporter> {
+        let endpoint = self.otlp_endpoint.as_deref()?;
+        Some(tokenpath_otlp::SpanExporter::start(endpoint, self.otlp_endpoint_token.clone()))
+    }
+
+    /// The same settings for a child `tokenpath worker` (the token in its environment).
+    fn to_child(&self, child: &mut ChildArgs) {
+        if let Some(e) = &self.otlp_endpoint {
+            child.args.push(format!("--otlp-endpoint={e}"));
+        }
+        if let Some(t) = &self.otlp_endpoint_token {
+            child.env.push(("TOKENPATH_OTLP_ENDPOINT_TOKEN", t.clone()));
+        }
+    }
 }
 
 /// Which processes run the model: one colocated worker in this process (the default), worker
@@ -281,10 +307,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut children = Children::default();
     let mut local = None;
     runtime.block_on(async {
-        if let Some(endpoint) = &args.spans.otlp_endpoint {
-            gateway_config.span_export =
-                Some(tokenpath_otlp::SpanExporter::start(endpoint, args.spans.otlp_endpoint_token.clone()));
-        }
+        gateway_config.span_export = args.spans.export.exporter();
         // Kept for as long as the gateway serves.
         let _receiver = match args.spans.otlp_listen {
             Some(listen) => {
@@ -396,8 +419,9 @@ fn start_workers(
             t.decode
         );
     }
-    let mut extra = args.batching.to_args();
-    extra.extend(args.model.to_args());
+    let mut extra = ChildArgs { args: args.batching.to_args(), env: Vec::new() };
+    extra.args.extend(args.model.to_args());
+    args.spans.export.to_child(&mut extra);
     for (role, n, cpus) in
         [(Role::Prefill, t.prefill, &t.prefill_cpus), (Role::Decode, t.decode, &t.decode_cpus)]
     {

@@ -119,13 +119,22 @@ struct Watch {
     restarts: u32,
 }
 
+/// The flags and environment every child worker gets beyond its role and name.
+#[derive(Clone, Debug, Default)]
+pub struct ChildArgs {
+    /// Flags.
+    pub args: Vec<String>,
+    /// Environment variables (secrets go here, never on a command line another user can read).
+    pub env: Vec<(&'static str, String)>,
+}
+
 /// What it takes to start one worker again.
 #[derive(Clone, Debug)]
 struct Launch {
     name: String,
     role: Role,
     cpus: Option<String>,
-    extra: Vec<String>,
+    extra: ChildArgs,
     secret: String,
 }
 
@@ -152,7 +161,8 @@ impl Launch {
         if let Some(c) = &self.cpus {
             cmd.args(["--cpus", c]);
         }
-        cmd.args(&self.extra).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        cmd.envs(self.extra.env.iter().map(|(k, v)| (k, v)));
+        cmd.args(&self.extra.args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         // A server killed outright (SIGKILL, OOM) runs no guard: the kernel kills its workers.
         // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches only the child.
         unsafe {
@@ -251,14 +261,14 @@ impl Children {
         name: &str,
         role: Role,
         cpus: Option<&CpuList>,
-        extra: &[String],
+        extra: &ChildArgs,
         secret: &str,
     ) -> anyhow::Result<String> {
         let launch = Launch {
             name: name.to_owned(),
             role,
             cpus: cpus.map(ToString::to_string),
-            extra: extra.to_vec(),
+            extra: extra.clone(),
             secret: secret.to_owned(),
         };
         let (child, addr) = launch.start("127.0.0.1:0")?;

@@ -61,6 +61,8 @@ pub struct WorkerArgs {
     #[command(flatten)]
     secret: SecretArgs,
     #[command(flatten)]
+    spans: crate::serve::SpanExportArgs,
+    #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
     batching: BatchingArgs,
@@ -154,6 +156,7 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
             kv_transport: args.kv_transport,
             secret,
             draining: Arc::clone(&draining),
+            spans: args.spans.exporter(),
         };
         let handle = worker.handle();
         if let Some(addr) = args.metrics_listen {

@@ -238,3 +238,103 @@ fn our_servers_own_spans_reach_the_bench_as_one_tree_per_request_with_the_timing
     drop(served);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 18, OTLP out across processes: `serve --prefill 1 --decode 1 --otlp-endpoint` is three
+/// processes, each exporting its own spans; the bench's receiver gets one trace per request
+/// whose stage spans come from the process that ran the stage (the gateway's stage from the
+/// gateway, queue/prefill/kv_transfer from the prefill worker, decode_queue/decode from the
+/// decode worker), every one a child of the gateway's root span, none twice, and each lasting
+/// what the response's `timing` says (the worker's queue is the timing's queue less the
+/// gateway's dispatch).
+#[test]
+fn one_trace_spans_the_gateway_and_both_workers_each_stage_from_the_process_that_ran_it() {
+    let (dir, model) = tiny_model("pd");
+    let otlp_port = free_port();
+    let endpoint = format!("http://127.0.0.1:{otlp_port}");
+    let served = support::serve(
+        &model,
+        &[
+            "--served-model-name",
+            "mock",
+            "--kv-tokens",
+            "4096",
+            "--no-prefix-cache",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--otlp-endpoint",
+            &endpoint,
+        ],
+    );
+    let gateway = u64::from(served.child.id());
+    let workers: Vec<u64> = support::children_of(served.child.id()).into_iter().map(u64::from).collect();
+    assert_eq!(workers.len(), 2, "two worker processes");
+    let out = dir.join("run.json");
+    let table = bench(served.port, otlp_port, "30", &out);
+    assert!(table.contains("engine spans: 6 of 6 requests joined by trace id"), "{table}");
+    let run: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let ms =
+        |s: &Value| (s["end_unix_ns"].as_u64().unwrap() - s["start_unix_ns"].as_u64().unwrap()) as f64 / 1e6;
+    for r in run["requests"].as_array().unwrap() {
+        let spans = r["spans"].as_array().unwrap();
+        let roots: Vec<&Value> = spans.iter().filter(|s| s["name"] == "tokenpath.request").collect();
+        assert_eq!(roots.len(), 1, "{r}");
+        let root = roots[0];
+        assert_eq!(
+            (&root["service"], &root["attributes"]["process.pid"]),
+            (&Value::from("tokenpath"), &Value::from(gateway))
+        );
+        let timing = &r["server"];
+        let stages = timing["stages_ms"].as_object().unwrap();
+        let mut by_stage = HashMap::new();
+        for k in spans.iter().filter(|s| s["name"] != "tokenpath.request") {
+            assert_eq!((&k["trace_id"], &k["parent"]), (&r["trace_id"], &root["span_id"]), "{k}");
+            let stage = k["attributes"]["tokenpath.stage"].as_str().unwrap().to_owned();
+            assert!(by_stage.insert(stage.clone(), k).is_none(), "{stage} exported twice: {r}");
+        }
+        let mut names: Vec<&String> = by_stage.keys().collect();
+        names.sort();
+        let mut want: Vec<&String> = stages.keys().collect();
+        want.sort();
+        assert_eq!(names, want, "one span per stage of the timing: {r}");
+        let (p, d) = (&timing["workers"]["prefill"], &timing["workers"]["decode"]);
+        let mut pids = std::collections::BTreeSet::new();
+        for (stage, span) in &by_stage {
+            let (service, worker) = match stage.as_str() {
+                "gateway" => ("tokenpath", &Value::Null),
+                "queue" | "prefill" | "kv_transfer" => ("tokenpath-worker", p),
+                _ => ("tokenpath-worker", d),
+            };
+            assert_eq!(span["service"], service, "{stage}: {span}");
+            assert_eq!(&span["attributes"]["tokenpath.worker"], worker, "{stage}: {span}");
+            let pid = span["attributes"]["process.pid"].as_u64().unwrap();
+            assert!(pid == gateway || workers.contains(&pid), "{stage} from pid {pid}");
+            pids.insert((worker.to_string(), pid));
+            let want = stages[stage.as_str()].as_f64().unwrap();
+            if stage == "queue" {
+                assert!(ms(span) <= want + 1e-5, "worker queue {} ms > timing's {want} ms", ms(span));
+            } else {
+                assert!((ms(span) - want).abs() < 1e-5, "{stage}: span {} ms, timing {want} ms", ms(span));
+            }
+        }
+        assert_eq!(pids.len(), 3, "three processes, one per role: {pids:?}");
+        // One host, one wall clock: the workers' spans sit inside the gateway's request.
+        let slack = 5_000_000;
+        for s in by_stage.values() {
+            assert!(
+                s["start_unix_ns"].as_u64().unwrap() + slack >= root["start_unix_ns"].as_u64().unwrap(),
+                "{s}"
+            );
+            assert!(
+                s["end_unix_ns"].as_u64().unwrap() <= root["end_unix_ns"].as_u64().unwrap() + slack,
+                "{s}"
+            );
+        }
+        let (prefill, kv) = (by_stage["prefill"], by_stage["kv_transfer"]);
+        let gap = kv["start_unix_ns"].as_i64().unwrap() - prefill["end_unix_ns"].as_i64().unwrap();
+        assert!(gap.abs() < 1_000_000, "the transfer starts where prefill ended: {gap} ns");
+    }
+    drop(served);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -13,7 +13,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use support::{http, worker, worker_with_secret, Served};
+use support::{children_of, http, worker, worker_with_secret, Served};
 
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 
@@ -431,21 +431,6 @@ fn a_worker_drains_on_sigterm() {
         std::thread::sleep(Duration::from_millis(50));
     }
     s.stop();
-}
-
-/// The pids of `parent`'s children (from /proc).
-fn children_of(parent: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        // pid (comm) state ppid ...: comm may hold spaces, so split after the last ')'.
-        let ppid = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok());
-        if ppid == Some(parent) {
-            out.push(pid);
-        }
-    }
-    out
 }
 
 #[test]

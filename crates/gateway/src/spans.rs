@@ -8,16 +8,13 @@
 //! its children's siblings, parented to it) and one span per stage.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::http::HeaderMap;
 use tokenpath_protocol::work::TokenUsage;
 use tokenpath_timeline::{ServerTiming, SpanId, TraceId, TraceParent};
 
 use crate::AppState;
-
-/// After a request's first span, how long its other spans (SGLang exports several) may take.
-const SETTLE: Duration = Duration::from_secs(2);
 
 /// One request's place in its trace.
 #[derive(Clone, Copy, Debug)]
@@ -72,8 +69,7 @@ pub(crate) fn finished(
 ) {
     let (Some(exporter), Some(t)) = (&app.config.span_export, trace) else { return };
     let Some(root) = t.root else { return };
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    let arrived_unix_ns = now.saturating_sub(arrived.elapsed().as_nanos() as u64);
+    let arrived_unix_ns = tokenpath_otlp::unix_ns(arrived);
     let spans = tokenpath_otlp::request_spans(
         t.trace,
         t.caller,
@@ -97,7 +93,7 @@ pub(crate) fn await_spans(app: &Arc<AppState>, trace: Option<&RequestTrace>) {
     }
     let (store, wait, app) = (spans.store.clone(), spans.wait, Arc::clone(app));
     tokio::spawn(async move {
-        if let Ok(got) = store.take(id, wait, SETTLE).await {
+        if let Ok(got) = store.take(id, wait, tokenpath_otlp::SETTLE).await {
             app.metrics.record_engine_spans(&got);
         }
     });

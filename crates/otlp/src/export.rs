@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use tokenpath_timeline::{EngineSpan, ServerTiming, SpanId, Stage, StageSource, TraceId};
+use tokenpath_timeline::{EngineSpan, ServerTiming, SpanId, Stage, StageSource, TraceId, TraceParent};
 use tokio::sync::mpsc;
 
 /// The root span's name; children are `tokenpath.<stage>`.
@@ -22,9 +22,15 @@ const BATCH: usize = 512;
 /// Longest a span waits for its batch.
 const LINGER: Duration = Duration::from_millis(500);
 
+/// The service name of a gateway's spans.
+pub const GATEWAY_SERVICE: &str = "tokenpath";
+/// The service name of a worker's spans.
+pub const WORKER_SERVICE: &str = "tokenpath-worker";
+
 /// One request's spans in `trace`: `caller` is the client's span (the root's parent) when it
-/// sent one, `root` the root span's id (the parent every engine leg was given),
-/// `arrived_unix_ns` the arrival on the wall clock.
+/// sent one, `root` the root span's id (the parent every engine leg and worker was given),
+/// `arrived_unix_ns` the arrival on the wall clock. Stages a worker already exported
+/// (`timing.exported`) are left out: each stage's span comes from the process that ran it.
 pub fn request_spans(
     trace: TraceId,
     caller: Option<SpanId>,
@@ -33,14 +39,68 @@ pub fn request_spans(
     timing: &ServerTiming,
     usage: (u64, u64),
 ) -> Vec<EngineSpan> {
-    // A stage longer than a day is an engine's garbage, not a duration: clamped, never an
-    // overflow.
-    let ns = |ms: f64| (ms.clamp(0.0, 86_400_000.0) * 1e6).round() as u64;
-    let mut cursor = arrived_unix_ns;
-    let mut out = Vec::with_capacity(1 + timing.stages_ms.len());
+    let under_root = TraceParent::new(trace, root);
+    let (kids, cursor) =
+        lay_out(under_root, arrived_unix_ns, timing, GATEWAY_SERVICE, |s| !timing.exported.contains(&s));
+    let end = timing.e2e_ms.map_or(cursor, |e| arrived_unix_ns.saturating_add(ns(e))).max(cursor);
+    let mut attrs = json!({
+        "gen_ai.usage.input_tokens": usage.0,
+        "gen_ai.usage.output_tokens": usage.1,
+        "tokenpath.cached_tokens": timing.cached_tokens,
+        "process.pid": std::process::id(),
+    });
+    if let Some(t) = timing.ttft_ms {
+        attrs["gen_ai.server.time_to_first_token"] = json!(t / 1e3);
+    }
+    let mut out = Vec::with_capacity(1 + kids.len());
+    out.push(EngineSpan {
+        trace_id: trace,
+        span_id: root,
+        parent: caller,
+        name: REQUEST_SPAN.into(),
+        service: Some(GATEWAY_SERVICE.into()),
+        start_unix_ns: arrived_unix_ns,
+        end_unix_ns: end,
+        attributes: attrs.as_object().cloned().unwrap_or_default(),
+    });
+    out.extend(kids);
+    out
+}
+
+/// A worker's spans for the stages it ran (`stages`, read from `timing`), children of
+/// `ctx.parent` (the gateway's root span) and laid end to end so the last one ends at
+/// `end_unix_ns`: a worker's stages are consecutive marks on its clock ending where it reports
+/// them (the handoff, the transfer's acknowledgement, the last token).
+pub fn worker_spans(
+    ctx: TraceParent,
+    end_unix_ns: u64,
+    timing: &ServerTiming,
+    stages: &[Stage],
+) -> Vec<EngineSpan> {
+    let keep = |s: Stage| stages.contains(&s);
+    let total: u64 = timing.stages_ms.iter().filter(|(s, _)| keep(**s)).map(|(_, ms)| ns(*ms)).sum();
+    lay_out(ctx, end_unix_ns.saturating_sub(total), timing, WORKER_SERVICE, keep).0
+}
+
+/// A stage longer than a day is an engine's garbage, not a duration: clamped, never an
+/// overflow.
+fn ns(ms: f64) -> u64 {
+    (ms.clamp(0.0, 86_400_000.0) * 1e6).round() as u64
+}
+
+/// One span per stage of `timing` that `keep` takes, in path order from `start_unix_ns`, each
+/// a child of `ctx.parent`; and where the last ended.
+fn lay_out(
+    ctx: TraceParent,
+    start_unix_ns: u64,
+    timing: &ServerTiming,
+    service: &str,
+    keep: impl Fn(Stage) -> bool,
+) -> (Vec<EngineSpan>, u64) {
+    let mut cursor = start_unix_ns;
     let mut kids = Vec::new();
     for stage in Stage::ALL {
-        let Some(ms) = timing.stages_ms.get(&stage) else { continue };
+        let Some(ms) = timing.stages_ms.get(&stage).filter(|_| keep(stage)) else { continue };
         let start = cursor;
         cursor = cursor.saturating_add(ns(*ms));
         let source = match timing.sources.get(&stage) {
@@ -49,46 +109,40 @@ pub fn request_spans(
             Some(StageSource::Gateway) => "gateway",
             Some(StageSource::Span) => "span",
         };
-        let mut attrs =
-            json!({"tokenpath.stage": stage.name(), "tokenpath.source": source, "tokenpath.duration_ms": ms});
-        if let Some(w) = timing.workers.get(match stage {
-            Stage::Prefill | Stage::Queue => "prefill",
-            _ => "decode",
-        }) {
+        let mut attrs = json!({
+            "tokenpath.stage": stage.name(),
+            "tokenpath.source": source,
+            "tokenpath.duration_ms": ms,
+            "process.pid": std::process::id(),
+        });
+        // Who ran it: in PD the prefill worker up to the transfer, the decode worker after; a
+        // colocated worker (`both`) all of it; the gateway's stage is no worker's.
+        let role = match stage {
+            Stage::Gateway => None,
+            Stage::Prefill | Stage::Queue | Stage::KvTransfer => Some("prefill"),
+            Stage::DecodeQueue | Stage::Decode => Some("decode"),
+        };
+        if let Some(w) = role.and_then(|r| timing.workers.get(r).or_else(|| timing.workers.get("both"))) {
             attrs["tokenpath.worker"] = json!(w.0);
         }
         kids.push(EngineSpan {
-            trace_id: trace,
+            trace_id: ctx.trace_id,
             span_id: crate::fresh_context().parent,
-            parent: Some(root),
+            parent: Some(ctx.parent),
             name: format!("tokenpath.{}", stage.name()),
-            service: Some("tokenpath".into()),
+            service: Some(service.into()),
             start_unix_ns: start,
             end_unix_ns: cursor,
             attributes: attrs.as_object().cloned().unwrap_or_default(),
         });
     }
-    let end = timing.e2e_ms.map_or(cursor, |e| arrived_unix_ns.saturating_add(ns(e))).max(cursor);
-    let mut attrs = json!({
-        "gen_ai.usage.input_tokens": usage.0,
-        "gen_ai.usage.output_tokens": usage.1,
-        "tokenpath.cached_tokens": timing.cached_tokens,
-    });
-    if let Some(t) = timing.ttft_ms {
-        attrs["gen_ai.server.time_to_first_token"] = json!(t / 1e3);
-    }
-    out.push(EngineSpan {
-        trace_id: trace,
-        span_id: root,
-        parent: caller,
-        name: REQUEST_SPAN.into(),
-        service: Some("tokenpath".into()),
-        start_unix_ns: arrived_unix_ns,
-        end_unix_ns: end,
-        attributes: attrs.as_object().cloned().unwrap_or_default(),
-    });
-    out.extend(kids);
-    out
+    (kids, cursor)
+}
+
+/// `at` on the wall clock, in ns since the Unix epoch (now, less how long ago `at` was).
+pub fn unix_ns(at: std::time::Instant) -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    (now as u64).saturating_sub(at.elapsed().as_nanos() as u64)
 }
 
 /// A handle to the exporting task; cheap to clone.
@@ -162,7 +216,6 @@ async fn run(mut rx: mpsc::Receiver<Vec<EngineSpan>>, url: String, token: Option
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokenpath_timeline::TraceParent;
 
     #[test]
     fn a_requests_stages_become_children_laid_end_to_end_under_one_root() {
@@ -184,5 +237,28 @@ mod tests {
         assert_eq!(names, ["tokenpath.gateway", "tokenpath.queue", "tokenpath.prefill", "tokenpath.decode"]);
         assert_eq!(kids[2].end_unix_ns - kids[2].start_unix_ns, 10_250_000);
         assert!(kids.windows(2).all(|w| w[0].end_unix_ns == w[1].start_unix_ns));
+    }
+
+    #[test]
+    fn a_workers_stages_end_where_it_reports_them_and_the_gateway_leaves_them_out() {
+        let ctx: TraceParent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".parse().unwrap();
+        let mut t = ServerTiming::default();
+        t.stages_ms.insert(Stage::Gateway, 0.5);
+        t.stages_ms.insert(Stage::Queue, 2.0);
+        t.stages_ms.insert(Stage::Prefill, 10.0);
+        t.stages_ms.insert(Stage::Decode, 40.0);
+        let spans = worker_spans(ctx, 5_000_000_000, &t, &[Stage::Queue, Stage::Prefill]);
+        let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["tokenpath.queue", "tokenpath.prefill"]);
+        assert_eq!(spans[1].end_unix_ns, 5_000_000_000);
+        assert_eq!(spans[0].start_unix_ns, 5_000_000_000 - 12_000_000);
+        assert_eq!(spans[0].end_unix_ns, spans[1].start_unix_ns);
+        assert!(spans
+            .iter()
+            .all(|s| s.parent == Some(ctx.parent) && s.service.as_deref() == Some(WORKER_SERVICE)));
+        t.exported.extend([Stage::Queue, Stage::Prefill]);
+        let gw = request_spans(ctx.trace_id, None, SpanId([4; 8]), 1, &t, (1, 1));
+        let names: Vec<&str> = gw.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, [REQUEST_SPAN, "tokenpath.gateway", "tokenpath.decode"]);
     }
 }

@@ -21,11 +21,18 @@ mod store;
 
 pub use decode::{decode_json, decode_protobuf, encode_protobuf, inflate_gzip, MAX_INFLATED};
 pub use error::OtlpError;
-pub use export::{request_spans, SpanExporter, REQUEST_SPAN};
+pub use export::{
+    request_spans, unix_ns, worker_spans, SpanExporter, GATEWAY_SERVICE, REQUEST_SPAN, WORKER_SERVICE,
+};
 pub use grpc::frame as grpc_frame;
 pub use server::{Receiver, ReceiverConfig, GRPC_EXPORT_PATH, HTTP_TRACES_PATH};
 pub use store::{Collected, SpanStore, StoreLimits};
 pub use tokenpath_timeline::{EngineSpan, SpanId, TraceId, TraceParent};
+
+/// After a trace's first span, how long its other spans may take: an engine that exports
+/// several spans per request (SGLang) and our own processes (gateway and workers, each its own
+/// exporter) send them in separate batches.
+pub const SETTLE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A random, sampled context (the OS's CSPRNG: ids from two runs against one engine must not
 /// collide, whatever their seeds). Without an OS RNG the ids are a BLAKE3 of the clock, the

@@ -46,7 +46,7 @@ pub struct Collected {
 enum Cmd {
     Expect(TraceId),
     Add(Vec<EngineSpan>),
-    Collect { within: Duration, reply: oneshot::Sender<Collected> },
+    Collect { within: Duration, settle: Duration, reply: oneshot::Sender<Collected> },
     Take { trace: TraceId, within: Duration, settle: Duration, reply: oneshot::Sender<Vec<EngineSpan>> },
 }
 
@@ -97,11 +97,12 @@ impl SpanStore {
         rx.await.map_err(|_| OtlpError::Stopped)
     }
 
-    /// Waits at most `within` for every expected trace to have a span, then returns what
-    /// arrived and forgets it (the next collect starts empty).
-    pub async fn collect(&self, within: Duration) -> Result<Collected, OtlpError> {
+    /// Waits at most `within` for every expected trace to have a span and then for `settle`
+    /// without a new span (a trace's spans come from several processes, each in its own export
+    /// batch), then returns what arrived and forgets it (the next collect starts empty).
+    pub async fn collect(&self, within: Duration, settle: Duration) -> Result<Collected, OtlpError> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Cmd::Collect { within, reply }).map_err(|_| OtlpError::Stopped)?;
+        self.tx.send(Cmd::Collect { within, settle, reply }).map_err(|_| OtlpError::Stopped)?;
         rx.await.map_err(|_| OtlpError::Stopped)
     }
 }
@@ -119,6 +120,8 @@ struct State {
     takers: HashMap<TraceId, Taker>,
     /// The takers' deadlines in order: the next one is the first (no scan per command).
     deadlines: std::collections::BTreeSet<(Instant, TraceId)>,
+    /// When the last span of an expected trace came.
+    last_span: Option<Instant>,
 }
 
 impl State {
@@ -169,6 +172,7 @@ impl State {
             }
         }
         spans.push(span);
+        self.last_span = Some(Instant::now());
     }
 
     fn take(&mut self) -> Collected {
@@ -199,10 +203,11 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, limits: StoreLimits) {
         over_limit: 0,
         takers: HashMap::new(),
         deadlines: std::collections::BTreeSet::new(),
+        last_span: None,
     };
-    let mut pending: Option<(Instant, oneshot::Sender<Collected>)> = None;
+    let mut pending: Option<Pending> = None;
     loop {
-        let deadline = match (pending.as_ref().map(|(d, _)| *d), st.next_deadline()) {
+        let deadline = match (pending.as_ref().map(|p| p.due(&st)), st.next_deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
@@ -226,12 +231,13 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, limits: StoreLimits) {
                 }
             }
             Some(Cmd::Add(spans)) => spans.into_iter().for_each(|s| st.add(s)),
-            Some(Cmd::Collect { within, reply }) => {
+            Some(Cmd::Collect { within, settle, reply }) => {
                 // One collector at a time: an earlier one gets what is there now.
-                if let Some((_, earlier)) = pending.take() {
-                    let _ = earlier.send(st.take());
+                if let Some(earlier) = pending.take() {
+                    let _ = earlier.reply.send(st.take());
                 }
-                pending = Some((Instant::now() + within, reply));
+                let now = Instant::now();
+                pending = Some(Pending { until: now + within, settle, asked: now, reply });
             }
             Some(Cmd::Take { trace, within, settle, reply }) => match st.traces.get(&trace) {
                 // Not expected, or someone takes it already (the same trace id on two
@@ -252,12 +258,32 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Cmd>, limits: StoreLimits) {
             None => {} // the deadline: answered below
         }
         st.answer_due(Instant::now());
-        let due = pending.as_ref().is_some_and(|(d, _)| st.waiting == 0 || Instant::now() >= *d);
-        if due {
-            if let Some((_, reply)) = pending.take() {
-                let _ = reply.send(st.take());
+        if pending.as_ref().is_some_and(|p| Instant::now() >= p.due(&st)) {
+            if let Some(p) = pending.take() {
+                let _ = p.reply.send(st.take());
             }
         }
+    }
+}
+
+/// A collector waiting.
+struct Pending {
+    /// Answered by then whatever came.
+    until: Instant,
+    /// Once every trace has a span, answered after this long without a new one.
+    settle: Duration,
+    /// When it asked (the quiet period counts from here when no span came at all).
+    asked: Instant,
+    reply: oneshot::Sender<Collected>,
+}
+
+impl Pending {
+    /// When it is to be answered, given what the store holds now.
+    fn due(&self, st: &State) -> Instant {
+        if st.waiting > 0 {
+            return self.until;
+        }
+        (st.last_span.unwrap_or(self.asked) + self.settle).min(self.until)
     }
 }
 
@@ -291,10 +317,13 @@ mod tests {
             s2.add(vec![span(2, 1)]).unwrap();
         });
         // A deadline far beyond the test's patience: only the arrival can end the wait.
-        let got = tokio::time::timeout(Duration::from_secs(30), store.collect(Duration::from_secs(3600)))
-            .await
-            .expect("collect waited for the deadline although every trace had a span")
-            .unwrap();
+        let got = tokio::time::timeout(
+            Duration::from_secs(30),
+            store.collect(Duration::from_secs(3600), Duration::ZERO),
+        )
+        .await
+        .expect("collect waited for the deadline although every trace had a span")
+        .unwrap();
         assert_eq!(got.spans.len(), 2);
         assert_eq!(got.spans[&TraceId([1; 16])].len(), 2);
         assert_eq!((got.missing, got.unexpected, got.over_limit), (0, 1, 1));
@@ -322,7 +351,7 @@ mod tests {
         assert!(Instant::now() - t0 < Duration::from_secs(2), "answered after the settle, not at 60 s");
         assert!(two.await.unwrap().is_empty(), "nothing came: answered empty at its deadline");
         // Both traces are forgotten; an unknown trace is answered at once.
-        let c = store.collect(Duration::ZERO).await.unwrap();
+        let c = store.collect(Duration::ZERO, Duration::ZERO).await.unwrap();
         assert_eq!((c.spans.len(), c.missing), (0, 0));
         assert!(store
             .take(TraceId([9; 16]), Duration::from_secs(60), Duration::ZERO)
@@ -348,7 +377,7 @@ mod tests {
         assert_eq!(first.await.unwrap().unwrap().len(), 2, "nothing was dropped by the second announce");
         // The store is alive and consistent afterwards.
         store.expect(TraceId([5; 16])).unwrap();
-        let c = store.collect(Duration::ZERO).await.unwrap();
+        let c = store.collect(Duration::ZERO, Duration::ZERO).await.unwrap();
         assert_eq!(c.missing, 1);
     }
 
@@ -359,13 +388,31 @@ mod tests {
             store.expect(TraceId([t; 16])).unwrap();
         }
         store.add(vec![span(1, 1)]).unwrap();
-        let got = store.collect(Duration::from_secs(5)).await.unwrap();
+        let got = store.collect(Duration::from_secs(5), Duration::ZERO).await.unwrap();
         assert_eq!(got.spans.len(), 1);
         assert_eq!(got.missing, 2, "one never arrived, one was past the bound");
         // Forgotten: a span for an old trace is now unexpected.
         store.add(vec![span(1, 2)]).unwrap();
-        let again = store.collect(Duration::ZERO).await.unwrap();
+        let again = store.collect(Duration::ZERO, Duration::ZERO).await.unwrap();
         assert!(again.spans.is_empty());
         assert_eq!(again.unexpected, 1);
+    }
+
+    /// Regression (issue 18): a trace's spans come from three processes, each in its own export
+    /// batch; collect answered at the first, and the later ones were lost.
+    #[tokio::test]
+    async fn collect_waits_for_a_quiet_period_after_every_trace_has_a_span() {
+        let store = SpanStore::start(StoreLimits { traces: 10, spans_per_trace: 8 });
+        store.expect(TraceId([1; 16])).unwrap();
+        store.add(vec![span(1, 1)]).unwrap();
+        let s2 = store.clone();
+        tokio::spawn(async move {
+            for s in 2..=3 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                s2.add(vec![span(1, s)]).unwrap();
+            }
+        });
+        let got = store.collect(Duration::from_secs(3600), Duration::from_secs(1)).await.unwrap();
+        assert_eq!(got.spans[&TraceId([1; 16])].len(), 3, "the later batches were not waited for");
     }
 }

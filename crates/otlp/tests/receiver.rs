@@ -100,7 +100,7 @@ async fn all_three_transports_land_in_one_store_and_join_by_trace_id() {
     assert!(r.headers().get("grpc-status").is_none(), "success sends its status as a trailer");
     assert_eq!(r.bytes().await.unwrap().as_ref(), &[0, 0, 0, 0, 0], "one empty ExportTraceServiceResponse");
 
-    let got = rx.store.collect(Duration::from_millis(300)).await.unwrap();
+    let got = rx.store.collect(Duration::from_millis(300), Duration::ZERO).await.unwrap();
     assert_eq!(got.spans.len(), 3);
     assert_eq!(got.missing, 1, "trace 4 never came");
     for t in 1..=3u8 {
@@ -150,6 +150,6 @@ async fn a_token_is_required_and_bad_bodies_get_each_transports_error() {
 
     // Nothing refused reached the store; the good export with the token does.
     assert_eq!(post(pb, "application/x-protobuf", Some("s3cret")).await.unwrap().status(), 200);
-    let got = rx.store.collect(Duration::from_secs(5)).await.unwrap();
+    let got = rx.store.collect(Duration::from_secs(5), Duration::ZERO).await.unwrap();
     assert_eq!(got.spans[&TraceId([1; 16])].len(), 1);
 }

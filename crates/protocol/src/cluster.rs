@@ -33,7 +33,7 @@ use crate::sampling::{SamplerState, SamplingParams};
 use crate::work::{TokenUsage, WorkerStats};
 use crate::ProtocolError;
 use serde::{Deserialize, Serialize};
-use tokenpath_timeline::{FinishReason, ServerTiming};
+use tokenpath_timeline::{FinishReason, ServerTiming, Stage};
 
 /// What part of the request path a worker runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -240,6 +240,10 @@ pub enum FromWorker {
         timing: ServerTiming,
         /// Token counts so far (cached prompt tokens included).
         usage: TokenUsage,
+        /// The stages whose span (OTLP) this worker exported itself, which the gateway leaves
+        /// out of its own export.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        spans: Vec<Stage>,
     },
     /// Prefill role: the KV transfer finished (or failed), measured on this worker's clock from
     /// the first byte out to the decode worker's acknowledgement.
@@ -253,6 +257,10 @@ pub enum FromWorker {
         /// The blocks went through a same-host shared-memory ring rather than the socket.
         #[serde(default)]
         ring: bool,
+        /// The stages whose span (OTLP) this worker exported itself, which the gateway leaves
+        /// out of its own export.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        spans: Vec<Stage>,
     },
     /// The request finished.
     Finished {
@@ -262,6 +270,10 @@ pub enum FromWorker {
         usage: TokenUsage,
         /// Stages this worker measured.
         timing: ServerTiming,
+        /// The stages whose span (OTLP) this worker exported itself, which the gateway leaves
+        /// out of its own export.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        spans: Vec<Stage>,
     },
     /// The request failed after it was accepted.
     Failed {
@@ -380,6 +392,7 @@ mod tests {
             sampler: SamplerState { seed: u64::MAX, word_pos: u128::MAX },
             timing: ServerTiming::default(),
             usage: TokenUsage::default(),
+            spans: vec![Stage::Queue, Stage::Prefill],
         };
         let back: FromWorker = decode_control(&encode_control(&h).unwrap()).unwrap();
         assert_eq!(back, h);
@@ -435,13 +448,15 @@ mod tests {
             FromWorker::KvRing { offer: Some(RingOffer { len: 8 << 20 }) },
             FromWorker::KvRing { offer: None },
             FromWorker::KvRingFree { chunks: 9 },
-            FromWorker::KvSent { ok: true, ms: 1.5, bytes: 10, ring: true },
+            FromWorker::KvSent { ok: true, ms: 1.5, bytes: 10, ring: true, spans: vec![Stage::KvTransfer] },
         ] {
             assert_eq!(decode_control::<FromWorker>(&encode_control(&m).unwrap()).unwrap(), m);
         }
         let old_sent: FromWorker =
             decode_control(br#"{"type":"kv_sent","ok":true,"ms":1.0,"bytes":1}"#).unwrap();
-        assert_eq!(old_sent, FromWorker::KvSent { ok: true, ms: 1.0, bytes: 1, ring: false });
+        assert_eq!(old_sent, FromWorker::KvSent { ok: true, ms: 1.0, bytes: 1, ring: false, spans: vec![] });
+        let quiet = FromWorker::KvSent { ok: true, ms: 1.0, bytes: 1, ring: false, spans: vec![] };
+        assert!(!String::from_utf8(encode_control(&quiet).unwrap()).unwrap().contains("spans"));
     }
 
     /// Regression (security review, minor): `1e39` in a worker's sampling numbers became

@@ -5,7 +5,7 @@
 
 use crate::{ms, Nanos, TimelineError, WorkerId};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 /// A stage of the request path: the interval between two marks.
@@ -229,6 +229,11 @@ pub struct ServerTiming {
     /// stage: the tokenpath process that ran it measured it (every stage of our own engine).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sources: BTreeMap<Stage, StageSource>,
+    /// Stages whose span the worker that ran them already exported (OTLP), so the gateway's
+    /// export leaves them out. The gateway's own bookkeeping: never on the wire (a worker says
+    /// so in its message, `FromWorker`'s `spans` flag).
+    #[serde(skip)]
+    pub exported: BTreeSet<Stage>,
 }
 
 /// Who measured a stage of a request that an external engine served.
@@ -270,6 +275,7 @@ impl ServerTiming {
         for (stage, src) in &other.sources {
             self.sources.entry(*stage).or_insert(*src);
         }
+        self.exported.extend(other.exported.iter().copied());
     }
 }
 

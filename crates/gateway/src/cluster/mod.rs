@@ -101,9 +101,9 @@ impl Cluster {
             ignore_eos: work.ignore_eos,
             mode,
             cache_scope: work.cache_scope.clone(),
-            // Not sent yet: workers export no spans of their own, and a worker of an older
-            // build refuses the field (docs/engine-spans.md).
-            trace: None,
+            // The worker's spans go under the gateway's root span (a worker of an older build
+            // refuses the field: upgrade gateway and workers together, docs/engine-spans.md).
+            trace: work.trace,
         };
         let secret = self.registry.secret();
         let open = |addr: String, mode: Mode| async move {
@@ -219,6 +219,12 @@ impl Clock {
     }
 }
 
+/// A worker's stages, those it says it sent the spans of itself marked as exported.
+fn exported(mut timing: ServerTiming, spans: Vec<Stage>) -> ServerTiming {
+    timing.exported.extend(spans);
+    timing
+}
+
 fn fail(tx: &StreamSender, message: String) {
     let _ = tx.send(WorkEvent::Failed { message });
 }
@@ -264,11 +270,11 @@ async fn relay(
                 }
                 let _ = tx.send(WorkEvent::Text { delta, tokens });
             }
-            Ok(Some(FromWorker::Finished { reason, usage, timing })) => {
-                return Relayed::Finished(reason, usage, timing)
+            Ok(Some(FromWorker::Finished { reason, usage, timing, spans })) => {
+                return Relayed::Finished(reason, usage, exported(timing, spans))
             }
-            Ok(Some(FromWorker::Handoff { first_token, sampler, timing, usage })) => {
-                return Relayed::Handoff(first_token, sampler, timing, usage)
+            Ok(Some(FromWorker::Handoff { first_token, sampler, timing, usage, spans })) => {
+                return Relayed::Handoff(first_token, sampler, exported(timing, spans), usage)
             }
             Ok(Some(FromWorker::Failed { message })) => {
                 fail(tx, tokenpath_protocol::cluster::peer_message(&message));
@@ -336,7 +342,7 @@ async fn pump_disaggregated(
     // The prefill worker's transfer report arrives on its own time.
     let report = tokio::spawn(async move {
         match pconn.next().await {
-            Ok(Some(FromWorker::KvSent { ok, ms, bytes, .. })) => Some((ok, ms, bytes)),
+            Ok(Some(FromWorker::KvSent { ok, ms, bytes, spans, .. })) => Some((ok, ms, bytes, spans)),
             _ => None,
         }
     });
@@ -346,10 +352,11 @@ async fn pump_disaggregated(
     match relay(&mut dconn, tx, &mut first, registry, meter.as_deref()).await {
         Relayed::Finished(reason, usage, timing) => {
             let mut kv = ServerTiming::default();
-            if let Ok(Ok(Some((ok, ms, bytes)))) = tokio::time::timeout(KV_REPORT_WAIT, report).await {
+            if let Ok(Ok(Some((ok, ms, bytes, spans)))) = tokio::time::timeout(KV_REPORT_WAIT, report).await {
                 if ok {
                     kv.stages_ms.insert(Stage::KvTransfer, ms);
                     kv.kv_transfer_bytes = Some(bytes);
+                    kv = exported(kv, spans);
                 }
             }
             let mut timing = clock.assemble(first, &[&ptiming, &kv, &timing]);

@@ -179,6 +179,7 @@ pub async fn kv_transfer(
         kv_transport: KvTransport::Auto,
         secret: secret.clone(),
         draining: Arc::default(),
+        spans: None,
     };
     let server = decode_side.spawn(serve(listener, decode.clone(), config));
     let l = decode.kv_layout();

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tokenpath_protocol::auth::ClusterSecret;
 use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, Mode, RejectKind, ToWorker};
 use tokenpath_protocol::ProtocolError;
-use tokenpath_timeline::RequestId;
+use tokenpath_timeline::{RequestId, ServerTiming, Stage, TraceParent};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -47,6 +47,9 @@ pub struct ServerConfig {
     /// Set when the worker drains: new requests are refused (the gateway goes elsewhere), the
     /// running ones finish.
     pub draining: Arc<AtomicBool>,
+    /// Where this worker's spans go (`--otlp-endpoint`): a span per stage it ran, for every
+    /// request that came with a trace context.
+    pub spans: Option<tokenpath_otlp::SpanExporter>,
 }
 
 /// Serves `handle` on `listener` for ever (accept errors — out of descriptors, a connection
@@ -282,11 +285,14 @@ async fn generate(
                     WorkEvent::Handoff { first_token, sampler, usage, timing, at } => {
                         let ended = at;
                         let result = kv.take().map(|k| k.finish());
+                        let spans = export(config, msg.trace, tokenpath_otlp::unix_ns(at), &timing, &[Stage::Queue, Stage::Prefill]);
+                        let workers = timing.workers.clone();
                         write_control(&mut wr, &FromWorker::Handoff {
                             first_token,
                             sampler,
                             timing,
                             usage,
+                            spans,
                         }).await?;
                         let sent = match result {
                             Some(rx) => rx.await.unwrap_or_default(),
@@ -294,10 +300,24 @@ async fn generate(
                         };
                         let (ok, bytes, held_ms, ring) = (sent.ok, sent.bytes, sent.held_ms, sent.ring);
                         let ms = (ended.elapsed().as_secs_f64() * 1e3 - held_ms).max(0.0);
-                        return write_control(&mut wr, &FromWorker::KvSent { ok, ms, bytes, ring }).await;
+                        // The transfer starts where prefill ended, on this worker's clock.
+                        let mut kv = ServerTiming::default();
+                        kv.stages_ms.insert(Stage::KvTransfer, ms);
+                        kv.workers = workers;
+                        let end = tokenpath_otlp::unix_ns(ended).saturating_add((ms * 1e6) as u64);
+                        let spans = if ok { export(config, msg.trace, end, &kv, &[Stage::KvTransfer]) } else { Vec::new() };
+                        return write_control(&mut wr, &FromWorker::KvSent { ok, ms, bytes, ring, spans }).await;
                     }
                     WorkEvent::Finished { reason, usage, timing } => {
-                        return write_control(&mut wr, &FromWorker::Finished { reason, usage, timing }).await;
+                        let now = tokenpath_otlp::unix_ns(Instant::now());
+                        // A decode worker's timing may say how its prefill went when it
+                        // recomputed the prompt; those stages are the prefill worker's.
+                        let ran: &[Stage] = match mode {
+                            WorkMode::Decode(_) => &[Stage::DecodeQueue, Stage::Decode],
+                            _ => &[Stage::Queue, Stage::Prefill, Stage::DecodeQueue, Stage::Decode],
+                        };
+                        let spans = export(config, msg.trace, now, &timing, ran);
+                        return write_control(&mut wr, &FromWorker::Finished { reason, usage, timing, spans }).await;
                     }
                     WorkEvent::Failed { message } => {
                         return write_control(&mut wr, &FromWorker::Failed { message }).await;
@@ -330,6 +350,24 @@ async fn generate(
             }
         }
     }
+}
+
+/// Exports the spans of `stages` (those `timing` has) for a request that came with a trace
+/// context, when this worker exports spans; the stages it exported.
+fn export(
+    config: &ServerConfig,
+    trace: Option<TraceParent>,
+    end_unix_ns: u64,
+    timing: &ServerTiming,
+    stages: &[Stage],
+) -> Vec<Stage> {
+    let (Some(exporter), Some(ctx)) = (&config.spans, trace) else { return Vec::new() };
+    let spans = tokenpath_otlp::worker_spans(ctx, end_unix_ns, timing, stages);
+    let done = stages.iter().copied().filter(|s| timing.stages_ms.contains_key(s)).collect();
+    if !spans.is_empty() {
+        exporter.export(spans);
+    }
+    done
 }
 
 /// Aborts a task when dropped.

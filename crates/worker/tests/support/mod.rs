@@ -86,6 +86,7 @@ pub async fn listen_with(h: &WorkerHandle, role: Role, kv_transport: KvTransport
             kv_transport,
             secret: secret(),
             draining: Arc::default(),
+            spans: None,
         },
     ));
     addr
