@@ -150,6 +150,7 @@ class AiperfRun:
         message an event, carrying one token when it has content text (our server sends one token
         per event; the final usage says how many in all), `t_send` = AIPerf's request start."""
         out, texts = [], []
+        self.server = []
         for i, r in enumerate(self.raw):
             t0 = r["start_perf_ns"]
             events, usage, finish, timing, text = [], None, None, None, []
@@ -179,6 +180,8 @@ class AiperfRun:
                 rec["usage"] = {"prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": usage.get("completion_tokens", 0)}
             out.append(rec)
             texts.append("".join(text))
+            if ok and timing:
+                self.server.append(timing)
         return out, texts
 
 
@@ -257,12 +260,12 @@ def main_compare(a):
     # -- each tool's own numbers (pooled over rounds: the same statistics on all records) --
     if pooled:
         ours = tokenpath_report(a.bin, our_recs)["summary"]
-        ours_tput = sum(r["summary"]["throughput"]["output_tokens_per_s"] * r["summary"]["throughput"]["window_s"] for r in our_runs) / sum(
-            r["summary"]["throughput"]["window_s"] for r in our_runs
+        ours_tput = sum(r["summary"]["output_tokens_per_s"] * r["summary"]["window_s"] for r in our_runs) / sum(
+            r["summary"]["window_s"] for r in our_runs
         )
     else:
         ours = our_runs[0]["summary"]
-        ours_tput = ours["throughput"]["output_tokens_per_s"]
+        ours_tput = ours["output_tokens_per_s"]
 
     def ap_value(tag, q):
         if not pooled:
@@ -309,7 +312,6 @@ def main_compare(a):
 
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
     retok = [len(tok.encode(t, add_special_tokens=False)) for t in ap_texts]
-    ttft = {}
     default_itl = []
     for rec, n in zip(ap_conv, retok):
         tokens = [e["at_ns"] for e in rec["events"] if e["tokens"] > 0]
@@ -349,29 +351,42 @@ def main_compare(a):
             problems.append(f"same records, {name}: ours {o50}/{o99}, AIPerf {a50}/{a99}")
         same_rows.append({"metric": name, "ours_p50": o50, "aiperf_p50": a50, "ours_p99": o99, "aiperf_p99": a99, "verdict": v})
         print(f"{name + ' = ' + tag + ' (ms)':<44}{fmt(o50, 3):>10}{fmt(a50, 3):>12}{fmt_ratio(rr[0]):>8}{fmt(o99, 3):>10}{fmt(a99, 3):>12}  {v}")
-    same_tput = same["throughput"]["output_tokens_per_s"] if not pooled else None
+    same_tput = same["output_tokens_per_s"] if not pooled else None
     if same_tput is not None:
         rt = ratio(same_tput, ap_tput)
         v = f"differs by definition: see {DOC}-output-toks (window ends at [DONE], not at the last token)"
         print(f"{'output tok/s = output_token_throughput':<44}{fmt(same_tput, 3):>10}{fmt(ap_tput, 3):>12}{fmt_ratio(rt):>8}{'':>10}{'':>12}  {v}")
         same_rows.append({"metric": "output tok/s", "ours": same_tput, "aiperf_value": ap_tput, "verdict": v})
 
-    # -- how fast the server itself was in each run (its own clock): noise, not tools --
-    def server_side(recs):
-        ttft = [((r.get("server") or {}).get("ttft_ms")) for r in recs]
-        return pct([x for x in ttft if x is not None], 50)
+    # -- how fast the server itself was in each run (its own clock, the `timing` it sends) --
+    def server_clock(timings):
+        ttft = [t.get("ttft_ms") for t in timings]
+        per_tok = [t["stages_ms"]["decode"] / (a.output_tokens - 1) for t in timings if "decode" in (t.get("stages_ms") or {})]
+        return pct(ttft, 50), pct(per_tok, 50)
 
-    s_ours = server_side(our_ok)
-    s_ap = [r for r in ap_conv]
+    s_ours = server_clock([r["server"] for r in our_ok if r.get("server")])
+    s_ap = server_clock([t for run in ap_runs for t in run.server])
     print()
-    if s_ours is not None:
-        notes.append(f"server TTFT p50 (the server's own clock) in tokenpath bench's run: {s_ours:.1f} ms")
+    print("The server's own clock (the `timing` it sent on each response), in each tool's run:")
+    server_rows = []
+    for label, i, client in (("server TTFT p50 (ms)", 0, ("ttft_ms", "time_to_first_token")),
+                             ("server decode per token p50 (ms)", 1, ("tpot_ms", "inter_token_latency"))):
+        o, p = s_ours[i], s_ap[i]
+        co, cp = stat(ours, client[0], "p50"), ap_value(client[1], "p50")
+        print(f"  {label:<36} during ours {fmt(o, 2):>9}   during AIPerf's {fmt(p, 2):>9}   ratio {fmt_ratio(ratio(o, p))}"
+              f"   (client - server: ours {fmt(None if co is None or o is None else co - o, 2)}, AIPerf {fmt(None if cp is None or p is None else cp - p, 2)})")
+        server_rows.append({"metric": label, "during_ours": o, "during_aiperf": p})
+    sr = ratio(s_ours[1], s_ap[1])
+    if sr is not None and abs(sr - 1) > BOUND:
+        notes.append(f"the server itself decoded {abs(sr - 1):.1%} {'faster' if sr < 1 else 'slower'} during our run than during "
+                     f"AIPerf's: a client-side difference of that size is the server's, not a tool's (see {DOC}-noise)")
     for n in notes:
         print(f"note: {n}")
 
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
-            json.dump({"cross_tool": table, "same_records": same_rows, "problems": problems, "notes": notes, "bound": BOUND}, f, indent=2)
+            json.dump({"cross_tool": table, "same_records": same_rows, "server_clock": server_rows, "problems": problems,
+                       "notes": notes, "bound": BOUND, "same_data_bound": SAME_DATA_BOUND}, f, indent=2)
     if problems:
         print("FAILED:")
         for p in problems:

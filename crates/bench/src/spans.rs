@@ -31,9 +31,9 @@ impl SpanJoin {
         if traced.is_empty() {
             return None;
         }
-        let timed = |r: &ClientRecord| {
-            r.server.as_ref().is_some_and(|s| s.sources.values().any(|x| *x == StageSource::Span))
-        };
+        // As `join` counts them: spans of a shape the mapping table knows (their stages may
+        // then give way to what the server's own timing says).
+        let timed = |r: &ClientRecord| !r.spans.is_empty() && spans_timing(&r.spans).is_some();
         Some(Self {
             sent: traced.len() as u64,
             joined: traced.iter().filter(|r| !r.spans.is_empty()).count() as u64,
@@ -139,6 +139,14 @@ mod tests {
         assert!(recs[2].server.is_none() && recs[2].spans.len() == 1);
         assert_eq!(recs[0].spans[0].attributes["vllm.custom"], "kept");
         assert!(recs[3].spans.is_empty() && recs[4].trace_id.is_none());
+        // Regression (check-vllm-spans): the report recounts from the records and said 0 with
+        // stages where the join said 2, when the server's timing kept every stage.
+        let mut kept = ServerTiming::default();
+        kept.stages_ms.insert(Stage::Queue, 7.0);
+        kept.stages_ms.insert(Stage::Prefill, 8.0);
+        recs[0].server = Some(kept);
+        let refs: Vec<&ClientRecord> = recs.iter().collect();
+        assert_eq!(SpanJoin::of(&refs), Some(SpanJoin { sent: 4, joined: 3, timed: 2, unexpected: 0 }));
     }
 
     #[test]

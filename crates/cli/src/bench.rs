@@ -142,6 +142,12 @@ struct OtlpArgs {
     /// batches, about every 5 s); requests without a span by then are counted and said so.
     #[arg(long, default_value_t = 10.0, requires = "otlp_listen")]
     otlp_wait_s: f64,
+    /// Once every request has a span, how long without a new one before the wait ends: a
+    /// trace's spans come from several processes, each in its own batch (the OpenTelemetry
+    /// SDK's batch processor, vLLM's, flushes every 5 s), so a shorter quiet period can cut
+    /// off the last batch. Bounded by --otlp-wait-s.
+    #[arg(long, default_value_t = 6.0, requires = "otlp_listen")]
+    otlp_settle_s: f64,
     /// Require `authorization: Bearer <token>` on every export (set the engine's
     /// `OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>`).
     #[arg(long, env = "TOKENPATH_OTLP_TOKEN", hide_env_values = true, requires = "otlp_listen")]
@@ -236,7 +242,8 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(r) = &receiver {
         let wait = Duration::from_secs_f64(args.otlp.otlp_wait_s.clamp(0.0, 600.0));
         eprintln!("bench: waiting up to {:.0} s for the engine's spans", wait.as_secs_f64());
-        let collected = rt.block_on(r.store.collect(wait, tokenpath_otlp::SETTLE))?;
+        let settle = Duration::from_secs_f64(args.otlp.otlp_settle_s.clamp(0.0, 600.0));
+        let collected = rt.block_on(r.store.collect(wait, settle))?;
         let j = tokenpath_bench::spans::join(&mut records, collected);
         eprintln!(
             "bench: spans joined to {} of {} requests ({} with stages); {} spans of other traces ignored",

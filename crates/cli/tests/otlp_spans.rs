@@ -55,6 +55,8 @@ fn bench(mock_port: u16, otlp_port: u16, wait_s: &str, out: &Path) -> String {
         .args(["bench", "--url", &format!("http://127.0.0.1:{mock_port}"), "--model", "mock"])
         .args(["--workload", "fixed:8:4", "--num-requests", "6", "--concurrency", "2"])
         .args(["--otlp-listen", &format!("127.0.0.1:{otlp_port}"), "--otlp-wait-s", wait_s])
+        // Our exporters flush every 0.5 s: a quiet second is enough, and the suite stays quick.
+        .args(["--otlp-settle-s", "1.5"])
         .arg("--out")
         .arg(out)
         .output()
@@ -185,10 +187,13 @@ fn through_the_gateway_the_trace_reaches_the_engine_and_its_spans_come_back_to_t
         assert!(std::time::Instant::now() < deadline, "the gateway never joined 9 spans:\n{text}");
         std::thread::sleep(std::time::Duration::from_millis(100));
     };
-    for stage in ["queue", "prefill", "decode", "gateway"] {
+    for stage in ["queue", "prefill", "decode"] {
         let line = format!("tokenpath_engine_span_stage_seconds_count{{stage=\"{stage}\"}} 9");
         assert!(metrics.contains(&line), "{line}\n{metrics}");
     }
+    // A vLLM span's wait before its scheduler saw the request is queue, not a gateway stage
+    // (which would sit beside ours under the same name).
+    assert!(!metrics.contains("tokenpath_engine_span_stage_seconds_count{stage=\"gateway\"}"), "{metrics}");
     assert!(!metrics.contains("outcome=\"missing\""), "{metrics}");
     let sent = exported_spans(&log);
     assert_eq!(sent.len(), 9, "one span per request, each its own trace");
@@ -285,6 +290,14 @@ fn one_trace_spans_the_gateway_and_both_workers_each_stage_from_the_process_that
             (&root["service"], &root["attributes"]["process.pid"]),
             (&Value::from("tokenpath"), &Value::from(gateway))
         );
+        // OpenTelemetry's GenAI attributes, where they apply to a server.
+        let a = &root["attributes"];
+        assert_eq!(a["gen_ai.operation.name"], "chat", "{a}");
+        assert_eq!(a["gen_ai.request.model"], "mock", "{a}");
+        // The tiny random model may sample its end-of-text before max_tokens.
+        let reasons = &a["gen_ai.response.finish_reasons"];
+        assert!(reasons == &serde_json::json!(["length"]) || reasons == &serde_json::json!(["stop"]), "{a}");
+        assert_eq!(a["gen_ai.usage.output_tokens"], r["usage"]["completion_tokens"], "{a} vs {r}");
         let timing = &r["server"];
         let stages = timing["stages_ms"].as_object().unwrap();
         let mut by_stage = HashMap::new();

@@ -41,7 +41,7 @@ pub(crate) async fn chat(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let trace = crate::spans::context(&app, &headers);
+    let trace = crate::spans::context(&app, &headers, "chat");
     generate(app, Endpoint::Chat, caller.0, trace, body).await
 }
 
@@ -52,7 +52,7 @@ pub(crate) async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let trace = crate::spans::context(&app, &headers);
+    let trace = crate::spans::context(&app, &headers, "text_completion");
     generate(app, Endpoint::Completions, caller.0, trace, body).await
 }
 
@@ -296,7 +296,7 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
                 log_finished(id, label, u, &timing);
                 sent.usage = Some(usage(u).to_timeline());
                 app.metrics.record_finished(label, u, &timing, &sent);
-                crate::spans::finished(&app, trace.as_ref(), arrived, &timing, u);
+                crate::spans::finished(&app, trace.as_ref(), arrived, &timing, u, label);
                 let header_value = HeaderValue::from_str(&server_timing_header(&timing)).ok();
                 // Both endpoints answer with one choice and the timeline; only the response type and
                 // the id prefix differ.

@@ -30,6 +30,8 @@ pub(crate) struct RequestTrace {
     legs_parent: SpanId,
     /// The client's sampling decision, kept (a fresh trace is sampled).
     sampled: bool,
+    /// The GenAI operation: `chat` or `text_completion`.
+    operation: &'static str,
 }
 
 impl RequestTrace {
@@ -43,7 +45,7 @@ impl RequestTrace {
 /// The request's trace: the client's, when it sent a valid context (an invalid one is dropped,
 /// as W3C asks); a fresh one when this gateway receives engines' spans or exports its own;
 /// else none.
-pub(crate) fn context(app: &AppState, headers: &HeaderMap) -> Option<RequestTrace> {
+pub(crate) fn context(app: &AppState, headers: &HeaderMap, operation: &'static str) -> Option<RequestTrace> {
     let theirs = headers.get("traceparent").and_then(|v| v.to_str().ok()?.parse::<TraceParent>().ok());
     let exporting = app.config.span_export.is_some();
     let root = exporting.then(|| tokenpath_otlp::fresh_context().parent);
@@ -55,28 +57,38 @@ pub(crate) fn context(app: &AppState, headers: &HeaderMap) -> Option<RequestTrac
         None => return None,
     };
     let legs_parent = root.or(caller).unwrap_or_else(|| tokenpath_otlp::fresh_context().parent);
-    Some(RequestTrace { trace, caller, root, legs_parent, sampled })
+    Some(RequestTrace { trace, caller, root, legs_parent, sampled, operation })
 }
 
-/// A request finished: with `--otlp-endpoint`, its timeline goes out as a root span and one
-/// span per stage.
+/// A request finished (`finish` its reason, as the API names it): with `--otlp-endpoint`, its
+/// timeline goes out as a root span, with the OpenTelemetry GenAI attributes that apply to a
+/// server (`gen_ai.operation.name`, `gen_ai.request.model`, `gen_ai.response.finish_reasons`,
+/// `gen_ai.usage.*`), and one span per stage.
 pub(crate) fn finished(
     app: &AppState,
     trace: Option<&RequestTrace>,
     arrived: Instant,
     timing: &ServerTiming,
     usage: TokenUsage,
+    finish: &str,
 ) {
     let (Some(exporter), Some(t)) = (&app.config.span_export, trace) else { return };
     let Some(root) = t.root else { return };
-    let arrived_unix_ns = tokenpath_otlp::unix_ns(arrived);
+    let attrs = serde_json::json!({
+        "gen_ai.operation.name": t.operation,
+        "gen_ai.request.model": app.config.served_model_name,
+        "gen_ai.response.finish_reasons": [finish],
+        "gen_ai.usage.input_tokens": usage.prompt_tokens,
+        "gen_ai.usage.output_tokens": usage.completion_tokens,
+    });
+    let attrs = attrs.as_object().cloned().unwrap_or_default();
     let spans = tokenpath_otlp::request_spans(
         t.trace,
         t.caller,
         root,
-        arrived_unix_ns,
+        tokenpath_otlp::unix_ns(arrived),
         timing,
-        (usage.prompt_tokens, usage.completion_tokens),
+        attrs,
     );
     exporter.export(spans);
 }

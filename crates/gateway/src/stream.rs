@@ -152,7 +152,7 @@ impl SseState {
                 log_finished(self.work.id(), label, u, &timing);
                 self.sent.usage = Some(usage(u).to_timeline());
                 self.app.metrics.record_finished(label, u, &timing, &self.sent);
-                crate::spans::finished(&self.app, self.trace.as_ref(), self.arrived, &timing, u);
+                crate::spans::finished(&self.app, self.trace.as_ref(), self.arrived, &timing, u, label);
                 self.pending.extend(self.format.closing(wire, u, timing));
                 self.pending.push_back(SSE_DONE.to_owned());
                 self.pending.pop_front().unwrap_or_default()

@@ -14,6 +14,12 @@ pub enum OtlpError {
         /// The bound.
         limit: usize,
     },
+    /// The body could not be read (the exporter went away mid-body).
+    #[error("reading the export: {0}")]
+    Read(String),
+    /// The export did not arrive within the receiver's timeout.
+    #[error("the export took longer than {0:?}")]
+    Timeout(std::time::Duration),
     /// A content type or encoding the receiver does not take.
     #[error("unsupported {0}")]
     Unsupported(String),

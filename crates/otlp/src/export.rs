@@ -29,28 +29,27 @@ pub const WORKER_SERVICE: &str = "tokenpath-worker";
 
 /// One request's spans in `trace`: `caller` is the client's span (the root's parent) when it
 /// sent one, `root` the root span's id (the parent every engine leg and worker was given),
-/// `arrived_unix_ns` the arrival on the wall clock. Stages a worker already exported
-/// (`timing.exported`) are left out: each stage's span comes from the process that ran it.
+/// `arrived_unix_ns` the arrival on the wall clock, `attrs` the root's attributes beyond the
+/// timing's (the caller's GenAI ones: operation, model, usage, finish reason). Stages a worker
+/// already exported (`timing.exported`) are left out: each stage's span comes from the process
+/// that ran it.
 pub fn request_spans(
     trace: TraceId,
     caller: Option<SpanId>,
     root: SpanId,
     arrived_unix_ns: u64,
     timing: &ServerTiming,
-    usage: (u64, u64),
+    attrs: serde_json::Map<String, serde_json::Value>,
 ) -> Vec<EngineSpan> {
     let under_root = TraceParent::new(trace, root);
     let (kids, cursor) =
         lay_out(under_root, arrived_unix_ns, timing, GATEWAY_SERVICE, |s| !timing.exported.contains(&s));
     let end = timing.e2e_ms.map_or(cursor, |e| arrived_unix_ns.saturating_add(ns(e))).max(cursor);
-    let mut attrs = json!({
-        "gen_ai.usage.input_tokens": usage.0,
-        "gen_ai.usage.output_tokens": usage.1,
-        "tokenpath.cached_tokens": timing.cached_tokens,
-        "process.pid": std::process::id(),
-    });
+    let mut attrs = attrs;
+    attrs.insert("tokenpath.cached_tokens".into(), json!(timing.cached_tokens));
+    attrs.insert("process.pid".into(), json!(std::process::id()));
     if let Some(t) = timing.ttft_ms {
-        attrs["gen_ai.server.time_to_first_token"] = json!(t / 1e3);
+        attrs.insert("gen_ai.server.time_to_first_token".into(), json!(t / 1e3));
     }
     let mut out = Vec::with_capacity(1 + kids.len());
     out.push(EngineSpan {
@@ -61,7 +60,7 @@ pub fn request_spans(
         service: Some(GATEWAY_SERVICE.into()),
         start_unix_ns: arrived_unix_ns,
         end_unix_ns: end,
-        attributes: attrs.as_object().cloned().unwrap_or_default(),
+        attributes: attrs,
     });
     out.extend(kids);
     out
@@ -227,7 +226,8 @@ mod tests {
         t.stages_ms.insert(Stage::Decode, 40.0);
         t.e2e_ms = Some(53.0);
         let root = SpanId([3; 8]);
-        let spans = request_spans(ctx.trace_id, Some(ctx.parent), root, 1_000_000_000, &t, (12, 8));
+        let spans =
+            request_spans(ctx.trace_id, Some(ctx.parent), root, 1_000_000_000, &t, Default::default());
         assert_eq!(spans.len(), 5);
         assert_eq!((spans[0].name.as_str(), spans[0].parent), (REQUEST_SPAN, Some(ctx.parent)));
         assert_eq!(spans[0].end_unix_ns - spans[0].start_unix_ns, 53_000_000);
@@ -257,7 +257,7 @@ mod tests {
             .iter()
             .all(|s| s.parent == Some(ctx.parent) && s.service.as_deref() == Some(WORKER_SERVICE)));
         t.exported.extend([Stage::Queue, Stage::Prefill]);
-        let gw = request_spans(ctx.trace_id, None, SpanId([4; 8]), 1, &t, (1, 1));
+        let gw = request_spans(ctx.trace_id, None, SpanId([4; 8]), 1, &t, Default::default());
         let names: Vec<&str> = gw.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, [REQUEST_SPAN, "tokenpath.gateway", "tokenpath.decode"]);
     }

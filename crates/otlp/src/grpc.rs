@@ -14,9 +14,11 @@ use crate::OtlpError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Code {
     InvalidArgument = 3,
+    DeadlineExceeded = 4,
     ResourceExhausted = 8,
     Unimplemented = 12,
     Unavailable = 14,
+    DataLoss = 15,
     Unauthenticated = 16,
 }
 

@@ -75,6 +75,7 @@ struct App {
     store: SpanStore,
     token: Option<blake3::Hash>,
     max_body: usize,
+    timeout: Duration,
 }
 
 impl Receiver {
@@ -89,21 +90,19 @@ impl Receiver {
             store: store.clone(),
             token: cfg.token.as_deref().map(|t| blake3::hash(t.as_bytes())),
             max_body: cfg.max_body,
+            timeout: cfg.timeout,
         };
         let router = Router::new()
             .route(HTTP_TRACES_PATH, post(http_export))
             .route(GRPC_EXPORT_PATH, post(grpc_export))
-            .fallback(|| async {
+            .fallback(|headers: HeaderMap| async move {
                 reply(
-                    Transport::Http,
+                    transport_of(&headers),
                     Err(OtlpError::Unsupported("path (only /v1/traces and TraceService/Export)".into())),
                 )
             })
+            // Bounded and timed out in the handlers, so a gRPC exporter hears a `grpc-status`.
             .layer(DefaultBodyLimit::disable())
-            .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-                StatusCode::REQUEST_TIMEOUT,
-                cfg.timeout,
-            ))
             .with_state(app);
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(async move {
@@ -154,16 +153,42 @@ fn authorized(app: &App, headers: &HeaderMap) -> bool {
     offered.is_some_and(|t| blake3::hash(t.as_bytes()) == want)
 }
 
+/// The body, at most `max_body` bytes: a longer one is `TooLarge`, a broken one `Read`.
 async fn body_bytes(app: &App, body: Body) -> Result<bytes::Bytes, OtlpError> {
-    axum::body::to_bytes(body, app.max_body)
-        .await
-        .map_err(|_| OtlpError::TooLarge { got: app.max_body + 1, limit: app.max_body })
+    use http_body_util::BodyExt as _;
+    match http_body_util::Limited::new(body, app.max_body).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(OtlpError::TooLarge { got: app.max_body + 1, limit: app.max_body })
+        }
+        Err(e) => Err(OtlpError::Read(e.to_string())),
+    }
+}
+
+/// What the exporter speaks, from its content type (for an answer it can read).
+fn transport_of(headers: &HeaderMap) -> Transport {
+    let ctype = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
+    if ctype.starts_with("application/grpc") {
+        Transport::Grpc
+    } else if ctype.starts_with("application/json") {
+        Transport::HttpJson
+    } else {
+        Transport::Http
+    }
+}
+
+/// `work`, or a timeout after the receiver's bound.
+async fn timed<F: std::future::Future<Output = Result<(), Refused>>>(
+    app: &App,
+    work: F,
+) -> Result<(), Refused> {
+    tokio::time::timeout(app.timeout, work).await.unwrap_or(Err(OtlpError::Timeout(app.timeout).into()))
 }
 
 async fn http_export(State(app): State<App>, headers: HeaderMap, body: Body) -> Response {
     let ctype = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
     let transport = if ctype.starts_with("application/json") { Transport::HttpJson } else { Transport::Http };
-    let result = async {
+    let result = timed(&app, async {
         if !authorized(&app, &headers) {
             return Err(Refused::Unauthenticated);
         }
@@ -180,13 +205,20 @@ async fn http_export(State(app): State<App>, headers: HeaderMap, body: Body) -> 
             if transport == Transport::HttpJson { decode_json(&raw)? } else { decode_protobuf(&raw)? };
         app.store.add(spans)?;
         Ok(())
-    }
+    })
     .await;
     answer(transport, result)
 }
 
 async fn grpc_export(State(app): State<App>, headers: HeaderMap, body: Body) -> Response {
-    let result = async {
+    let result = timed(&app, async {
+        if !headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|c| c.starts_with("application/grpc"))
+        {
+            return Err(OtlpError::Unsupported("content type (gRPC needs application/grpc)".into()).into());
+        }
         if !authorized(&app, &headers) {
             return Err(Refused::Unauthenticated);
         }
@@ -206,7 +238,7 @@ async fn grpc_export(State(app): State<App>, headers: HeaderMap, body: Body) -> 
         };
         app.store.add(decode_protobuf(msg)?)?;
         Ok(())
-    }
+    })
     .await;
     answer(Transport::Grpc, result)
 }
@@ -247,6 +279,8 @@ fn reply(transport: Transport, result: Result<(), OtlpError>) -> Response {
     let (status, code) = match e {
         OtlpError::Decode(_) => (StatusCode::BAD_REQUEST, Code::InvalidArgument),
         OtlpError::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, Code::ResourceExhausted),
+        OtlpError::Read(_) => (StatusCode::BAD_REQUEST, Code::DataLoss),
+        OtlpError::Timeout(_) => (StatusCode::REQUEST_TIMEOUT, Code::DeadlineExceeded),
         OtlpError::Unsupported(_) => (StatusCode::UNSUPPORTED_MEDIA_TYPE, Code::Unimplemented),
         OtlpError::Bind { .. } | OtlpError::Stopped => (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable),
     };

@@ -153,3 +153,52 @@ async fn a_token_is_required_and_bad_bodies_get_each_transports_error() {
     let got = rx.store.collect(Duration::from_secs(5), Duration::ZERO).await.unwrap();
     assert_eq!(got.spans[&TraceId([1; 16])].len(), 1);
 }
+
+/// Regression (review of issue 18): a gRPC export that stalled got an HTTP 408 (a status a gRPC
+/// exporter cannot read), a gRPC call without gRPC's content type was decoded anyway, and a
+/// body that broke off was reported as too large. Each transport now hears its own error.
+#[tokio::test]
+async fn a_stalled_export_times_out_in_each_transports_terms() {
+    let mut cfg = ReceiverConfig::new("127.0.0.1:0".parse().unwrap());
+    cfg.timeout = Duration::from_millis(300);
+    let rx = Receiver::start(cfg).await.unwrap();
+    let base = format!("http://{}", rx.addr);
+    let stalled = || {
+        let first = futures_util::stream::iter([Ok::<_, std::io::Error>(vec![0u8, 0, 0, 0, 9])]);
+        reqwest::Body::wrap_stream(futures_util::StreamExt::chain(first, futures_util::stream::pending()))
+    };
+    let h2 = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    let r = h2
+        .post(format!("{base}{GRPC_EXPORT_PATH}"))
+        .header("content-type", "application/grpc")
+        .body(stalled())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "gRPC errors travel in grpc-status");
+    assert_eq!(r.headers()["grpc-status"], "4", "DEADLINE_EXCEEDED");
+    let r = h2
+        .post(format!("{base}{GRPC_EXPORT_PATH}"))
+        .header("content-type", "application/json")
+        .body(grpc_frame(&export(1, 0.5).encode_to_vec()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["grpc-status"], "12", "not a gRPC call: refused, not decoded");
+    let r = reqwest::Client::new()
+        .post(format!("{base}{HTTP_TRACES_PATH}"))
+        .header("content-type", "application/x-protobuf")
+        .body(stalled())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 408);
+    let r = h2
+        .post(format!("{base}/nowhere"))
+        .header("content-type", "application/grpc")
+        .body(grpc_frame(&[]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!((r.status().as_u16(), &r.headers()["grpc-status"]), (200, &"12".parse().unwrap()));
+}
