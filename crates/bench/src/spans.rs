@@ -67,12 +67,14 @@ fn merge(server: &mut Option<ServerTiming>, from_span: ServerTiming) {
         return;
     };
     for (stage, ms) in from_span.stages_ms {
-        // What the engine measured beats what our gateway saw at its boundaries (which holds
-        // the network and everything the engine did not split out); a tokenpath process's own
-        // marks, or the engine's body, stay.
+        // What the engine's span says beats what our gateway saw at its boundaries (which holds
+        // the network and everything the engine did not split out) and what the engine's body
+        // said (the same measurement, read with less: vLLM's body has no frontend TTFT, so its
+        // queue misses the wait before the scheduler saw the request); a tokenpath process's
+        // own marks stay.
         let replace = match s.sources.get(&stage) {
             None => !s.stages_ms.contains_key(&stage),
-            Some(src) => *src == StageSource::Gateway,
+            Some(src) => matches!(src, StageSource::Gateway | StageSource::Engine),
         };
         if replace {
             s.stages_ms.insert(stage, ms);
@@ -147,6 +149,30 @@ mod tests {
         recs[0].server = Some(kept);
         let refs: Vec<&ClientRecord> = recs.iter().collect();
         assert_eq!(SpanJoin::of(&refs), Some(SpanJoin { sent: 4, joined: 3, timed: 2, unexpected: 0 }));
+    }
+
+    /// Regression (check-vllm-spans, through the gateway): vLLM's body `metrics` gave queue 0
+    /// (no frontend TTFT to take the wait before its scheduler from) and kept the span's queue
+    /// out; a stage the engine's body gave now gives way to its span, one the engine's body
+    /// gave and the span does not stays.
+    #[test]
+    fn a_span_beats_the_engines_body_for_the_stages_it_gives() {
+        let id = fresh_context().trace_id;
+        let mut rec = ClientRecord::new(RequestId(0), 0, 0, true);
+        rec.trace_id = Some(id);
+        let mut body = ServerTiming::default();
+        for (stage, ms) in [(Stage::Queue, 0.0), (Stage::Decode, 50.0)] {
+            body.stages_ms.insert(stage, ms);
+            body.sources.insert(stage, StageSource::Engine);
+        }
+        rec.server = Some(body);
+        let mut collected = Collected::default();
+        collected.spans.insert(id, vec![span(id, "llm_request", 0.25)]);
+        let mut recs = vec![rec];
+        join(&mut recs, collected);
+        let s = recs[0].server.as_ref().unwrap();
+        assert_eq!((s.stages_ms[&Stage::Queue], s.sources[&Stage::Queue]), (250.0, StageSource::Span));
+        assert_eq!((s.stages_ms[&Stage::Decode], s.sources[&Stage::Decode]), (50.0, StageSource::Engine));
     }
 
     #[test]

@@ -298,8 +298,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         engine_spans: None,
         span_export: None,
     };
+    // Two async threads, or one when the process may run on one core only (`taskset -c 0`, a
+    // one-CPU container): two threads on one core only take turns, a context switch per
+    // hand-over (scripts/bench-gateway-cpu measures it).
+    let cores = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get);
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(cores.clamp(1, 2))
         .enable_all()
         .build()
         .context("starting the async runtime")?;
