@@ -5,7 +5,7 @@
 //! OTLP/gRPC, as vLLM does. Each exported span is also logged (`{"span": ...}` lines) so a test
 //! can check that what the bench joined is exactly what was sent.
 
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use serde_json::json;
 use tokenpath_timeline::{EngineSpan, TraceParent};
@@ -34,10 +34,6 @@ pub(super) struct SpanClock {
     completion_tokens: u64,
 }
 
-fn unix_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-}
-
 impl SpanClock {
     pub(super) fn start(
         mock: &std::sync::Arc<Mock>,
@@ -49,7 +45,7 @@ impl SpanClock {
             mock: std::sync::Arc::clone(mock),
             trace,
             arrived: Instant::now(),
-            arrived_unix_ns: unix_ns(),
+            arrived_unix_ns: tokenpath_otlp::unix_ns(Instant::now()),
             polled: None,
             first: None,
             last: None,

@@ -285,7 +285,9 @@ async fn generate(
                     WorkEvent::Handoff { first_token, sampler, usage, timing, at } => {
                         let ended = at;
                         let result = kv.take().map(|k| k.finish());
-                        let spans = export(config, msg.trace, tokenpath_otlp::unix_ns(at), &timing, &[Stage::Queue, Stage::Prefill]);
+                        // Prefill's end on the wall clock: where its spans end and the transfer's starts.
+                        let prefill_end = tokenpath_otlp::unix_ns(at);
+                        let spans = export(config, msg.trace, prefill_end, &timing, &[Stage::Queue, Stage::Prefill]);
                         let workers = timing.workers.clone();
                         write_control(&mut wr, &FromWorker::Handoff {
                             first_token,
@@ -300,11 +302,10 @@ async fn generate(
                         };
                         let (ok, bytes, held_ms, ring) = (sent.ok, sent.bytes, sent.held_ms, sent.ring);
                         let ms = (ended.elapsed().as_secs_f64() * 1e3 - held_ms).max(0.0);
-                        // The transfer starts where prefill ended, on this worker's clock.
                         let mut kv = ServerTiming::default();
                         kv.stages_ms.insert(Stage::KvTransfer, ms);
                         kv.workers = workers;
-                        let end = tokenpath_otlp::unix_ns(ended).saturating_add((ms * 1e6) as u64);
+                        let end = prefill_end.saturating_add((ms * 1e6).round() as u64);
                         let spans = if ok { export(config, msg.trace, end, &kv, &[Stage::KvTransfer]) } else { Vec::new() };
                         return write_control(&mut wr, &FromWorker::KvSent { ok, ms, bytes, ring, spans }).await;
                     }
