@@ -7,6 +7,7 @@ use anyhow::Context as _;
 use clap::Args;
 use std::path::PathBuf;
 use tokenpath_engine::bench::run_engine_bench;
+use tokenpath_engine::quant::{Kernel, KERNEL_ENV};
 
 #[derive(Debug, Args)]
 pub struct BenchEngineArgs {
@@ -32,6 +33,9 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     };
     let engine = args.model.open_engine()?;
     let b = run_engine_bench(&engine, args.steps, &|name| peer.get(name).and_then(|v| v.as_f64()))?;
+    let kernel = Kernel::best();
+    let has: Vec<&str> = Kernel::ALL.into_iter().filter(|k| k.is_available()).map(Kernel::name).collect();
+    println!("kernels: {kernel} (this CPU runs {}; {KERNEL_ENV} caps the choice)", has.join(", "));
     println!(
         "machine (measured now): f32 GEMM {:.1} GFLOP/s, read bandwidth {:.1} GB/s",
         b.gemm_gflops, b.read_gb_s
@@ -61,6 +65,7 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         b.peak_rss_mb.map_or("?".into(), |v| format!("{v:.0}")),
         b.model_file_mb
     );
+    json.insert("kernel".into(), serde_json::json!(kernel.name()));
     json.insert("peak_rss_mb".into(), serde_json::json!(b.peak_rss_mb));
     json.insert("model_file_mb".into(), serde_json::json!(b.model_file_mb));
     json.insert(

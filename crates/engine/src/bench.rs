@@ -128,7 +128,8 @@ impl Figure {
 /// Every figure of `tokenpath bench-engine`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineBench {
-    /// (name, figure) in report order: prefill_512, prefill_2048, decode_b1, decode_b16.
+    /// (name, figure) in report order: prefill_512, prefill_2048, decode_b1, decode_b16,
+    /// decode_b1_ctx512.
     pub figures: Vec<(&'static str, Figure)>,
     /// f32 GEMM GFLOP/s measured in the same run.
     pub gemm_gflops: f64,
@@ -158,8 +159,11 @@ pub fn run_engine_bench(
         let ours = prefill_tok_s(engine, n, 512)?;
         figures.push((name, Figure { ours, llama_cpp: peer(name), of_limit: ours * flops / (gemm * 1e9) }));
     }
-    for (name, batch) in [("decode_b1", 1), ("decode_b16", 16)] {
-        let ours = decode_tok_s(engine, batch, 32, steps)?;
+    // Batch 1 also at the serving benchmark's context (512-token prompts), where attention over
+    // the cache is part of every step.
+    for (name, batch, context) in [("decode_b1", 1, 32), ("decode_b16", 16, 32), ("decode_b1_ctx512", 1, 512)]
+    {
+        let ours = decode_tok_s(engine, batch, context, steps)?;
         // Each step streams the weights once, whatever the batch.
         let of_limit = ours / batch as f64 * bytes / (bw * 1e9);
         figures.push((name, Figure { ours, llama_cpp: peer(name), of_limit }));

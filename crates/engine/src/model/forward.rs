@@ -7,7 +7,6 @@ use super::{ggml, math, Mat, Model, Numerics};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockId, BlockTable, KvCache};
 use crate::quant::{matmul_group, matmul_group_interleaved, Interleaved, QMatrix};
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// One sequence's part of a forward call.
@@ -336,43 +335,49 @@ fn attention(
     const ROWS_PER_TASK: usize = 128;
     let d = n_head * hd;
     let n_kv = n_head / group;
-    // Tasks: (item, kv head, first stacked row, row count).
+    // Tasks: (item, kv head, first stacked row, row count, query heads of the group).
     let mut tasks = Vec::new();
     let mut first = 0;
     for (i, item) in batch.iter().enumerate() {
         let n = item.tokens.len();
         for kvh in 0..n_kv {
             for start in (0..n).step_by(ROWS_PER_TASK) {
-                tasks.push((i, kvh, first + start, ROWS_PER_TASK.min(n - start)));
+                tasks.push((i, kvh, first + start, ROWS_PER_TASK.min(n - start), 0..group));
             }
         }
         first += n;
     }
+    // Too few tasks to keep every thread busy (a decode step of a few sequences has one per KV
+    // head): one task per query head instead, for the rows below the GEMM path. Each head's
+    // arithmetic is the same either way; only its block conversions are repeated.
+    if tasks.len() < 4 * rayon::current_num_threads() && group > 1 {
+        tasks = tasks
+            .into_iter()
+            .flat_map(|(i, kvh, r0, nr, g)| {
+                if nr * group >= GEMM_MIN_ROWS {
+                    vec![(i, kvh, r0, nr, g)]
+                } else {
+                    g.map(|h| (i, kvh, r0, nr, h..h + 1)).collect()
+                }
+            })
+            .collect();
+    }
     let scale = 1.0 / (hd as f32).sqrt();
     let results: Vec<Vec<f32>> = tasks
         .par_iter()
-        .map(|&(i, kvh, r0, nr)| {
-            let table: &BlockTable = &*batch[i].table;
-            attend_task(
-                cache,
-                table,
-                layer,
-                kvh,
-                group,
-                hd,
-                scale,
-                &rows[r0..r0 + nr],
-                &q[r0 * d..(r0 + nr) * d],
-                d,
-            )
+        .map(|(i, kvh, r0, nr, heads)| {
+            let table: &BlockTable = &*batch[*i].table;
+            let job = Job { cache, table, layer, kvh: *kvh, group, heads: heads.clone(), hd, scale, d };
+            attend_task(&job, &rows[*r0..r0 + nr], &q[r0 * d..(r0 + nr) * d])
         })
         .collect();
     let mut out = vec![0f32; rows.len() * d];
-    for (&(_, kvh, r0, nr), res) in tasks.iter().zip(&results) {
-        for r in 0..nr {
-            for g in 0..group {
+    for ((_, kvh, r0, nr, heads), res) in tasks.iter().zip(&results) {
+        let w = heads.len();
+        for r in 0..*nr {
+            for (j, g) in heads.clone().enumerate() {
                 let h = kvh * group + g;
-                let src = &res[(r * group + g) * hd..(r * group + g + 1) * hd];
+                let src = &res[(r * w + j) * hd..(r * w + j + 1) * hd];
                 out[(r0 + r) * d + h * hd..(r0 + r) * d + (h + 1) * hd].copy_from_slice(src);
             }
         }
@@ -380,52 +385,79 @@ fn attention(
     out
 }
 
-/// One task of [`attention`]: rows `rows` (all of one sequence) × the `group` query heads of KV
-/// head `kvh`. Returns `[rows × group × hd]`.
-#[allow(clippy::too_many_arguments)]
-fn attend_task(
-    cache: &KvCache,
-    table: &BlockTable,
+/// What one attention task reads: the cache, the sequence's blocks, and which query heads of KV
+/// head `kvh`'s group it computes.
+struct Job<'a> {
+    cache: &'a KvCache,
+    table: &'a BlockTable,
     layer: usize,
     kvh: usize,
     group: usize,
+    heads: std::ops::Range<usize>,
     hd: usize,
     scale: f32,
-    rows: &[(usize, usize)],
-    q: &[f32],
+    /// Row stride of `q` (all heads).
     d: usize,
-) -> Vec<f32> {
-    let bs = cache.layout().block_size;
-    let n_q = rows.len() * group;
-    let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
-    if n_q >= GEMM_MIN_ROWS {
-        return attend_task_gemm(cache, table, layer, kvh, group, hd, scale, rows, q, d, max_pos);
+}
+
+/// One task of [`attention`]: rows `rows` (all of one sequence) × query heads `job.heads` of KV
+/// head `job.kvh`'s group. Returns `[rows × heads × hd]`. On AVX2 + FMA + F16C the same code is
+/// compiled with those features (wider vectors, the same operations in the same order: Rust
+/// never fuses a multiply and an add on its own), so both paths give the same bits.
+fn attend_task(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
+    let n_q = rows.len() * job.heads.len();
+    if n_q >= GEMM_MIN_ROWS && job.heads.len() == job.group {
+        let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
+        return attend_task_gemm(job, rows, q, max_pos);
     }
-    // Online softmax state per (row, head): running max, running sum, accumulator.
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    {
+        // SAFETY: the features the function is compiled for were detected.
+        return unsafe { attend_online_avx2(job, rows, q) };
+    }
+    attend_online(job, rows, q)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_online_avx2(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
+    attend_online(job, rows, q)
+}
+
+/// Few query rows (decode): each block's K and V converted once, then an online softmax
+/// (running max and sum) per (row, head).
+#[inline(always)]
+fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
+    let (hd, d) = (job.hd, job.d);
+    let bs = job.cache.layout().block_size;
+    let w = job.heads.len();
+    let n_q = rows.len() * w;
+    let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
     let mut m = vec![f32::NEG_INFINITY; n_q];
     let mut l = vec![0f32; n_q];
     let mut acc = vec![0f32; n_q * hd];
     let mut kb = vec![0f32; bs * hd];
     let mut vb = vec![0f32; bs * hd];
     let mut scores = vec![0f32; bs];
-    for (bi, block) in table.blocks().iter().enumerate() {
+    for (bi, block) in job.table.blocks().iter().enumerate() {
         let p0 = bi * bs;
         if p0 > max_pos {
             break;
         }
         let slots = bs.min(max_pos + 1 - p0);
-        gather_head(cache, *block, layer, kvh, hd, slots, &mut kb, &mut vb);
+        gather_head(job.cache, *block, job.layer, job.kvh, hd, slots, &mut kb, &mut vb);
         for (ri, &(_, pos)) in rows.iter().enumerate() {
             if pos < p0 {
                 continue;
             }
             let valid = slots.min(pos + 1 - p0);
-            for g in 0..group {
-                let qi = ri * group + g;
-                let qh = &q[ri * d + (kvh * group + g) * hd..][..hd];
+            for (j, g) in job.heads.clone().enumerate() {
+                let qi = ri * w + j;
+                let qh = &q[ri * d + (job.kvh * job.group + g) * hd..][..hd];
                 let mut bmax = f32::NEG_INFINITY;
                 for (s, sc) in scores[..valid].iter_mut().enumerate() {
-                    *sc = dot(qh, &kb[s * hd..(s + 1) * hd]) * scale;
+                    *sc = dot(qh, &kb[s * hd..(s + 1) * hd]) * job.scale;
                     bmax = bmax.max(*sc);
                 }
                 let new_m = m[qi].max(bmax);
@@ -435,8 +467,8 @@ fn attend_task(
                     a.iter_mut().for_each(|x| *x *= correction);
                 }
                 let sum = l[qi] * correction + math::exp_shift_sum(&mut scores[..valid], new_m);
-                for (s, &w) in scores[..valid].iter().enumerate() {
-                    axpy(w, &vb[s * hd..(s + 1) * hd], a);
+                for (s, &wt) in scores[..valid].iter().enumerate() {
+                    axpy(wt, &vb[s * hd..(s + 1) * hd], a);
                 }
                 m[qi] = new_m;
                 l[qi] = sum;
@@ -453,20 +485,8 @@ fn attend_task(
 /// [`attend_task`] for many query rows (prefill): the sequence's K and V for this head are
 /// gathered to f32 once, then `S = Q·Kᵀ` and `O = softmax(S)·V` run as two GEMMs on the calling
 /// thread (the tasks themselves are the parallelism), with the causal mask applied to `S`.
-#[allow(clippy::too_many_arguments)]
-fn attend_task_gemm(
-    cache: &KvCache,
-    table: &BlockTable,
-    layer: usize,
-    kvh: usize,
-    group: usize,
-    hd: usize,
-    scale: f32,
-    rows: &[(usize, usize)],
-    q: &[f32],
-    d: usize,
-    max_pos: usize,
-) -> Vec<f32> {
+fn attend_task_gemm(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], max_pos: usize) -> Vec<f32> {
+    let Job { cache, table, layer, kvh, group, hd, scale, d, .. } = *job;
     let bs = cache.layout().block_size;
     let n_pos = max_pos + 1;
     let mut k = vec![0f32; n_pos * hd];
@@ -529,11 +549,8 @@ fn gather_head(
 ) {
     let kv_dim = cache.layout().kv_dim;
     let (ks, vs) = (cache.slab(block, layer, false), cache.slab(block, layer, true));
-    for s in 0..slots {
-        let src = s * kv_dim + kvh * hd;
-        ks[src..src + hd].convert_to_f32_slice(&mut k[s * hd..(s + 1) * hd]);
-        vs[src..src + hd].convert_to_f32_slice(&mut v[s * hd..(s + 1) * hd]);
-    }
+    math::f16_rows_to_f32(ks, kvh * hd, kv_dim, hd, slots, k);
+    math::f16_rows_to_f32(vs, kvh * hd, kv_dim, hd, slots, v);
 }
 
 /// Dot product with eight independent accumulators, so it vectorises and pipelines.
@@ -555,5 +572,68 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (yi, xi) in y.iter_mut().zip(x) {
         *yi += a * xi;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_cache::KvLayout;
+
+    #[test]
+    fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
+        let (hd, group, n_kv, bs) = (64, 3, 2, 16);
+        let layout = KvLayout { n_layer: 1, kv_dim: n_kv * hd, block_size: bs };
+        let mut cache = KvCache::new(layout, 64).unwrap();
+        let mut table = BlockTable::default();
+        let n = 300;
+        cache.reserve(&mut table, n).unwrap();
+        let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7;
+        for pos in 0..n {
+            let k: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 977 + j)).collect();
+            let v: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 131 + j + 7)).collect();
+            cache.write(&table, 0, pos, &k, &v);
+        }
+        cache.advance(&mut table, n);
+        let d = n_kv * group * hd;
+        let rows = [(0, n - 1), (0, 140)];
+        let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
+        let job = |kvh, heads| Job {
+            cache: &cache,
+            table: &table,
+            layer: 0,
+            kvh,
+            group,
+            heads,
+            hd,
+            scale: 0.125,
+            d,
+        };
+        for kvh in 0..n_kv {
+            let whole = attend_online(&job(kvh, 0..group), &rows, &q);
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                // SAFETY: features detected.
+                let fast = unsafe { attend_online_avx2(&job(kvh, 0..group), &rows, &q) };
+                assert_eq!(bits(&fast), bits(&whole), "AVX2-compiled path");
+            }
+            for g in 0..group {
+                let one = attend_online(&job(kvh, g..g + 1), &rows, &q);
+                for r in 0..rows.len() {
+                    assert_eq!(
+                        bits(&one[r * hd..(r + 1) * hd]),
+                        bits(&whole[(r * group + g) * hd..(r * group + g + 1) * hd]),
+                        "head {g} alone, row {r}"
+                    );
+                }
+            }
+        }
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
     }
 }

@@ -25,13 +25,13 @@
 use rayon::prelude::*;
 
 use super::activation::BlockQ8x32;
-use super::{check_dot, GgmlType, QMatrix, QuantizedActivation};
+use super::{check_dot, GgmlType, Kernel, QMatrix, QuantizedActivation};
 use crate::error::{EngineError, Result};
 
 /// Rows interleaved together.
 pub const GROUP: usize = 8;
 /// Bytes of one group's block, by weight type.
-const fn group_block(ty: GgmlType) -> usize {
+pub(super) const fn group_block(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q8_0 => 272,
         _ => 160,
@@ -152,6 +152,17 @@ pub fn matmul_group_interleaved(
     acts: &[QuantizedActivation],
     outs: &mut [&mut [f32]],
 ) -> Result<()> {
+    matmul_group_interleaved_with(Kernel::best(), mats, acts, outs)
+}
+
+/// [`matmul_group_interleaved`] on `kernel`'s path (a path this CPU lacks falls back to the best
+/// below it); every path gives bit-identical results.
+pub fn matmul_group_interleaved_with(
+    kernel: Kernel,
+    mats: &[&Interleaved],
+    acts: &[QuantizedActivation],
+    outs: &mut [&mut [f32]],
+) -> Result<()> {
     let n = acts.len();
     if mats.len() != outs.len() {
         return Err(EngineError::shape("matmul group outputs", mats.len(), outs.len()));
@@ -176,7 +187,9 @@ pub fn matmul_group_interleaved(
     if n == 0 {
         return Ok(());
     }
-    let avx2 = super::Kernel::best() == super::Kernel::Avx2;
+    // Resolved once per product: the AVX-512 tiles take two groups at a time, AVX2 one.
+    let wide = kernel == Kernel::Avx512 && Kernel::Avx512.is_available();
+    let avx2 = kernel >= Kernel::Avx2 && Kernel::Avx2.is_available();
     // Tasks own runs of row groups and write `[activation][row]` into their own buffer, copied
     // into place afterwards (a few KB per task).
     let mut tasks: Vec<(usize, usize, usize, Vec<f32>)> = Vec::new();
@@ -190,37 +203,40 @@ pub fn matmul_group_interleaved(
     let run = |(i, g0, g1, buf): &mut (usize, usize, usize, Vec<f32>)| {
         let m = mats[*i];
         let rows = (*g1 - *g0) * GROUP;
-        for g in *g0..*g1 {
-            let w = m.group(g);
+        let mut g = *g0;
+        while g < *g1 {
+            let two = wide && g + 1 < *g1;
             let at = (g - *g0) * GROUP;
             let mut c = 0;
             while c < n {
                 let k = (n - c).min(C);
-                let mut res = [[0f32; GROUP]; C];
-                #[cfg(target_arch = "x86_64")]
-                if avx2 {
-                    // SAFETY: AVX2/FMA/F16C detected (`Kernel::best`); `w` holds one group block
-                    // per activation block (`check_dot` above).
+                if two {
+                    let mut res = [[0f32; 2 * GROUP]; C];
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C detected (`wide`); both
+                    // groups hold one group block per activation block (`check_dot` above).
                     unsafe {
-                        avx2_impl::tile_any(m.ty, w, &ys[c..c + k], &mut res);
+                        super::interleave_avx512::tile_any(
+                            m.ty,
+                            m.group(g),
+                            m.group(g + 1),
+                            &ys[c..c + k],
+                            &mut res,
+                        );
+                    }
+                    for (kk, r) in res.iter().enumerate().take(k) {
+                        buf[(c + kk) * rows + at..][..2 * GROUP].copy_from_slice(r);
                     }
                 } else {
-                    for (kk, r) in res.iter_mut().enumerate().take(k) {
-                        *r = portable_group(m.ty, w, ys[c + kk]);
+                    let mut res = [[0f32; GROUP]; C];
+                    one_group(avx2, m.ty, m.group(g), &ys[c..c + k], &mut res);
+                    for (kk, r) in res.iter().enumerate().take(k) {
+                        buf[(c + kk) * rows + at..][..GROUP].copy_from_slice(r);
                     }
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                {
-                    let _ = avx2;
-                    for (kk, r) in res.iter_mut().enumerate().take(k) {
-                        *r = portable_group(m.ty, w, ys[c + kk]);
-                    }
-                }
-                for (kk, r) in res.iter().enumerate().take(k) {
-                    buf[(c + kk) * rows + at..][..GROUP].copy_from_slice(r);
                 }
                 c += k;
             }
+            g += if two { 2 } else { 1 };
         }
     };
     let work: usize = mats.iter().map(|m| m.data.len()).sum::<usize>() * n;
@@ -237,6 +253,21 @@ pub fn matmul_group_interleaved(
         }
     }
     Ok(())
+}
+
+/// One group's eight rows × `ys.len()` (1 to 4) activations, on AVX2 when `avx2` (detected).
+fn one_group(avx2: bool, ty: GgmlType, w: &[u8], ys: &[&[BlockQ8x32]], res: &mut [[f32; GROUP]]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        // SAFETY: AVX2/FMA/F16C detected by the caller; `w` holds one group block per
+        // activation block (`check_dot`).
+        unsafe { avx2_impl::tile_any(ty, w, ys, res) };
+        return;
+    }
+    let _ = avx2;
+    for (r, y) in res.iter_mut().zip(ys) {
+        *r = portable_group(ty, w, y);
+    }
 }
 
 fn f16(b: &[u8], i: usize) -> f32 {
@@ -433,6 +464,33 @@ mod tests {
                         "portable"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_path_gives_the_same_bits() {
+        // Odd group counts (a lone group after the AVX-512 pairs), one to sixteen activations.
+        let shapes = [(8, 32, 1), (24, 64, 3), (72, 576, 5), (200, 96, 16), (16, 1536, 4), (40, 64, 7)];
+        let paths: Vec<Kernel> = Kernel::ALL.into_iter().filter(|k| k.is_available()).collect();
+        println!("kernel paths compared: {paths:?}");
+        for (ty, (rows, cols, n)) in
+            [GgmlType::Q4_1, GgmlType::Q8_0].into_iter().flat_map(|t| shapes.map(|s| (t, s)))
+        {
+            let data = matrix_of(ty, rows, cols, 3 * rows as u32 + 1);
+            let m = QMatrix::new(ty, rows, cols, &data).unwrap();
+            let il = Interleaved::from_matrix(&m).unwrap();
+            let a = acts(n, cols, rows);
+            let outs: Vec<Vec<u32>> = paths
+                .iter()
+                .map(|&k| {
+                    let mut out = vec![0f32; rows * n];
+                    matmul_group_interleaved_with(k, &[&il], &a, &mut [&mut out]).unwrap();
+                    out.iter().map(|x| x.to_bits()).collect()
+                })
+                .collect();
+            for (k, o) in paths.iter().zip(&outs) {
+                assert_eq!(o, &outs[0], "{ty} {rows}x{cols}, {n} activations: {k} vs {}", paths[0]);
             }
         }
     }

@@ -247,10 +247,48 @@ fn checked_entry_points_reject_bad_shapes() {
 }
 
 #[test]
-fn avx2_is_used_when_available() {
+fn the_fastest_available_kernel_is_picked_under_the_cap() {
     // Documents which path the other tests exercised on this machine.
     println!("best kernel: {:?}", Kernel::best());
-    if cfg!(target_arch = "x86_64") && Kernel::Avx2.is_available() {
-        assert_eq!(Kernel::best(), Kernel::Avx2);
+    if std::env::var_os(KERNEL_ENV).is_none() {
+        assert_eq!(Kernel::best(), Kernel::pick(None, Kernel::is_available));
+    }
+    let all = |_: Kernel| true;
+    assert_eq!(Kernel::pick(None, all), Kernel::Avx512);
+    assert_eq!(Kernel::pick(Some(Kernel::Avx2), all), Kernel::Avx2);
+    assert_eq!(Kernel::pick(Some(Kernel::Scalar), all), Kernel::Scalar);
+    // A CPU without AVX-512 (or with AVX-512 masked) runs AVX2; without AVX2, the portable path.
+    assert_eq!(Kernel::pick(None, |k| k != Kernel::Avx512), Kernel::Avx2);
+    assert_eq!(Kernel::pick(Some(Kernel::Avx512), |k| k == Kernel::Scalar), Kernel::Scalar);
+    for k in Kernel::ALL {
+        assert_eq!(k.name().parse::<Kernel>().unwrap(), k);
+    }
+    assert!("avx9".parse::<Kernel>().is_err());
+}
+
+/// Set in the child processes of the test below: the kernel `Kernel::best()` must return there.
+const EXPECT_ENV: &str = "TOKENPATH_TEST_EXPECT_KERNEL";
+
+#[test]
+fn the_environment_masks_kernel_features_in_a_fresh_process() {
+    if let Ok(want) = std::env::var(EXPECT_ENV) {
+        assert_eq!(Kernel::best().name(), want, "{KERNEL_ENV}={:?}", std::env::var(KERNEL_ENV));
+        return;
+    }
+    let me = std::env::current_exe().unwrap();
+    let name = "quant::tests::the_environment_masks_kernel_features_in_a_fresh_process";
+    let cases = Kernel::ALL
+        .map(|k| (k.name(), Kernel::pick(Some(k), Kernel::is_available)))
+        .into_iter()
+        .chain([("avx9", Kernel::pick(None, Kernel::is_available))]);
+    for (cap, want) in cases {
+        let out = std::process::Command::new(&me)
+            .args(["--exact", name, "--test-threads=1"])
+            .env(KERNEL_ENV, cap)
+            .env(EXPECT_ENV, want.name())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && text.contains("1 passed"), "{KERNEL_ENV}={cap}: {text}");
     }
 }

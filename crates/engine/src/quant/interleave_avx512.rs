@@ -1,0 +1,137 @@
+//! The repacked Q4_1 / Q8_0 products on AVX-512 (F, BW, VL, VNNI): two 8-row groups side by side
+//! in one 512-bit register, so one `vpdpbusd` advances sixteen rows by four products each.
+//!
+//! The AVX2 tile needs `vpmaddubsw` (pairs to 16 bits), 16-bit adds and a `vpmaddwd` to reach 32
+//! bits, eight rows per instruction; VNNI's `vpdpbusd` multiplies four unsigned bytes by four
+//! signed bytes and adds them into a 32-bit lane in one instruction, and the 512-bit register
+//! holds sixteen rows. The layout is [`super::interleave`]'s unchanged: the two groups are
+//! loaded from their own places (one 256-bit half each), so the repacked copy, its
+//! dequantization and the AVX2 and portable paths all stay as they are.
+//!
+//! Numerics: every block's integer dot product is exact on both paths (the AVX2 sums cannot
+//! saturate — see `interleave.rs` — and `vpdpbusd` does not saturate), and each lane then does the
+//! AVX2 tile's float operations in the same order: `acc = fma(dot, d_w · d_a, acc)`,
+//! `acc_m = fma(m_w, s_a, acc_m)` per block, `acc + acc_m` at the end. So a row's result is
+//! bit-identical to the AVX2 and portable paths, whatever the batch: a machine with AVX-512 and
+//! one without produce the same logits.
+//!
+//! Q8_0's signed weights: `vpdpbusd` needs one unsigned operand and AVX-512 has no `vpsignb`, so
+//! the weights' magnitudes are the unsigned operand and the activation bytes facing a negative
+//! weight are negated under a byte mask (`vpsubb` with the weights' sign bits) — the AVX2 tile's
+//! `vpsignb` trick, one masked instruction instead.
+//!
+//! Safety contract: the CPU supports avx512f, avx512bw, avx512vl, avx512vnni (and avx2, fma,
+//! f16c), and both group pointers address one group block per activation block (checked by
+//! `matmul_group_interleaved`).
+
+use std::arch::x86_64::*;
+
+use super::activation::BlockQ8x32;
+use super::interleave::{group_block, GROUP};
+use super::GgmlType;
+
+const Q4_1: u8 = 1;
+const Q8_0: u8 = 8;
+
+/// Rows of one tile: two groups.
+pub(super) const ROWS: usize = 2 * GROUP;
+
+/// Groups `w0` and `w1` (sixteen rows: `out[k][..8]` are `w0`'s, `out[k][8..]` `w1`'s) ×
+/// `ys.len()` (1 to 4) activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn tile_any(
+    ty: GgmlType,
+    w0: &[u8],
+    w1: &[u8],
+    ys: &[&[BlockQ8x32]],
+    out: &mut [[f32; ROWS]],
+) {
+    unsafe {
+        macro_rules! go {
+            ($k:literal) => {
+                match ty {
+                    GgmlType::Q8_0 => tile::<Q8_0, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
+                    _ => tile::<Q4_1, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
+                }
+            };
+        }
+        match ys.len() {
+            4 => go!(4),
+            3 => go!(3),
+            2 => go!(2),
+            _ => go!(1),
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile<const KIND: u8, const CC: usize>(
+    w0: &[u8],
+    w1: &[u8],
+    ys: [&[BlockQ8x32]; CC],
+    out: &mut [[f32; ROWS]],
+) {
+    unsafe {
+        let gb = group_block(if KIND == Q8_0 { GgmlType::Q8_0 } else { GgmlType::Q4_1 });
+        let nb = ys[0].len();
+        let low4 = _mm512_set1_epi8(0x0F);
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); CC];
+        let mut accm = [_mm512_setzero_ps(); CC];
+        let (p0, p1) = (w0.as_ptr(), w1.as_ptr());
+        for b in 0..nb {
+            let (b0, b1) = (p0.add(b * gb), p1.add(b * gb));
+            // Eight f16 of each group at `off` (scales, minimums) → sixteen f32 lanes.
+            let halves = |off: usize| {
+                _mm512_cvtph_ps(_mm256_set_m128i(
+                    _mm_loadu_si128(b1.add(off) as *const __m128i),
+                    _mm_loadu_si128(b0.add(off) as *const __m128i),
+                ))
+            };
+            // 32 bytes of each group at `off`: group 0 in the low half, group 1 in the high.
+            let pair = |off: usize| {
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(b0.add(off) as *const __m256i)),
+                    _mm256_loadu_si256(b1.add(off) as *const __m256i),
+                )
+            };
+            let dw = halves(0);
+            // Unsigned operands for `vpdpbusd` (nibbles, or |w| for Q8_0) and Q8_0's signs.
+            let mut q = [zero; 8];
+            let mut neg: [__mmask64; 8] = [0; 8];
+            if KIND == Q8_0 {
+                for (st, (qv, nv)) in q.iter_mut().zip(neg.iter_mut()).enumerate() {
+                    let v = pair(16 + 32 * st);
+                    *qv = _mm512_abs_epi8(v);
+                    *nv = _mm512_movepi8_mask(v);
+                }
+            } else {
+                for c in 0..4 {
+                    let v = pair(32 + 32 * c);
+                    q[2 * c] = _mm512_and_si512(v, low4);
+                    q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
+                }
+            }
+            let mw = if KIND == Q4_1 { halves(16) } else { _mm512_setzero_ps() };
+            for k in 0..CC {
+                let yb = ys[k].get_unchecked(b);
+                let a = yb.qs.as_ptr() as *const i32;
+                let mut dot = zero;
+                for st in 0..8 {
+                    let y = _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st)));
+                    let y = if KIND == Q8_0 { _mm512_mask_sub_epi8(y, neg[st], zero, y) } else { y };
+                    dot = _mm512_dpbusd_epi32(dot, q[st], y);
+                }
+                let dot = _mm512_cvtepi32_ps(dot);
+                acc[k] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(yb.d)), acc[k]);
+                if KIND == Q4_1 {
+                    accm[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(yb.s), accm[k]);
+                }
+            }
+        }
+        for k in 0..CC {
+            _mm512_storeu_ps(out[k].as_mut_ptr(), _mm512_add_ps(acc[k], accm[k]));
+        }
+    }
+}
