@@ -87,47 +87,71 @@ impl Sampler {
         Ok(tok)
     }
 
+    /// Temperature, top-k and top-p over the candidates in descending logit order (ties by
+    /// token id), walked until the draw lands. Only the walked prefix is ever sorted: most draws
+    /// land among the first few dozen of the 49k candidates, and a full sort per token was a
+    /// measurable part of a decode step.
     fn sample_random(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         let c = &mut self.scratch;
         c.clear();
         c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)));
-        // Sort by logit, ties by token id, so the candidate order is fully determined.
-        let cmp = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < c.len() {
-            c.select_nth_unstable_by(p.top_k - 1, cmp);
+            c.select_nth_unstable_by(p.top_k - 1, order);
             c.truncate(p.top_k);
         }
-        c.sort_unstable_by(cmp);
-        let max = c[0].1;
-        let mut sum = 0.0f64;
-        for x in c.iter_mut() {
-            x.1 = (x.1 - max).exp();
-            sum += f64::from(x.1);
-        }
+        let max = c.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.1));
+        let weight = |x: &(u32, f32)| f64::from((x.1 - max).exp());
+        let mut sorted = 0;
+        let mut sum: f64 = c.iter().map(weight).sum();
         if p.top_p < 1.0 {
-            let mut acc = 0.0f64;
+            let (mut acc, mut kept) = (0.0f64, 0.0f64);
             let mut keep = c.len();
-            for (i, x) in c.iter().enumerate() {
-                acc += f64::from(x.1) / sum;
+            for i in 0..c.len() {
+                sort_through(c, i, &mut sorted);
+                let w = weight(&c[i]);
+                acc += w / sum;
+                kept += w;
                 if acc >= f64::from(p.top_p) {
                     keep = i + 1;
                     break;
                 }
             }
             c.truncate(keep);
-            sum = c.iter().map(|x| f64::from(x.1)).sum();
+            sum = kept;
         }
         let r = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * sum;
         let mut acc = 0.0f64;
-        for x in c.iter() {
-            acc += f64::from(x.1);
+        for i in 0..c.len() {
+            sort_through(c, i, &mut sorted);
+            acc += weight(&c[i]);
             if r < acc {
-                return x.0;
+                return c[i].0;
             }
         }
-        c[c.len() - 1].0
+        let last = c.len() - 1;
+        sort_through(c, last, &mut sorted);
+        c[last].0
     }
+}
+
+/// Candidate order: larger logit first, ties by token id, so the order is fully determined.
+fn order(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Makes `c[..=i]` the first `i + 1` candidates in [`order`], given `c[..*sorted]` already is:
+/// the sorted prefix grows fourfold (at least 64) by a selection and a sort of the new part.
+fn sort_through(c: &mut [(u32, f32)], i: usize, sorted: &mut usize) {
+    if i < *sorted {
+        return;
+    }
+    let (n, next) = (c.len(), (*sorted * 4).max(64).max(i + 1).min(c.len()));
+    if next < n {
+        c[*sorted..].select_nth_unstable_by(next - *sorted - 1, order);
+    }
+    c[*sorted..next].sort_unstable_by(order);
+    *sorted = next;
 }
 
 /// Index of the largest logit (the first one on ties), as llama.cpp's greedy sampler picks.
@@ -170,6 +194,63 @@ mod tests {
         assert!(top2.iter().all(|&t| t == 1 || t == 3), "{top2:?}");
         let nucleus = run(SamplingParams { top_p: 0.1, ..params });
         assert!(nucleus.iter().all(|&t| t == 1), "{nucleus:?}");
+    }
+
+    /// The sampler before the lazy sort: every candidate sorted, then walked.
+    fn full_sort_pick(logits: &[f32], p: &SamplingParams, u: f64) -> u32 {
+        let mut c: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, order);
+            c.truncate(p.top_k);
+        }
+        c.sort_unstable_by(order);
+        let w: Vec<f64> = c.iter().map(|x| f64::from((x.1 - c[0].1).exp())).collect();
+        let mut n = c.len();
+        let total: f64 = w.iter().sum();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (i, x) in w.iter().enumerate() {
+                acc += x / total;
+                if acc >= f64::from(p.top_p) {
+                    n = i + 1;
+                    break;
+                }
+            }
+        }
+        let r = u * w[..n].iter().sum::<f64>();
+        let mut acc = 0.0;
+        for i in 0..n {
+            acc += w[i];
+            if r < acc {
+                return c[i].0;
+            }
+        }
+        c[n - 1].0
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_lazy_walk_picks_what_a_full_sort_picks(
+            raw in proptest::collection::vec(-40i32..40, 1..400),
+            temperature in 0.2f32..2.0,
+            top_k in 0usize..80,
+            top_p in 0.05f32..1.0,
+            seed: u64,
+        ) {
+            // Coarse logits: many ties, which the order breaks by token id.
+            let logits: Vec<f32> = raw.iter().map(|&x| x as f32 / 4.0).collect();
+            for top_p in [top_p, 1.0] {
+                let params = SamplingParams { temperature, top_k, top_p, seed: Some(seed), ..Default::default() };
+                let mut s = Sampler::new(params.clone()).unwrap();
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                for _ in 0..4 {
+                    let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                    let want = full_sort_pick(&logits, &params, u);
+                    proptest::prop_assert_eq!(s.sample(&mut logits.clone()).unwrap(), want);
+                }
+            }
+        }
     }
 
     #[test]

@@ -127,6 +127,12 @@ impl Model {
 
     fn load(file: Gguf<ModelBytes>) -> Result<Self> {
         let config = ModelConfig::from_gguf(file.index())?;
+        let kernel = crate::quant::Kernel::best();
+        tracing::info!(
+            kernel = kernel.name(),
+            "kernels: {kernel} ({} caps the choice)",
+            crate::quant::KERNEL_ENV
+        );
         let c = &config;
         let mat = |name: &str, rows: usize, cols: usize| -> Result<Mat> {
             let t = file.tensor(name)?;

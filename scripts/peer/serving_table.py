@@ -1,0 +1,91 @@
+"""The table of scripts/bench-serving: per server and concurrency, output tok/s, TTFT p50/p99 and
+TPOT p50/p99 from the closed-loop runs' JSON (tokenpath bench --out), the highest rate meeting the
+SLO from the --find-max-rate run, then tokenpath's ratios to each peer (throughput and max rate:
+ours / theirs, higher is better; TTFT and TPOT p50: theirs / ours, higher is better) and the
+issue's shape checks (TTFT p99 <= 2x p50 at the highest concurrency).
+"""
+import argparse
+import json
+import os
+import re
+
+SERVERS = ("tokenpath", "llama-server", "vllm")
+
+
+def load(out_dir):
+    closed, rates = {}, {}
+    for f in sorted(os.listdir(out_dir)):
+        m = re.fullmatch(r"(.+)-(c(\d+)|maxrate)\.json", f)
+        if not m:
+            continue
+        with open(os.path.join(out_dir, f)) as fh:
+            doc = json.load(fh)
+        if m.group(2) == "maxrate":
+            rates[m.group(1)] = doc.get("find_max_rate", {})
+        else:
+            closed[(m.group(1), int(m.group(3)))] = doc["summary"]
+    return closed, rates
+
+
+def pct(s, key, q):
+    v = s.get(key) or {}
+    return v.get(q)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir")
+    ap.add_argument("--kernels", default="?")
+    a = ap.parse_args()
+    closed, rates = load(a.out_dir)
+    servers = [s for s in SERVERS if any(k[0] == s for k in closed) or s in rates]
+    concs = sorted({c for (_, c) in closed})
+    fmt = lambda v, p=1: "-" if v is None else f"{v:,.{p}f}"
+    print(f"tokenpath kernels: {a.kernels}")
+    print(f"{'server':<14}{'conc':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+          f"{'TPOT p99':>10}{'failed':>8}")
+    for s in servers:
+        for c in concs:
+            r = closed.get((s, c))
+            if not r:
+                continue
+            print(f"{s:<14}{c:>5}{fmt(r.get('output_tokens_per_s')):>11}"
+                  f"{fmt(pct(r, 'ttft_ms', 'p50'), 0):>10}{fmt(pct(r, 'ttft_ms', 'p99'), 0):>10}"
+                  f"{fmt(pct(r, 'tpot_ms', 'p50')):>10}{fmt(pct(r, 'tpot_ms', 'p99')):>10}{r.get('failed', 0):>8}")
+    if rates:
+        print()
+        for s in servers:
+            r = rates.get(s)
+            if r is None:
+                continue
+            probes = ", ".join(f"{p['rate']:.3g}:{p['attainment']:.2f}" for p in r.get("probes", []))
+            print(f"{s:<14} max rate at {r.get('slo')} ({r.get('target_attainment')}): "
+                  f"{fmt(r.get('max_rate'), 3)} req/s (first failing {fmt(r.get('first_failing_rate'), 3)}; "
+                  f"probes rate:attainment {probes})")
+    ours = "tokenpath"
+    print()
+    for peer in (s for s in servers if s != ours):
+        parts = []
+        for c in concs:
+            o, p = closed.get((ours, c)), closed.get((peer, c))
+            if not o or not p:
+                continue
+            ratio = lambda x, y: "-" if not x or not y else f"{x / y:.2f}"
+            parts.append(
+                f"c={c}: tok/s {ratio(o.get('output_tokens_per_s'), p.get('output_tokens_per_s'))}x, "
+                f"TTFT p50 {ratio(pct(p, 'ttft_ms', 'p50'), pct(o, 'ttft_ms', 'p50'))}x, "
+                f"TPOT p50 {ratio(pct(p, 'tpot_ms', 'p50'), pct(o, 'tpot_ms', 'p50'))}x")
+        mo, mp = (rates.get(ours) or {}).get("max_rate"), (rates.get(peer) or {}).get("max_rate")
+        if mo and mp:
+            parts.append(f"max rate {mo / mp:.2f}x")
+        if parts:
+            print(f"tokenpath vs {peer}: " + "; ".join(parts))
+    if concs:
+        top = closed.get((ours, concs[-1]))
+        if top and pct(top, "ttft_ms", "p50"):
+            shape = pct(top, "ttft_ms", "p99") / pct(top, "ttft_ms", "p50")
+            print(f"tokenpath TTFT p99 / p50 at c={concs[-1]}: {shape:.2f} (target <= 2)")
+
+
+if __name__ == "__main__":
+    main()
