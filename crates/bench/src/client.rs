@@ -71,6 +71,32 @@ pub struct Answer {
     pub ends: Vec<usize>,
 }
 
+/// An error and its causes, outermost first: reqwest's own message ("error sending request for
+/// url ...") says nothing of why (a connection the server closed, a reset, a refused connect).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}
+
+/// Whether `e` is hyper's "connection closed before message completed" on sending: the server
+/// closed an idle pooled connection before any byte of an answer.
+fn closed_before_answer(e: &reqwest::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if let Some(h) = c.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message();
+        }
+        cause = c.source();
+    }
+    false
+}
+
 fn since(t0: Instant) -> Nanos {
     t0.elapsed().as_nanos() as Nanos
 }
@@ -202,7 +228,17 @@ async fn exchange(
     if let Some(k) = &target.api_key {
         req = req.bearer_auth(k);
     }
-    let resp = req.send().await.map_err(|e| ("connect".to_owned(), e.to_string()))?;
+    // A kept-alive connection the server closed just as the request went out (llama.cpp's
+    // server does this under load) never reached it: one retry, on a fresh connection (the
+    // pool has dropped the closed one). Any other failure is the server's and is recorded.
+    let again = req.try_clone();
+    let resp = match req.send().await {
+        Ok(r) => r,
+        Err(e) if closed_before_answer(&e) && again.is_some() => {
+            again.expect("checked").send().await.map_err(|e| ("connect".to_owned(), chain(&e)))?
+        }
+        Err(e) => return Err(("connect".to_owned(), chain(&e))),
+    };
     let status = resp.status();
     if !status.is_success() {
         let body = read_bounded(resp, MAX_ERROR_BODY).await.unwrap_or_default();
@@ -232,7 +268,7 @@ async fn exchange(
     let mut done = false;
     let mut counted = 0u64;
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| ("stream_error".to_owned(), e.to_string()))?;
+        let chunk = chunk.map_err(|e| ("stream_error".to_owned(), chain(&e)))?;
         let at = since(t0);
         let fed = sse.feed(&chunk, &mut events);
         for ev in events.drain(..) {
@@ -295,7 +331,7 @@ async fn read_bounded(resp: reqwest::Response, max: usize) -> Result<Vec<u8>, Fa
     let mut out = Vec::new();
     let mut stream = resp.bytes_stream();
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| ("read".to_owned(), e.to_string()))?;
+        let chunk = chunk.map_err(|e| ("read".to_owned(), chain(&e)))?;
         if out.len() + chunk.len() > max {
             return Err(("too_large".into(), format!("the response body passed {max} bytes")));
         }
@@ -315,6 +351,24 @@ fn finish_reason(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_names_its_causes() {
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl std::fmt::Display for Outer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("error sending request")
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = Outer(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "connection reset"));
+        assert_eq!(chain(&e), "error sending request: connection reset");
+    }
 
     /// Regression: every body carried `"ignore_eos": null` (and `"stream_options": null` when not
     /// streaming), which strict servers answer with 400 or 422.

@@ -549,8 +549,9 @@ fn gather_head(
 ) {
     let kv_dim = cache.layout().kv_dim;
     let (ks, vs) = (cache.slab(block, layer, false), cache.slab(block, layer, true));
-    math::f16_rows_to_f32(ks, kvh * hd, kv_dim, hd, slots, k);
-    math::f16_rows_to_f32(vs, kvh * hd, kv_dim, hd, slots, v);
+    let at = math::Rows { first: kvh * hd, stride: kv_dim, len: hd, count: slots };
+    math::f16_rows_to_f32(ks, at, k);
+    math::f16_rows_to_f32(vs, at, v);
 }
 
 /// Dot product with eight independent accumulators, so it vectorises and pipelines.

@@ -193,19 +193,22 @@ pub(crate) fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
     h
 }
 
+/// Where [`f16_rows_to_f32`] reads: `count` runs of `len` values, `stride` apart from `first`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rows {
+    pub first: usize,
+    pub stride: usize,
+    pub len: usize,
+    pub count: usize,
+}
+
 /// `rows` runs of `hd` f16 values, `stride` apart in `src` from `first`, into `dst` (`rows × hd`)
 /// as f32 — exact on every path. The attention's one read of the cache: `half`'s slice
 /// conversion checks the CPU on every call, and at a 64-value row per call that check and the
 /// call cost more than the conversion (a tenth of a decode step at 600 tokens of context); here
 /// the check is made once per block and F16C converts eight values per instruction.
-pub(crate) fn f16_rows_to_f32(
-    src: &[half::f16],
-    first: usize,
-    stride: usize,
-    hd: usize,
-    rows: usize,
-    dst: &mut [f32],
-) {
+pub(crate) fn f16_rows_to_f32(src: &[half::f16], at: Rows, dst: &mut [f32]) {
+    let Rows { first, stride, len: hd, count: rows } = at;
     if rows == 0 {
         return;
     }
@@ -216,7 +219,7 @@ pub(crate) fn f16_rows_to_f32(
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx") {
         // SAFETY: features detected; the assert above bounds every read and write.
-        unsafe { f16_rows_f16c(src, first, stride, hd, rows, dst) };
+        unsafe { f16_rows_f16c(src, at, dst) };
         return;
     }
     for r in 0..rows {
@@ -229,15 +232,9 @@ pub(crate) fn f16_rows_to_f32(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx,f16c")]
-unsafe fn f16_rows_f16c(
-    src: &[half::f16],
-    first: usize,
-    stride: usize,
-    hd: usize,
-    rows: usize,
-    dst: &mut [f32],
-) {
+unsafe fn f16_rows_f16c(src: &[half::f16], at: Rows, dst: &mut [f32]) {
     use std::arch::x86_64::*;
+    let Rows { first, stride, len: hd, count: rows } = at;
     unsafe {
         let wide = hd / 8 * 8;
         for r in 0..rows {
@@ -263,7 +260,7 @@ mod tests {
         let src: Vec<half::f16> = (0..700).map(|i| half::f16::from_f32((i as f32 - 350.0) * 0.37)).collect();
         for (first, stride, hd, rows) in [(0, 64, 64, 10), (5, 70, 13, 7), (3, 9, 9, 1), (0, 1, 1, 0)] {
             let mut got = vec![0f32; rows * hd];
-            f16_rows_to_f32(&src, first, stride, hd, rows, &mut got);
+            f16_rows_to_f32(&src, Rows { first, stride, len: hd, count: rows }, &mut got);
             for r in 0..rows {
                 for i in 0..hd {
                     assert_eq!(got[r * hd + i].to_bits(), src[first + r * stride + i].to_f32().to_bits());

@@ -30,6 +30,29 @@ use crate::error::{EngineError, Result};
 
 /// Rows interleaved together.
 pub const GROUP: usize = 8;
+/// The weight kinds the tiles of each path are instantiated for (const generic parameters).
+pub(super) const Q4_1_KIND: u8 = 1;
+pub(super) const Q8_0_KIND: u8 = 8;
+
+/// `$tile::<KIND, N>($w.., [ys[0], .., ys[N - 1]], $out)` for `$ty`'s kind and `N = $ys.len()`
+/// (1 to 4): the one dispatch from a run-time type and width to each path's const-generic tiles.
+macro_rules! tile_for {
+    ($tile:ident, $ty:expr, $ys:expr, ($($w:expr),*), $out:expr) => {{
+        use $crate::quant::interleave::{Q4_1_KIND, Q8_0_KIND};
+        let (q8, ys) = ($ty == GgmlType::Q8_0, $ys);
+        match (q8, ys.len()) {
+            (true, 4) => $tile::<Q8_0_KIND, 4>($($w,)* std::array::from_fn(|i| ys[i]), $out),
+            (true, 3) => $tile::<Q8_0_KIND, 3>($($w,)* std::array::from_fn(|i| ys[i]), $out),
+            (true, 2) => $tile::<Q8_0_KIND, 2>($($w,)* std::array::from_fn(|i| ys[i]), $out),
+            (true, _) => $tile::<Q8_0_KIND, 1>($($w,)* std::array::from_fn(|i| ys[i]), $out),
+            (false, 4) => $tile::<Q4_1_KIND, 4>($($w,)* std::array::from_fn(|i| ys[i]), $out),
+            (false, 3) => $tile::<Q4_1_KIND, 3>($($w,)* std::array::from_fn(|i| ys[i]), $out),
+            (false, 2) => $tile::<Q4_1_KIND, 2>($($w,)* std::array::from_fn(|i| ys[i]), $out),
+            (false, _) => $tile::<Q4_1_KIND, 1>($($w,)* std::array::from_fn(|i| ys[i]), $out),
+        }
+    }};
+}
+pub(super) use tile_for;
 /// Bytes of one group's block, by weight type.
 pub(super) const fn group_block(ty: GgmlType) -> usize {
     match ty {
@@ -310,28 +333,12 @@ mod avx2_impl {
     use super::{group_block, BlockQ8x32, GgmlType, GROUP};
     use std::arch::x86_64::*;
 
-    const Q4_1: u8 = 1;
-    const Q8_0: u8 = 8;
+    use crate::quant::interleave::{Q4_1_KIND as Q4_1, Q8_0_KIND as Q8_0};
 
     /// Eight rows (one group) × `ys.len()` (1 to 4) activations.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile_any(ty: GgmlType, w: &[u8], ys: &[&[BlockQ8x32]], out: &mut [[f32; GROUP]]) {
-        unsafe {
-            macro_rules! go {
-                ($k:literal) => {
-                    match ty {
-                        GgmlType::Q8_0 => tile::<Q8_0, $k>(w, std::array::from_fn(|i| ys[i]), out),
-                        _ => tile::<Q4_1, $k>(w, std::array::from_fn(|i| ys[i]), out),
-                    }
-                };
-            }
-            match ys.len() {
-                4 => go!(4),
-                3 => go!(3),
-                2 => go!(2),
-                _ => go!(1),
-            }
-        }
+        unsafe { tile_for!(tile, ty, ys, (w), out) }
     }
 
     #[inline]

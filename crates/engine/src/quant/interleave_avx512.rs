@@ -27,11 +27,8 @@
 use std::arch::x86_64::*;
 
 use super::activation::BlockQ8x32;
-use super::interleave::{group_block, GROUP};
+use super::interleave::{group_block, tile_for, GROUP, Q4_1_KIND as Q4_1, Q8_0_KIND as Q8_0};
 use super::GgmlType;
-
-const Q4_1: u8 = 1;
-const Q8_0: u8 = 8;
 
 /// Rows of one tile: two groups.
 pub(super) const ROWS: usize = 2 * GROUP;
@@ -46,22 +43,7 @@ pub(super) unsafe fn tile_any(
     ys: &[&[BlockQ8x32]],
     out: &mut [[f32; ROWS]],
 ) {
-    unsafe {
-        macro_rules! go {
-            ($k:literal) => {
-                match ty {
-                    GgmlType::Q8_0 => tile::<Q8_0, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
-                    _ => tile::<Q4_1, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
-                }
-            };
-        }
-        match ys.len() {
-            4 => go!(4),
-            3 => go!(3),
-            2 => go!(2),
-            _ => go!(1),
-        }
-    }
+    unsafe { tile_for!(tile, ty, ys, (w0, w1), out) }
 }
 
 #[inline]
