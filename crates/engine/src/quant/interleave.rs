@@ -232,9 +232,9 @@ pub fn matmul_group_interleaved_with(
             let at = (g - *g0) * GROUP;
             let mut c = 0;
             while c < n {
-                let k = (n - c).min(C);
+                let k = (n - c).min(if two { super::interleave_avx512::ACTS } else { C });
                 if two {
-                    let mut res = [[0f32; 2 * GROUP]; C];
+                    let mut res = [[0f32; 2 * GROUP]; 8];
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C detected (`wide`); both
                     // groups hold one group block per activation block (`check_dot` above).

@@ -30,11 +30,14 @@ use super::activation::BlockQ8x32;
 use super::interleave::{group_block, tile_for, GROUP, Q4_1_KIND as Q4_1, Q8_0_KIND as Q8_0};
 use super::GgmlType;
 
+/// Most activations per tile.
+pub(super) const ACTS: usize = 8;
+
 /// Rows of one tile: two groups.
 pub(super) const ROWS: usize = 2 * GROUP;
 
 /// Groups `w0` and `w1` (sixteen rows: `out[k][..8]` are `w0`'s, `out[k][8..]` `w1`'s) ×
-/// `ys.len()` (1 to 4) activations.
+/// `ys.len()` (1 to [`ACTS`]) activations.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn tile_any(
     ty: GgmlType,
@@ -43,7 +46,27 @@ pub(super) unsafe fn tile_any(
     ys: &[&[BlockQ8x32]],
     out: &mut [[f32; ROWS]],
 ) {
-    unsafe { tile_for!(tile, ty, ys, (w0, w1), out) }
+    unsafe {
+        // Five to eight activations: 8 unpacked weight registers + 2 accumulators each still
+        // fit the 32 zmm registers, and each unpacked block meets twice as many activations.
+        let q8 = ty == GgmlType::Q8_0;
+        macro_rules! wide {
+            ($k:literal) => {
+                if q8 {
+                    tile::<Q8_0, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out)
+                } else {
+                    tile::<Q4_1, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out)
+                }
+            };
+        }
+        match ys.len() {
+            8.. => wide!(8),
+            7 => wide!(7),
+            6 => wide!(6),
+            5 => wide!(5),
+            _ => tile_for!(tile, ty, ys, (w0, w1), out),
+        }
+    }
 }
 
 #[inline]
