@@ -344,9 +344,16 @@ fn one_trace_spans_the_gateway_and_both_workers_each_stage_from_the_process_that
                 "{s}"
             );
         }
-        let (prefill, kv) = (by_stage["prefill"], by_stage["kv_transfer"]);
-        let gap = kv["start_unix_ns"].as_i64().unwrap() - prefill["end_unix_ns"].as_i64().unwrap();
-        assert!(gap.abs() < 1_000_000, "the transfer starts where prefill ended: {gap} ns");
+        // The prefill worker's transfer report may miss the gateway's wait (KV_REPORT_WAIT) on a
+        // loaded machine: the stage is then absent from the timing and from the spans alike
+        // (checked above), never invented. When it is there, it starts where prefill ended.
+        if let Some(kv) = by_stage.get("kv_transfer") {
+            let prefill = by_stage["prefill"];
+            let gap = kv["start_unix_ns"].as_i64().unwrap() - prefill["end_unix_ns"].as_i64().unwrap();
+            assert!(gap.abs() < 1_000_000, "the transfer starts where prefill ended: {gap} ns");
+        } else {
+            println!("request {}: no kv_transfer report in time", r["id"]);
+        }
     }
     drop(served);
     let _ = std::fs::remove_dir_all(&dir);
