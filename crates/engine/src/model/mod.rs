@@ -6,6 +6,7 @@
 //! The forward pass takes any mix of sequences and token counts in one call — a decode step is a
 //! one-token chunk — which is what continuous batching with chunked prefill needs from an engine.
 
+mod attention;
 mod config;
 mod forward;
 mod ggml;

@@ -1,0 +1,336 @@
+//! Causal attention over the paged KV cache, the only per-sequence part of the forward pass:
+//! split into tasks of (sequence, KV head, query rows) so a long prefill and a wide decode batch
+//! both spread over every core; few query rows (decode) take an online softmax over each block,
+//! many (prefill) two GEMMs over the gathered K and V. Apart from `forward.rs` because it is a
+//! kernel of its own with its own CPU paths and tests.
+
+use super::forward::{gemm_into, GEMM_MIN_ROWS};
+use super::math;
+use crate::kv_cache::{BlockId, BlockTable, KvCache};
+use crate::model::BatchItem;
+use rayon::prelude::*;
+
+/// Causal attention for every stacked row and query head; returns `[T × n_head·hd]`.
+///
+/// Work is split into tasks of (sequence, KV head, up to 32 query rows), so a long prefill and a
+/// wide decode batch both spread over every core. Each task walks the sequence's KV blocks once:
+/// a block's K and V for that head are converted from f16 to f32 once and reused by every query
+/// row and every query head of the group, with an online softmax (running max and sum), so the
+/// cost is the arithmetic, not the conversions.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention(
+    cache: &KvCache,
+    batch: &[BatchItem<'_>],
+    rows: &[(usize, usize)],
+    q: &[f32],
+    layer: usize,
+    n_head: usize,
+    group: usize,
+    hd: usize,
+) -> Vec<f32> {
+    const ROWS_PER_TASK: usize = 128;
+    let d = n_head * hd;
+    let n_kv = n_head / group;
+    // Tasks: (item, kv head, first stacked row, row count, query heads of the group).
+    let mut tasks = Vec::new();
+    let mut first = 0;
+    for (i, item) in batch.iter().enumerate() {
+        let n = item.tokens.len();
+        for kvh in 0..n_kv {
+            for start in (0..n).step_by(ROWS_PER_TASK) {
+                tasks.push((i, kvh, first + start, ROWS_PER_TASK.min(n - start), 0..group));
+            }
+        }
+        first += n;
+    }
+    // Too few tasks to keep every thread busy (a decode step of a few sequences has one per KV
+    // head): one task per query head instead, for the rows below the GEMM path. Each head's
+    // arithmetic is the same either way; only its block conversions are repeated.
+    if tasks.len() < 4 * rayon::current_num_threads() && group > 1 {
+        tasks = tasks
+            .into_iter()
+            .flat_map(|(i, kvh, r0, nr, g)| {
+                if nr * group >= GEMM_MIN_ROWS {
+                    vec![(i, kvh, r0, nr, g)]
+                } else {
+                    g.map(|h| (i, kvh, r0, nr, h..h + 1)).collect()
+                }
+            })
+            .collect();
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    let results: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|(i, kvh, r0, nr, heads)| {
+            let table: &BlockTable = &*batch[*i].table;
+            let job = Job { cache, table, layer, kvh: *kvh, group, heads: heads.clone(), hd, scale, d };
+            attend_task(&job, &rows[*r0..r0 + nr], &q[r0 * d..(r0 + nr) * d])
+        })
+        .collect();
+    let mut out = vec![0f32; rows.len() * d];
+    for ((_, kvh, r0, nr, heads), res) in tasks.iter().zip(&results) {
+        let w = heads.len();
+        for r in 0..*nr {
+            for (j, g) in heads.clone().enumerate() {
+                let h = kvh * group + g;
+                let src = &res[(r * w + j) * hd..(r * w + j + 1) * hd];
+                out[(r0 + r) * d + h * hd..(r0 + r) * d + (h + 1) * hd].copy_from_slice(src);
+            }
+        }
+    }
+    out
+}
+
+/// What one attention task reads: the cache, the sequence's blocks, and which query heads of KV
+/// head `kvh`'s group it computes.
+struct Job<'a> {
+    cache: &'a KvCache,
+    table: &'a BlockTable,
+    layer: usize,
+    kvh: usize,
+    group: usize,
+    heads: std::ops::Range<usize>,
+    hd: usize,
+    scale: f32,
+    /// Row stride of `q` (all heads).
+    d: usize,
+}
+
+/// One task of [`attention`]: rows `rows` (all of one sequence) × query heads `job.heads` of KV
+/// head `job.kvh`'s group. Returns `[rows × heads × hd]`. On AVX2 + FMA + F16C the same code is
+/// compiled with those features (wider vectors, the same operations in the same order: Rust
+/// never fuses a multiply and an add on its own), so both paths give the same bits.
+fn attend_task(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
+    let n_q = rows.len() * job.heads.len();
+    if n_q >= GEMM_MIN_ROWS && job.heads.len() == job.group {
+        let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
+        return attend_task_gemm(job, rows, q, max_pos);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    {
+        // SAFETY: the features the function is compiled for were detected.
+        return unsafe { attend_online_avx2(job, rows, q) };
+    }
+    attend_online(job, rows, q)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_online_avx2(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
+    attend_online(job, rows, q)
+}
+
+/// Few query rows (decode): each block's K and V converted once, then an online softmax
+/// (running max and sum) per (row, head).
+#[inline(always)]
+fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
+    let (hd, d) = (job.hd, job.d);
+    let bs = job.cache.layout().block_size;
+    let w = job.heads.len();
+    let n_q = rows.len() * w;
+    let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
+    let mut m = vec![f32::NEG_INFINITY; n_q];
+    let mut l = vec![0f32; n_q];
+    let mut acc = vec![0f32; n_q * hd];
+    let mut kb = vec![0f32; bs * hd];
+    let mut vb = vec![0f32; bs * hd];
+    let mut scores = vec![0f32; bs];
+    for (bi, block) in job.table.blocks().iter().enumerate() {
+        let p0 = bi * bs;
+        if p0 > max_pos {
+            break;
+        }
+        let slots = bs.min(max_pos + 1 - p0);
+        gather_head(job.cache, *block, job.layer, job.kvh, hd, slots, &mut kb, &mut vb);
+        for (ri, &(_, pos)) in rows.iter().enumerate() {
+            if pos < p0 {
+                continue;
+            }
+            let valid = slots.min(pos + 1 - p0);
+            for (j, g) in job.heads.clone().enumerate() {
+                let qi = ri * w + j;
+                let qh = &q[ri * d + (job.kvh * job.group + g) * hd..][..hd];
+                let mut bmax = f32::NEG_INFINITY;
+                for (s, sc) in scores[..valid].iter_mut().enumerate() {
+                    *sc = dot(qh, &kb[s * hd..(s + 1) * hd]) * job.scale;
+                    bmax = bmax.max(*sc);
+                }
+                let new_m = m[qi].max(bmax);
+                let correction = math::exp(m[qi] - new_m);
+                let a = &mut acc[qi * hd..(qi + 1) * hd];
+                if correction != 1.0 {
+                    a.iter_mut().for_each(|x| *x *= correction);
+                }
+                let sum = l[qi] * correction + math::exp_shift_sum(&mut scores[..valid], new_m);
+                for (s, &wt) in scores[..valid].iter().enumerate() {
+                    axpy(wt, &vb[s * hd..(s + 1) * hd], a);
+                }
+                m[qi] = new_m;
+                l[qi] = sum;
+            }
+        }
+    }
+    for (qi, a) in acc.chunks_exact_mut(hd).enumerate() {
+        let inv = 1.0 / l[qi];
+        a.iter_mut().for_each(|x| *x *= inv);
+    }
+    acc
+}
+
+/// [`attend_task`] for many query rows (prefill): the sequence's K and V for this head are
+/// gathered to f32 once, then `S = Q·Kᵀ` and `O = softmax(S)·V` run as two GEMMs on the calling
+/// thread (the tasks themselves are the parallelism), with the causal mask applied to `S`.
+fn attend_task_gemm(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], max_pos: usize) -> Vec<f32> {
+    let Job { cache, table, layer, kvh, group, hd, scale, d, .. } = *job;
+    let bs = cache.layout().block_size;
+    let n_pos = max_pos + 1;
+    let mut k = vec![0f32; n_pos * hd];
+    let mut v = vec![0f32; n_pos * hd];
+    for (bi, block) in table.blocks().iter().enumerate().take(n_pos.div_ceil(bs)) {
+        let p0 = bi * bs;
+        let slots = bs.min(n_pos - p0);
+        let range = p0 * hd..(p0 + slots) * hd;
+        gather_head(cache, *block, layer, kvh, hd, slots, &mut k[range.clone()], &mut v[range]);
+    }
+    // Query rows ordered (row, head-in-group), matching the output layout, pre-scaled by
+    // 1/sqrt(hd) so the scores come out of the GEMM ready for the softmax.
+    let n_q = rows.len() * group;
+    let mut qm = vec![0f32; n_q * hd];
+    for ri in 0..rows.len() {
+        for g in 0..group {
+            let src = &q[ri * d + (kvh * group + g) * hd..][..hd];
+            for (o, &x) in qm[(ri * group + g) * hd..(ri * group + g + 1) * hd].iter_mut().zip(src) {
+                *o = x * scale;
+            }
+        }
+    }
+    let mut sc = vec![0f32; n_q * n_pos];
+    gemm_serial(&qm, &k, &mut sc, n_q, n_pos, hd, true);
+    // Unnormalized probabilities; each output row is divided by its sum after P·V (hd values
+    // per row instead of n_pos).
+    let mut sums = vec![0f32; n_q];
+    for ((qi, row), sum) in sc.chunks_exact_mut(n_pos).enumerate().zip(&mut sums) {
+        let pos = rows[qi / group].1;
+        let (live, masked) = row.split_at_mut(pos + 1);
+        masked.iter_mut().for_each(|x| *x = 0.0);
+        *sum = math::exp_shift_sum(live, math::max(live));
+    }
+    let mut out = vec![0f32; n_q * hd];
+    gemm_serial(&sc, &v, &mut out, n_q, hd, n_pos, false);
+    for (o, &sum) in out.chunks_exact_mut(hd).zip(&sums) {
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+    out
+}
+
+/// Single-threaded [`gemm_into`] (attention tasks are themselves the parallelism).
+fn gemm_serial(x: &[f32], b: &[f32], y: &mut [f32], m: usize, n: usize, k: usize, b_is_nk: bool) {
+    gemm_into(x, b, y, m, n, k, b_is_nk, gemm::Parallelism::None);
+}
+
+/// Converts the first `slots` positions of KV head `kvh` in one block from f16 to f32, K into
+/// `k` and V into `v` (`slots × hd` each): the one place attention reads the cache.
+#[allow(clippy::too_many_arguments)]
+fn gather_head(
+    cache: &KvCache,
+    block: BlockId,
+    layer: usize,
+    kvh: usize,
+    hd: usize,
+    slots: usize,
+    k: &mut [f32],
+    v: &mut [f32],
+) {
+    let kv_dim = cache.layout().kv_dim;
+    let (ks, vs) = (cache.slab(block, layer, false), cache.slab(block, layer, true));
+    let at = math::Rows { first: kvh * hd, stride: kv_dim, len: hd, count: slots };
+    math::f16_rows_to_f32(ks, at, k);
+    math::f16_rows_to_f32(vs, at, v);
+}
+
+/// Dot product with eight independent accumulators, so it vectorises and pipelines.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut s = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            s[i] += x[i] * y[i];
+        }
+    }
+    s.iter().sum::<f32>() + tail
+}
+
+/// `y += a · x`.
+#[inline]
+fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_cache::KvLayout;
+
+    #[test]
+    fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
+        let (hd, group, n_kv, bs) = (64, 3, 2, 16);
+        let layout = KvLayout { n_layer: 1, kv_dim: n_kv * hd, block_size: bs };
+        let mut cache = KvCache::new(layout, 64).unwrap();
+        let mut table = BlockTable::default();
+        let n = 300;
+        cache.reserve(&mut table, n).unwrap();
+        let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7;
+        for pos in 0..n {
+            let k: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 977 + j)).collect();
+            let v: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 131 + j + 7)).collect();
+            cache.write(&table, 0, pos, &k, &v);
+        }
+        cache.advance(&mut table, n);
+        let d = n_kv * group * hd;
+        let rows = [(0, n - 1), (0, 140)];
+        let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
+        let job = |kvh, heads| Job {
+            cache: &cache,
+            table: &table,
+            layer: 0,
+            kvh,
+            group,
+            heads,
+            hd,
+            scale: 0.125,
+            d,
+        };
+        for kvh in 0..n_kv {
+            let whole = attend_online(&job(kvh, 0..group), &rows, &q);
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                // SAFETY: features detected.
+                let fast = unsafe { attend_online_avx2(&job(kvh, 0..group), &rows, &q) };
+                assert_eq!(bits(&fast), bits(&whole), "AVX2-compiled path");
+            }
+            for g in 0..group {
+                let one = attend_online(&job(kvh, g..g + 1), &rows, &q);
+                for r in 0..rows.len() {
+                    assert_eq!(
+                        bits(&one[r * hd..(r + 1) * hd]),
+                        bits(&whole[(r * group + g) * hd..(r * group + g + 1) * hd]),
+                        "head {g} alone, row {r}"
+                    );
+                }
+            }
+        }
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+}
