@@ -6,7 +6,7 @@ use crate::generate::ModelArgs;
 use anyhow::Context as _;
 use clap::Args;
 use std::path::PathBuf;
-use tokenpath_engine::bench::run_engine_bench;
+use tokenpath_engine::bench::run_engine_bench_only;
 use tokenpath_engine::quant::{Kernel, KERNEL_ENV};
 
 #[derive(Debug, Args)]
@@ -22,6 +22,10 @@ pub struct BenchEngineArgs {
     /// Decode steps per decode figure.
     #[arg(long, default_value_t = 32)]
     steps: usize,
+    /// Run only the figures named here (comma-separated, e.g. `decode_b16_ctx512`): for a
+    /// profile of one of them.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
@@ -32,7 +36,9 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         None => serde_json::Value::Null,
     };
     let engine = args.model.open_engine()?;
-    let b = run_engine_bench(&engine, args.steps, &|name| peer.get(name).and_then(|v| v.as_f64()))?;
+    let peer_fig = |name: &str| peer.get(name).and_then(|v| v.as_f64());
+    let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
+    let b = run_engine_bench_only(&engine, args.steps, &peer_fig, &wanted)?;
     let kernel = Kernel::best();
     let has: Vec<&str> = Kernel::ALL.into_iter().filter(|k| k.is_available()).map(Kernel::name).collect();
     println!("kernels: {kernel} (this CPU runs {}; {KERNEL_ENV} caps the choice)", has.join(", "));

@@ -178,6 +178,11 @@ pub(crate) struct BatchingArgs {
     /// KV for another or probe what another sent) or `global`.
     #[arg(long, env = "TOKENPATH_PREFIX_CACHE_SCOPE", value_name = "global|tenant")]
     prefix_cache_scope: Option<tokenpath_gateway::PrefixScope>,
+    /// Write one JSON line per engine step to this file (rows, prompt and decode tokens,
+    /// attention work, the gap since the previous step): a profile of the scheduler, and what a
+    /// step-time model is fitted to. `{worker}` in the path becomes each worker's name.
+    #[arg(long, env = "TOKENPATH_STEP_LOG", value_name = "PATH")]
+    step_log: Option<std::path::PathBuf>,
 }
 
 impl BatchingArgs {
@@ -189,6 +194,7 @@ impl BatchingArgs {
             max_batch: self.max_batch,
             kv_tokens: self.kv_tokens,
             prefix_cache: !self.no_prefix_cache,
+            step_log: self.step_log.clone(),
             ..WorkerConfig::default()
         }
     }
@@ -205,6 +211,16 @@ impl BatchingArgs {
         }
         if self.no_prefix_cache {
             a.push("--no-prefix-cache".into());
+        }
+        if let Some(p) = &self.step_log {
+            // Several children: each writes its own file.
+            let p = p.to_string_lossy();
+            let p = if p.contains(tokenpath_worker::WORKER_PLACEHOLDER) {
+                p.into_owned()
+            } else {
+                format!("{p}.{}", tokenpath_worker::WORKER_PLACEHOLDER)
+            };
+            a.push(format!("--step-log={p}"));
         }
         a
     }

@@ -129,7 +129,7 @@ impl Figure {
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineBench {
     /// (name, figure) in report order: prefill_512, prefill_2048, decode_b1, decode_b16,
-    /// decode_b1_ctx512.
+    /// decode_b1_ctx512, decode_b16_ctx512.
     pub figures: Vec<(&'static str, Figure)>,
     /// f32 GEMM GFLOP/s measured in the same run.
     pub gemm_gflops: f64,
@@ -147,6 +147,16 @@ pub fn run_engine_bench(
     steps: usize,
     peer: &dyn Fn(&str) -> Option<f64>,
 ) -> Result<EngineBench> {
+    run_engine_bench_only(engine, steps, peer, &|_| true)
+}
+
+/// [`run_engine_bench`] for the figures `wanted` accepts (a profile of one of them).
+pub fn run_engine_bench_only(
+    engine: &Engine,
+    steps: usize,
+    peer: &dyn Fn(&str) -> Option<f64>,
+    wanted: &dyn Fn(&str) -> bool,
+) -> Result<EngineBench> {
     let gemm = gemm_gflops();
     let bw = read_bandwidth_gb_s();
     let flops = engine.model().config().flops_per_token() as f64;
@@ -155,14 +165,19 @@ pub fn run_engine_bench(
     // Warm-up (first touch of the weights, scratch buffers and threads), as on the peer's side:
     // one 512-token prefill.
     prefill_tok_s(engine, 512, 512)?;
-    for (name, n) in [("prefill_512", 512), ("prefill_2048", 2048)] {
+    for (name, n) in [("prefill_512", 512), ("prefill_2048", 2048)].into_iter().filter(|f| wanted(f.0)) {
         let ours = prefill_tok_s(engine, n, 512)?;
         figures.push((name, Figure { ours, llama_cpp: peer(name), of_limit: ours * flops / (gemm * 1e9) }));
     }
-    // Batch 1 also at the serving benchmark's context (512-token prompts), where attention over
-    // the cache is part of every step.
-    for (name, batch, context) in [("decode_b1", 1, 32), ("decode_b16", 16, 32), ("decode_b1_ctx512", 1, 512)]
-    {
+    // Also at the serving benchmark's context (512-token prompts), where attention over the cache
+    // is part of every step: one sequence (its c=1 step) and sixteen (its c=16 step).
+    let shapes = [
+        ("decode_b1", 1, 32),
+        ("decode_b16", 16, 32),
+        ("decode_b1_ctx512", 1, 512),
+        ("decode_b16_ctx512", 16, 512),
+    ];
+    for (name, batch, context) in shapes.into_iter().filter(|f| wanted(f.0)) {
         let ours = decode_tok_s(engine, batch, context, steps)?;
         // Each step streams the weights once, whatever the batch.
         let of_limit = ours / batch as f64 * bytes / (bw * 1e9);

@@ -8,8 +8,10 @@
 //! boundary on the path (gateway, worker, engine sampler, bench): one definition, converted at
 //! the edges (the OpenAI request in `params`, the worker messages in `cluster`), never copied.
 
+mod step;
 mod stream;
 
+pub use step::StepRecord;
 pub use stream::{Backlog, StreamSender, WorkStream, PAUSE_AT, RESUME_AT};
 
 use crate::frame::Checksum;

@@ -25,13 +25,16 @@ use crate::handle::WorkerConfig;
 use crate::pd::KvBlocks;
 use crate::seq::{Ending, Seq};
 use crate::{Transfer, WorkEvent, WorkMode, WorkRequest, WorkerStats};
-use tokenpath_protocol::work::Backlog;
+use tokenpath_protocol::work::{Backlog, StepRecord};
 
 mod prefix;
+mod steplog;
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+pub(crate) use steplog::StepLog;
+pub use steplog::{step_log_path, WORKER_PLACEHOLDER};
 use tokenpath_engine::kv_cache::{BlockId, KvCache, KvLease};
 use tokenpath_engine::model::BatchItem;
 use tokenpath_engine::sampling::{Sampler, SamplerState};
@@ -109,6 +112,7 @@ pub(crate) struct Batcher {
     pub(crate) stats: WorkerStats,
     flops_per_token: f64,
     closed: bool,
+    step_log: Option<StepLog>,
 }
 
 impl Batcher {
@@ -118,6 +122,7 @@ impl Batcher {
         cfg: WorkerConfig,
         rx: mpsc::Receiver<Command>,
         stats_tx: watch::Sender<WorkerStats>,
+        step_log: Option<StepLog>,
     ) -> Self {
         let flops_per_token = engine.model().config().flops_per_token() as f64;
         let prefix = cfg.prefix_cache.then(PrefixCache::new);
@@ -143,6 +148,7 @@ impl Batcher {
             stats: WorkerStats::default(),
             flops_per_token,
             closed: false,
+            step_log,
         }
     }
 
@@ -429,7 +435,7 @@ impl Batcher {
                 s.stamp(Mark::DecodeStart, t0);
             }
         }
-        let (mut prompt_tokens, mut decode_tokens) = (0u64, 0u64);
+        let (mut prompt_tokens, mut decode_tokens, mut attn_pairs) = (0u64, 0u64, 0u64);
         let result = {
             let mut items = Vec::with_capacity(plan.len());
             for (s, &n) in self.running.iter_mut().zip(&plan) {
@@ -441,6 +447,7 @@ impl Batcher {
                 } else {
                     prompt_tokens += n as u64;
                 }
+                attn_pairs += StepRecord::pairs(s.fed, n);
                 let Seq { table, tokens, fed, .. } = s;
                 items.push(BatchItem { table, tokens: &tokens[*fed..*fed + n], all_logits: false });
             }
@@ -451,6 +458,21 @@ impl Batcher {
         self.stats.steps += 1;
         self.stats.prompt_tokens_computed += prompt_tokens;
         self.stats.flops += (prompt_tokens + decode_tokens) as f64 * self.flops_per_token;
+        if self.step_log.is_some() {
+            let rec = StepRecord {
+                rows: plan.iter().filter(|&&n| n > 0).count(),
+                prefill_tokens: prompt_tokens as usize,
+                decode_tokens: decode_tokens as usize,
+                attn_pairs,
+                running: self.running.len(),
+                waiting: self.waiting.len(),
+                free_blocks: self.available(),
+                ..StepRecord::default()
+            };
+            if let Some(log) = self.step_log.as_mut() {
+                log.record(t0, now, rec);
+            }
+        }
         let mut logits = match result {
             Ok(out) => out.logits.into_iter(),
             Err(e) => {

@@ -7,7 +7,7 @@
 //! [`WorkerError`] from [`WorkerHandle::submit`], so a rejected request never costs the batcher a
 //! thing and the caller can answer at once.
 
-use crate::batcher::{Batcher, Command, Submission};
+use crate::batcher::{Batcher, Command, StepLog, Submission};
 use crate::pd::KvBlocks;
 use crate::WorkerError;
 use std::sync::mpsc;
@@ -53,6 +53,8 @@ pub struct WorkerConfig {
     /// Longest a decode-mode request waits for its first token (its prompt's KV is reserved
     /// meanwhile) before it fails and gives the blocks back.
     pub handoff_wait: std::time::Duration,
+    /// Write one JSON line per forward step here (`{worker}` becomes the worker's name).
+    pub step_log: Option<std::path::PathBuf>,
 }
 
 impl Default for WorkerConfig {
@@ -66,6 +68,7 @@ impl Default for WorkerConfig {
             block_size: DEFAULT_BLOCK_SIZE,
             prefix_cache: true,
             handoff_wait: crate::pd::HANDOFF_WAIT,
+            step_log: None,
         }
     }
 }
@@ -124,7 +127,17 @@ impl Worker {
         let (tx, rx) = mpsc::channel();
         let (stats_tx, stats_rx) =
             watch::channel(WorkerStats { kv_blocks_free: cache.free_blocks(), ..WorkerStats::default() });
-        let batcher = Batcher::new(Arc::clone(&engine), cache, config.clone(), rx, stats_tx);
+        let step_log = match &config.step_log {
+            Some(p) => {
+                let path = crate::batcher::step_log_path(p, &config.id.0);
+                let log = StepLog::create(&path, Instant::now()).map_err(|e| {
+                    WorkerError::Config(format!("cannot create the step log {}: {e}", path.display()))
+                })?;
+                Some(log)
+            }
+            None => None,
+        };
+        let batcher = Batcher::new(Arc::clone(&engine), cache, config.clone(), rx, stats_tx, step_log);
         let thread = std::thread::Builder::new()
             .name(format!("worker-{}", config.id))
             .spawn(move || batcher.run())

@@ -19,6 +19,7 @@ pub mod net;
 mod pd;
 mod seq;
 
+pub use batcher::{step_log_path, WORKER_PLACEHOLDER};
 pub use handle::{
     Worker, WorkerConfig, WorkerHandle, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE,
     DEFAULT_PREFILL_CHUNK,
@@ -28,8 +29,8 @@ pub use pd::KvBlocks;
 pub use tokenpath_protocol::cluster::WorkerRole as Role;
 /// The boundary types a worker speaks, defined once in the protocol crate.
 pub use tokenpath_protocol::work::{
-    validate_request, FrameSums, StreamSender, TokenMeter, TokenUsage, Transfer, TransferToken, WorkEvent,
-    WorkMode, WorkRequest, WorkStream, WorkerStats,
+    validate_request, FrameSums, StepRecord, StreamSender, TokenMeter, TokenUsage, Transfer, TransferToken,
+    WorkEvent, WorkMode, WorkRequest, WorkStream, WorkerStats,
 };
 use tokenpath_protocol::ProtocolError;
 

@@ -154,7 +154,7 @@ fn unsupported_tensor_type_fails_only_when_used() {
     let e = t.matrix().unwrap_err().to_string();
     assert_eq!(
         e,
-        "unsupported tensor type Q5_K for tensor `w_q5_k`; supported: F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"
+        "unsupported tensor type Q5_K for tensor `w_q5_k`; supported: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K"
     );
     assert!(t.dequantize().is_err());
 }

@@ -122,7 +122,8 @@ unsafe fn attend_online_avx2(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) 
 }
 
 /// Few query rows (decode): each block's K and V converted once, then an online softmax
-/// (running max and sum) per (row, head).
+/// (running max and sum) per (row, head). Head widths that are a multiple of 8 up to 128 (every
+/// model we load) take [`block_lanes`]; others a plain loop with the same order of operations.
 #[inline(always)]
 fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
     let (hd, d) = (job.hd, job.d);
@@ -151,23 +152,13 @@ fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> 
             for (j, g) in job.heads.clone().enumerate() {
                 let qi = ri * w + j;
                 let qh = &q[ri * d + (job.kvh * job.group + g) * hd..][..hd];
-                let mut bmax = f32::NEG_INFINITY;
-                for (s, sc) in scores[..valid].iter_mut().enumerate() {
-                    *sc = dot(qh, &kb[s * hd..(s + 1) * hd]) * job.scale;
-                    bmax = bmax.max(*sc);
-                }
-                let new_m = m[qi].max(bmax);
-                let correction = math::exp(m[qi] - new_m);
+                let (k, v, sc) = (&kb[..valid * hd], &vb[..valid * hd], &mut scores[..valid]);
                 let a = &mut acc[qi * hd..(qi + 1) * hd];
-                if correction != 1.0 {
-                    a.iter_mut().for_each(|x| *x *= correction);
+                match hd / 8 {
+                    8 if hd == 64 => online_block::<8>(qh, k, v, sc, job.scale, &mut m[qi], &mut l[qi], a),
+                    16 if hd == 128 => online_block::<16>(qh, k, v, sc, job.scale, &mut m[qi], &mut l[qi], a),
+                    _ => online_block_any(qh, k, v, sc, job.scale, &mut m[qi], &mut l[qi], a),
                 }
-                let sum = l[qi] * correction + math::exp_shift_sum(&mut scores[..valid], new_m);
-                for (s, &wt) in scores[..valid].iter().enumerate() {
-                    axpy(wt, &vb[s * hd..(s + 1) * hd], a);
-                }
-                m[qi] = new_m;
-                l[qi] = sum;
             }
         }
     }
@@ -176,6 +167,109 @@ fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> 
         a.iter_mut().for_each(|x| *x *= inv);
     }
     acc
+}
+
+/// One block of one (row, head) for a head of `8 · NC` values: scores eight positions at a time
+/// in eight-lane partial sums (fused multiply-adds; Rust's `mul_add` is one rounding everywhere,
+/// an instruction where FMA is compiled in and a correctly rounded call where not, so every path
+/// gives the same bits), folded pairwise; then the online-softmax update and `acc += p · V` with
+/// the accumulator held in registers across the block's positions.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn online_block<const NC: usize>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scores: &mut [f32],
+    scale: f32,
+    m: &mut f32,
+    l: &mut f32,
+    acc: &mut [f32],
+) {
+    let hd = 8 * NC;
+    let qv: [[f32; 8]; NC] = std::array::from_fn(|c| std::array::from_fn(|i| q[8 * c + i]));
+    let n = scores.len();
+    let mut s0 = 0;
+    while s0 < n {
+        let np = (n - s0).min(8);
+        let mut part = [[0f32; 8]; 8];
+        for (c, qc) in qv.iter().enumerate() {
+            for (p, pp) in part.iter_mut().enumerate().take(np) {
+                let kr = &k[(s0 + p) * hd + 8 * c..][..8];
+                for i in 0..8 {
+                    pp[i] = kr[i].mul_add(qc[i], pp[i]);
+                }
+            }
+        }
+        for (p, pp) in part.iter().enumerate().take(np) {
+            scores[s0 + p] = fold8(pp) * scale;
+        }
+        s0 += np;
+    }
+    let (sum, correction) = softmax_step(scores, m, l);
+    let mut a: [[f32; 8]; NC] = std::array::from_fn(|c| std::array::from_fn(|i| acc[8 * c + i] * correction));
+    for (s, &wt) in scores.iter().enumerate() {
+        for (c, ac) in a.iter_mut().enumerate() {
+            let vr = &v[s * hd + 8 * c..][..8];
+            for i in 0..8 {
+                ac[i] = wt.mul_add(vr[i], ac[i]);
+            }
+        }
+    }
+    for (c, ac) in a.iter().enumerate() {
+        acc[8 * c..8 * c + 8].copy_from_slice(ac);
+    }
+    *l = sum;
+}
+
+/// [`online_block`] for any head width, with the same operations in the same order.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn online_block_any(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scores: &mut [f32],
+    scale: f32,
+    m: &mut f32,
+    l: &mut f32,
+    acc: &mut [f32],
+) {
+    let hd = q.len();
+    for (s, sc) in scores.iter_mut().enumerate() {
+        let mut part = [0f32; 8];
+        for (e, (&kx, &qx)) in k[s * hd..(s + 1) * hd].iter().zip(q).enumerate() {
+            part[e % 8] = kx.mul_add(qx, part[e % 8]);
+        }
+        *sc = fold8(&part) * scale;
+    }
+    let (sum, correction) = softmax_step(scores, m, l);
+    acc.iter_mut().for_each(|x| *x *= correction);
+    for (s, &wt) in scores.iter().enumerate() {
+        for (x, &vx) in acc.iter_mut().zip(&v[s * hd..(s + 1) * hd]) {
+            *x = wt.mul_add(vx, *x);
+        }
+    }
+    *l = sum;
+}
+
+/// `((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`.
+#[inline(always)]
+fn fold8(p: &[f32; 8]) -> f32 {
+    ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+}
+
+/// The online softmax's update for a block's `scores`: turns them into `e^(s - m')` for the new
+/// running max `m'`, stores `m'`, and returns the new running sum and the factor the accumulator
+/// must be scaled by (`e^(m - m')`).
+#[inline(always)]
+fn softmax_step(scores: &mut [f32], m: &mut f32, l: &f32) -> (f32, f32) {
+    let bmax = scores.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let new_m = m.max(bmax);
+    let correction = math::exp(*m - new_m);
+    let sum = l * correction + math::exp_shift_sum(scores, new_m);
+    *m = new_m;
+    (sum, correction)
 }
 
 /// [`attend_task`] for many query rows (prefill): the sequence's K and V for this head are
@@ -250,28 +344,6 @@ fn gather_head(
     math::f16_rows_to_f32(vs, at, v);
 }
 
-/// Dot product with eight independent accumulators, so it vectorises and pipelines.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut s = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            s[i] += x[i] * y[i];
-        }
-    }
-    s.iter().sum::<f32>() + tail
-}
-
-/// `y += a · x`.
-#[inline]
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,6 +398,29 @@ mod tests {
                         "head {g} alone, row {r}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn the_fixed_width_block_kernels_give_the_generic_kernels_bits() {
+        let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.9;
+        for hd in [64, 128] {
+            for n in [1, 5, 8, 13, 16] {
+                let q: Vec<f32> = (0..hd).map(|i| val(i + 11)).collect();
+                let k: Vec<f32> = (0..n * hd).map(|i| val(i * 7 + 3)).collect();
+                let v: Vec<f32> = (0..n * hd).map(|i| val(i * 13 + 5)).collect();
+                let start: Vec<f32> = (0..hd).map(|i| val(i * 3 + 1)).collect();
+                let run = |fixed: bool| {
+                    let (mut m, mut l, mut acc, mut sc) = (0.3f32, 1.7f32, start.clone(), vec![0f32; n]);
+                    match (fixed, hd) {
+                        (true, 64) => online_block::<8>(&q, &k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
+                        (true, _) => online_block::<16>(&q, &k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
+                        (false, _) => online_block_any(&q, &k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
+                    }
+                    (m.to_bits(), l.to_bits(), bits(&acc))
+                };
+                assert_eq!(run(true), run(false), "head width {hd}, {n} positions");
             }
         }
     }

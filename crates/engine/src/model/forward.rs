@@ -117,7 +117,7 @@ impl Model {
 
     /// [`Model::linear`] for several matrices reading the same `x` (Q, K and V; gate and up):
     /// `x` is quantized once per activation kind and the matrices sharing it run as one parallel
-    /// region. Matrices with a repacked copy (Q4_1, Q8_0) always run the 8-row integer tiles —
+    /// region. Matrices with a repacked copy (Q4_1, Q8_0, Q4_K, Q6_K) always run the 8-row integer tiles —
     /// for prefill too: they beat dequantize + f32 GEMM on this CPU class (measured: 600 vs 530
     /// prompt tok/s at 512 tokens), and one kernel for every batch size means a prompt's logits
     /// do not depend on its chunking or on a prefix-cache hit. Other types take dequantize + f32
@@ -138,12 +138,16 @@ impl Model {
         // Repacked copies first, all in one parallel region; then the rest, one region per
         // activation kind.
         let repacked = |i: usize| ws[i].interleaved.is_some();
+        // Repacked copies all take 32-element Q8 activations, whatever their type.
+        let key_of =
+            |i: usize| (repacked(i), if repacked(i) { None } else { mats[i].ty().activation_kind() });
         while let Some(first) = done.iter().position(|d| !d) {
-            let key = (repacked(first), mats[first].ty().activation_kind());
-            let group: Vec<usize> = (first..mats.len())
-                .filter(|&i| !done[i] && (repacked(i), mats[i].ty().activation_kind()) == key)
-                .collect();
-            let acts = mats[first].prepare_rows(x)?;
+            let key = key_of(first);
+            let group: Vec<usize> = (first..mats.len()).filter(|&i| !done[i] && key_of(i) == key).collect();
+            let acts = match ws[first].interleaved.as_deref() {
+                Some(il) => il.prepare_rows(x)?,
+                None => mats[first].prepare_rows(x)?,
+            };
             let mut outs: Vec<&mut [f32]> = ys
                 .iter_mut()
                 .enumerate()

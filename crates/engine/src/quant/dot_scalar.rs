@@ -56,6 +56,15 @@ pub(crate) fn dot_q8_0(row: &[u8], y: &[BlockQ8x32]) -> f32 {
     acc
 }
 
+pub(crate) fn dot_q5_0(row: &[u8], y: &[BlockQ8x32]) -> f32 {
+    let mut acc = 0f32;
+    for (b, y) in row.chunks_exact(22).zip(y) {
+        let sumi: i32 = (0..32).map(|e| super::reference::q5_0_value(b, e) * y.qs[e] as i32).sum();
+        acc += f16_at(b, 0) * y.d * sumi as f32;
+    }
+    acc
+}
+
 pub(crate) fn dot_q4_k(row: &[u8], y: &[BlockQ8K]) -> f32 {
     let mut acc = 0f32;
     for (b, y) in row.chunks_exact(144).zip(y) {

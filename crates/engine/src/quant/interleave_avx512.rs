@@ -1,4 +1,4 @@
-//! The repacked Q4_1 / Q8_0 products on AVX-512 (F, BW, VL, VNNI): two 8-row groups side by side
+//! The repacked products (Q4_1, Q8_0, Q4_K, Q6_K) on AVX-512 (F, BW, VL, VNNI): two 8-row groups side by side
 //! in one 512-bit register, so one `vpdpbusd` advances sixteen rows by four products each.
 //!
 //! The AVX2 tile needs `vpmaddubsw` (pairs to 16 bits), 16-bit adds and a `vpmaddwd` to reach 32
@@ -27,8 +27,11 @@
 use std::arch::x86_64::*;
 
 use super::activation::BlockQ8x32;
-use super::interleave::{group_block, tile_for, GROUP, Q4_1_KIND as Q4_1, Q8_0_KIND as Q8_0};
-use super::GgmlType;
+use super::interleave::{tile_for, GROUP};
+use super::interleave_pack::{
+    min_bytes_at, quants_at, scale_bytes_at, unit_of, Q4_1_KIND as Q4_1, Q4_K_KIND as Q4_K,
+    Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
+};
 
 /// Most activations per tile.
 pub(super) const ACTS: usize = 8;
@@ -37,25 +40,19 @@ pub(super) const ACTS: usize = 8;
 pub(super) const ROWS: usize = 2 * GROUP;
 
 /// Groups `w0` and `w1` (sixteen rows: `out[k][..8]` are `w0`'s, `out[k][8..]` `w1`'s) ×
-/// `ys.len()` (1 to [`ACTS`]) activations.
+/// `ys.len()` (1 to [`ACTS`]) activations of kind `kind`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn tile_any(
-    ty: GgmlType,
-    w0: &[u8],
-    w1: &[u8],
-    ys: &[&[BlockQ8x32]],
-    out: &mut [[f32; ROWS]],
-) {
+pub(super) unsafe fn tile_any(kind: u8, w0: &[u8], w1: &[u8], ys: &[&[BlockQ8x32]], out: &mut [[f32; ROWS]]) {
     unsafe {
         // Five to eight activations: 8 unpacked weight registers + 2 accumulators each still
         // fit the 32 zmm registers, and each unpacked block meets twice as many activations.
-        let q8 = ty == GgmlType::Q8_0;
         macro_rules! wide {
             ($k:literal) => {
-                if q8 {
-                    tile::<Q8_0, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out)
-                } else {
-                    tile::<Q4_1, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out)
+                match kind {
+                    Q8_0 => tile::<Q8_0, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
+                    Q4_K => tile::<Q4_K, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
+                    Q6_K => tile::<Q6_K, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
+                    _ => tile::<Q4_1, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
                 }
             };
         }
@@ -64,7 +61,7 @@ pub(super) unsafe fn tile_any(
             7 => wide!(7),
             6 => wide!(6),
             5 => wide!(5),
-            _ => tile_for!(tile, ty, ys, (w0, w1), out),
+            _ => tile_for!(tile, kind, ys, (w0, w1), out),
         }
     }
 }
@@ -78,7 +75,7 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
     out: &mut [[f32; ROWS]],
 ) {
     unsafe {
-        let gb = group_block(if KIND == Q8_0 { GgmlType::Q8_0 } else { GgmlType::Q4_1 });
+        let signed = KIND == Q8_0 || KIND == Q6_K;
         let nb = ys[0].len();
         let low4 = _mm512_set1_epi8(0x0F);
         let zero = _mm512_setzero_si512();
@@ -86,13 +83,23 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
         let mut accm = [_mm512_setzero_ps(); CC];
         let (p0, p1) = (w0.as_ptr(), w1.as_ptr());
         for b in 0..nb {
-            let (b0, b1) = (p0.add(b * gb), p1.add(b * gb));
+            let (base, sub) = unit_of(KIND, b);
+            let (u0, u1) = (p0.add(base), p1.add(base));
+            let (b0, b1) = (u0.add(quants_at(KIND, sub)), u1.add(quants_at(KIND, sub)));
             // Eight f16 of each group at `off` (scales, minimums) → sixteen f32 lanes.
             let halves = |off: usize| {
                 _mm512_cvtph_ps(_mm256_set_m128i(
-                    _mm_loadu_si128(b1.add(off) as *const __m128i),
-                    _mm_loadu_si128(b0.add(off) as *const __m128i),
+                    _mm_loadu_si128(u1.add(off) as *const __m128i),
+                    _mm_loadu_si128(u0.add(off) as *const __m128i),
                 ))
+            };
+            // Eight bytes of each group at `off` (the K-quants' integer scales) → sixteen f32.
+            let bytes = |off: usize, signed: bool| {
+                let v = _mm_set_epi64x(
+                    std::ptr::read_unaligned(u1.add(off) as *const i64),
+                    std::ptr::read_unaligned(u0.add(off) as *const i64),
+                );
+                _mm512_cvtepi32_ps(if signed { _mm512_cvtepi8_epi32(v) } else { _mm512_cvtepu8_epi32(v) })
             };
             // 32 bytes of each group at `off`: group 0 in the low half, group 1 in the high.
             let pair = |off: usize| {
@@ -101,37 +108,60 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
                     _mm256_loadu_si256(b1.add(off) as *const __m256i),
                 )
             };
-            let dw = halves(0);
-            // Unsigned operands for `vpdpbusd` (nibbles, or |w| for Q8_0) and Q8_0's signs.
+            let d = halves(0);
+            let (dw, dw_hi) = match KIND {
+                Q4_K => (_mm512_mul_ps(d, bytes(scale_bytes_at(KIND, sub, 0), false)), d),
+                Q6_K => (
+                    _mm512_mul_ps(d, bytes(scale_bytes_at(KIND, sub, 0), true)),
+                    _mm512_mul_ps(d, bytes(scale_bytes_at(KIND, sub, 1), true)),
+                ),
+                _ => (d, d),
+            };
+            let mw = match KIND {
+                Q4_1 => halves(16),
+                Q4_K => _mm512_mul_ps(halves(16), bytes(min_bytes_at(sub), false)),
+                _ => _mm512_setzero_ps(),
+            };
+            // Unsigned operands for `vpdpbusd` (nibbles, or |w| for the signed kinds) and the
+            // signed kinds' signs.
             let mut q = [zero; 8];
             let mut neg: [__mmask64; 8] = [0; 8];
-            if KIND == Q8_0 {
+            if signed {
                 for (st, (qv, nv)) in q.iter_mut().zip(neg.iter_mut()).enumerate() {
-                    let v = pair(16 + 32 * st);
+                    let v = pair(32 * st);
                     *qv = _mm512_abs_epi8(v);
                     *nv = _mm512_movepi8_mask(v);
                 }
             } else {
                 for c in 0..4 {
-                    let v = pair(32 + 32 * c);
+                    let v = pair(32 * c);
                     q[2 * c] = _mm512_and_si512(v, low4);
                     q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
                 }
             }
-            let mw = if KIND == Q4_1 { halves(16) } else { _mm512_setzero_ps() };
             for k in 0..CC {
                 let yb = ys[k].get_unchecked(b);
                 let a = yb.qs.as_ptr() as *const i32;
-                let mut dot = zero;
-                for st in 0..8 {
-                    let y = _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st)));
-                    let y = if KIND == Q8_0 { _mm512_mask_sub_epi8(y, neg[st], zero, y) } else { y };
-                    dot = _mm512_dpbusd_epi32(dot, q[st], y);
+                let dot = |from: usize, to: usize| {
+                    let mut dot = zero;
+                    for st in from..to {
+                        let y = _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st)));
+                        let y = if signed { _mm512_mask_sub_epi8(y, neg[st], zero, y) } else { y };
+                        dot = _mm512_dpbusd_epi32(dot, q[st], y);
+                    }
+                    _mm512_cvtepi32_ps(dot)
+                };
+                let yd = _mm512_set1_ps(yb.d);
+                if KIND == Q6_K {
+                    acc[k] = _mm512_fmadd_ps(dot(0, 4), _mm512_mul_ps(dw, yd), acc[k]);
+                    acc[k] = _mm512_fmadd_ps(dot(4, 8), _mm512_mul_ps(dw_hi, yd), acc[k]);
+                } else {
+                    acc[k] = _mm512_fmadd_ps(dot(0, 8), _mm512_mul_ps(dw, yd), acc[k]);
                 }
-                let dot = _mm512_cvtepi32_ps(dot);
-                acc[k] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(yb.d)), acc[k]);
                 if KIND == Q4_1 {
                     accm[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(yb.s), accm[k]);
+                } else if KIND == Q4_K {
+                    accm[k] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(yb.s), accm[k]);
                 }
             }
         }

@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use super::{
-    check_dot, dot_unchecked, row_bytes, rows_times_acts_unchecked, GgmlType, Kernel, Packed,
+    check_dot, dot_unchecked, row_bytes, rows_times_acts_unchecked, ActivationKind, GgmlType, Kernel, Packed,
     QuantizedActivation, Span,
 };
 use crate::error::{EngineError, Result};
@@ -24,6 +24,22 @@ const TASK_BYTES: usize = 32 * 1024;
 const SPLIT_COLS_FROM: usize = 32;
 /// Activations per task when splitting over activations.
 const COLS_PER_TASK: usize = 32;
+
+/// Every row of `x` (`rows × cols`, row-major) quantized as `kind`, in parallel for large batches.
+pub(crate) fn prepare_rows_as(
+    kind: ActivationKind,
+    cols: usize,
+    x: &[f32],
+) -> Result<Vec<QuantizedActivation>> {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
+        return Err(EngineError::shape("matmul input length", format!("a multiple of {cols}"), x.len()));
+    }
+    if x.len() / cols >= 8 {
+        x.par_chunks_exact(cols).map(|row| QuantizedActivation::new(kind, row)).collect()
+    } else {
+        x.chunks_exact(cols).map(|row| QuantizedActivation::new(kind, row)).collect()
+    }
+}
 
 /// A quantized matrix `[rows × cols]` borrowing its bytes.
 #[derive(Debug, Clone, Copy)]
@@ -86,18 +102,7 @@ impl<'a> QMatrix<'a> {
     /// Prepares every row of `x` (`rows × cols`, row-major) with [`QMatrix::prepare_input`],
     /// in parallel for large batches.
     pub fn prepare_rows(&self, x: &[f32]) -> Result<Vec<QuantizedActivation>> {
-        if self.cols == 0 || !x.len().is_multiple_of(self.cols) {
-            return Err(EngineError::shape(
-                "matmul input length",
-                format!("a multiple of {}", self.cols),
-                x.len(),
-            ));
-        }
-        if x.len() / self.cols >= 8 {
-            x.par_chunks_exact(self.cols).map(|row| self.prepare_input(row)).collect()
-        } else {
-            x.chunks_exact(self.cols).map(|row| self.prepare_input(row)).collect()
-        }
+        prepare_rows_as(self.activation_kind()?, self.cols, x)
     }
 
     /// Quantizes an input vector the way this matrix's dot kernel wants it. Reuse the result
@@ -106,11 +111,13 @@ impl<'a> QMatrix<'a> {
         if x.len() != self.cols {
             return Err(EngineError::shape("matvec input length", self.cols, x.len()));
         }
-        let kind = self
-            .ty
+        QuantizedActivation::new(self.activation_kind()?, x)
+    }
+
+    fn activation_kind(&self) -> Result<ActivationKind> {
+        self.ty
             .activation_kind()
-            .ok_or_else(|| EngineError::InvalidArgument(format!("{} has no dot kernel", self.ty)))?;
-        QuantizedActivation::new(kind, x)
+            .ok_or_else(|| EngineError::InvalidArgument(format!("{} has no dot kernel", self.ty)))
     }
 
     /// `y = W x`, with the best kernel, parallel over rows.

@@ -8,9 +8,10 @@
 //! - `tile_avx2`: register tiles (rows × activations) for the 32-block types, the one kernel
 //!   behind their matvec and batched products, so every pair is computed identically;
 //! - `matrix`: [`QMatrix`], a borrowed 2-D weight with rayon-parallel matvec and dequantize;
-//! - `interleave`: [`Interleaved`], Q4_1/Q8_0 weights repacked eight rows at a time, the kernel
-//!   the forward pass uses for every product of those types; `interleave_avx512`: the same
-//!   products sixteen rows at a time with AVX-512 VNNI, bit-identical.
+//! - `interleave`: [`Interleaved`], Q4_1/Q8_0/Q4_K/Q6_K weights repacked eight rows at a time
+//!   (`interleave_pack`: the layouts), the kernel the forward pass uses for every product of
+//!   those types; `interleave_avx2` and `interleave_avx512`: the same products eight and sixteen
+//!   rows at a time, bit-identical to the portable one.
 //!
 //! The functions here are the checked entry points: they validate lengths and types and return
 //! [`EngineError`] instead of panicking, then call the unchecked kernels. The kernel family is
@@ -22,7 +23,10 @@ mod dot_avx2;
 mod dot_scalar;
 mod interleave;
 #[cfg(target_arch = "x86_64")]
+mod interleave_avx2;
+#[cfg(target_arch = "x86_64")]
 mod interleave_avx512;
+mod interleave_pack;
 mod matrix;
 mod reference;
 #[cfg(target_arch = "x86_64")]
@@ -335,6 +339,8 @@ pub(crate) fn dot_unchecked(kernel: Resolved, ty: GgmlType, row: &[u8], act: &Qu
                 (GgmlType::Q4_0, QuantizedActivation::Q8x32(y)) => dot_avx2::dot_q4_0(row, y),
                 (GgmlType::Q4_1, QuantizedActivation::Q8x32(y)) => dot_avx2::dot_q4_1(row, y),
                 (GgmlType::Q8_0, QuantizedActivation::Q8x32(y)) => dot_avx2::dot_q8_0(row, y),
+                // No row-layout kernel of its own: its matrices run repacked (as Q8_0).
+                (GgmlType::Q5_0, QuantizedActivation::Q8x32(y)) => dot_scalar::dot_q5_0(row, y),
                 (GgmlType::Q4_K, QuantizedActivation::Q8K(y)) => dot_avx2::dot_q4_k(row, y),
                 (GgmlType::Q6_K, QuantizedActivation::Q8K(y)) => dot_avx2::dot_q6_k(row, y),
                 _ => f32::NAN,
@@ -348,6 +354,7 @@ pub(crate) fn dot_unchecked(kernel: Resolved, ty: GgmlType, row: &[u8], act: &Qu
         (GgmlType::Q4_0, QuantizedActivation::Q8x32(y)) => dot_scalar::dot_q4_0(row, y),
         (GgmlType::Q4_1, QuantizedActivation::Q8x32(y)) => dot_scalar::dot_q4_1(row, y),
         (GgmlType::Q8_0, QuantizedActivation::Q8x32(y)) => dot_scalar::dot_q8_0(row, y),
+        (GgmlType::Q5_0, QuantizedActivation::Q8x32(y)) => dot_scalar::dot_q5_0(row, y),
         (GgmlType::Q4_K, QuantizedActivation::Q8K(y)) => dot_scalar::dot_q4_k(row, y),
         (GgmlType::Q6_K, QuantizedActivation::Q8K(y)) => dot_scalar::dot_q6_k(row, y),
         // Excluded by `check_dot`; a NaN is louder than a silent zero if that ever changes.

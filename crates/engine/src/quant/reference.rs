@@ -9,6 +9,7 @@
 //! |------|-------|-------|--------|
 //! | Q4_0 | 32  | 18  | `d: f16, qs: [u8; 16]`; x[j] = (lo(qs[j]) - 8)·d, x[j+16] = (hi(qs[j]) - 8)·d |
 //! | Q4_1 | 32  | 20  | `d: f16, m: f16, qs: [u8; 16]`; x = q·d + m, same nibble order as Q4_0 |
+//! | Q5_0 | 32  | 22  | `d: f16, qh: u32, qs: [u8; 16]`; x[j] = (lo(qs[j]) | bit j of qh << 4) - 16)·d, x[j+16] with hi and bit j+16 |
 //! | Q8_0 | 32  | 34  | `d: f16, qs: [i8; 32]`; x = q·d |
 //! | Q4_K | 256 | 144 | `d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]`; 8 sub-blocks of 32 with 6-bit scale/min |
 //! | Q6_K | 256 | 210 | `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`; 16 sub-blocks of 16 |
@@ -36,6 +37,15 @@ pub(crate) fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     } else {
         ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
     }
+}
+
+/// Element `e` (0..32) of a Q5_0 block, in -16..=15: the nibble (low for `e < 16`, high
+/// after) with bit `e` of the block's `qh` as its fifth bit, minus 16.
+#[inline]
+pub(crate) fn q5_0_value(b: &[u8], e: usize) -> i32 {
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let nib = if e < 16 { b[6 + e] & 0x0F } else { b[6 + e - 16] >> 4 };
+    (nib as i32 | ((qh >> e) as i32 & 1) << 4) - 16
 }
 
 /// Dequantizes whole blocks. `bytes.len()` must be `out.len() / block_size * type_size` and
@@ -67,6 +77,14 @@ pub(crate) fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
                 for j in 0..16 {
                     o[j] = (b[4 + j] & 0x0F) as f32 * d + m;
                     o[j + 16] = (b[4 + j] >> 4) as f32 * d + m;
+                }
+            }
+        }
+        GgmlType::Q5_0 => {
+            for (b, o) in bytes.chunks_exact(22).zip(out.chunks_exact_mut(32)) {
+                let d = f16_at(b, 0);
+                for (j, x) in o.iter_mut().enumerate() {
+                    *x = q5_0_value(b, j) as f32 * d;
                 }
             }
         }

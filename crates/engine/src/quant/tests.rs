@@ -27,13 +27,15 @@ fn random_row(ty: GgmlType, n_blocks: usize, seed: u64) -> Vec<u8> {
     };
     let n = n_blocks * ty.block_size();
     match ty {
-        GgmlType::Q4_K | GgmlType::Q6_K => {
+        GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q5_0 => {
             let mut b: Vec<u8> = (0..n_blocks * ty.type_size()).map(|_| next() as u8).collect();
             for blk in b.chunks_exact_mut(ty.type_size()) {
                 let d = (next() % 1000) as f32 / 1000.0 * 0.02;
                 if ty == GgmlType::Q4_K {
                     blk[0..2].copy_from_slice(&f16_bytes(d));
                     blk[2..4].copy_from_slice(&f16_bytes((next() % 1000) as f32 / 1000.0 * 0.02));
+                } else if ty == GgmlType::Q5_0 {
+                    blk[0..2].copy_from_slice(&f16_bytes(d - 0.01));
                 } else {
                     blk[208..210].copy_from_slice(&f16_bytes(d - 0.01));
                 }
@@ -236,7 +238,7 @@ fn checked_entry_points_reject_bad_shapes() {
     assert!(vec_dot(GgmlType::Q5_K, &[0; 176], &k).is_err());
     assert!(QMatrix::new(GgmlType::Q4_1, 3, 64, &row).is_err());
     assert!(QMatrix::new(GgmlType::Q4_1, 1, 63, &row).is_err());
-    assert!(QMatrix::new(GgmlType::Q5_0, 1, 32, &[0; 22]).is_err());
+    assert!(QMatrix::new(GgmlType::Q5_1, 1, 32, &[0; 24]).is_err());
     let m = QMatrix::new(GgmlType::Q4_1, 1, 64, &row).unwrap();
     assert!(m.matvec(&[0.0; 63], &mut [0.0]).is_err());
     assert!(m.matvec(&[0.0; 64], &mut [0.0; 2]).is_err());

@@ -60,6 +60,7 @@ ggml_types! {
     Q4_0 = 2, "Q4_0", 32, 18;
     /// 32 x 4-bit, f16 scale and f16 minimum.
     Q4_1 = 3, "Q4_1", 32, 20;
+    /// 32 x 5-bit (low nibbles + a 32-bit mask of fifth bits), one f16 scale, offset -16.
     Q5_0 = 6, "Q5_0", 32, 22;
     Q5_1 = 7, "Q5_1", 32, 24;
     /// 32 x i8, one f16 scale.
@@ -104,7 +105,7 @@ impl std::fmt::Display for GgmlType {
 pub enum ActivationKind {
     /// Plain f32 (weights in F32 / F16).
     F32,
-    /// 32-element blocks of i8 with an f32 scale (weights in Q4_0 / Q4_1 / Q8_0).
+    /// 32-element blocks of i8 with an f32 scale (weights in Q4_0 / Q4_1 / Q5_0 / Q8_0).
     Q8x32,
     /// 256-element blocks of i8 with an f32 scale and 16-element partial sums (K-quants).
     Q8K,
@@ -118,6 +119,7 @@ impl GgmlType {
         GgmlType::Q8_0,
         GgmlType::Q4_0,
         GgmlType::Q4_1,
+        GgmlType::Q5_0,
         GgmlType::Q4_K,
         GgmlType::Q6_K,
     ];
@@ -137,7 +139,7 @@ impl GgmlType {
     pub fn activation_kind(self) -> Option<ActivationKind> {
         match self {
             GgmlType::F32 | GgmlType::F16 => Some(ActivationKind::F32),
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => Some(ActivationKind::Q8x32),
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => Some(ActivationKind::Q8x32),
             GgmlType::Q4_K | GgmlType::Q6_K => Some(ActivationKind::Q8K),
             _ => None,
         }
@@ -187,7 +189,7 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "unsupported tensor type Q5_K for tensor `blk.0.ffn_up.weight`; supported: \
-             F32, F16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"
+             F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K"
         );
     }
 }
