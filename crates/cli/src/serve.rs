@@ -159,7 +159,8 @@ struct ListenArgs {
 /// How the worker batches and what it may hold.
 #[derive(Debug, Args)]
 pub(crate) struct BatchingArgs {
-    /// Most prompt tokens prefilled per engine step (chunked prefill).
+    /// Most prompt tokens prefilled per engine step (chunked prefill; a prompt whose rest would be
+    /// at most an eighth of this is finished in the same step).
     #[arg(long, default_value_t = tokenpath_worker::DEFAULT_PREFILL_CHUNK, env = "TOKENPATH_PREFILL_CHUNK")]
     prefill_chunk: usize,
     /// Most requests waiting for a slot; more get 503 with Retry-After.

@@ -322,6 +322,19 @@ impl Batcher {
         self.blocks_for(s.fed + n).saturating_sub(s.table.blocks().len())
     }
 
+    /// Prompt tokens a sequence with `unfed` left feeds this step with `budget` left: the budget,
+    /// or the whole rest when what the budget would leave is at most an eighth of a chunk (a
+    /// 543-token prompt under a 512-token chunk takes one step, not a second one for 31 tokens —
+    /// a whole step of time to first token for ~6% more work in that step).
+    fn chunk_of(&self, unfed: usize, budget: usize) -> usize {
+        let n = unfed.min(budget);
+        if n > 0 && unfed - n <= self.cfg.prefill_chunk / 8 {
+            unfed
+        } else {
+            n
+        }
+    }
+
     /// Decides how many tokens each running sequence feeds this step, admitting waiting ones.
     /// `plan[i]` belongs to `running[i]`; 0 means "not this step".
     fn plan(&mut self) -> Vec<usize> {
@@ -359,14 +372,14 @@ impl Batcher {
                 continue;
             }
             let fits = ((s.table.blocks().len() + free) * bs).saturating_sub(s.fed);
-            let n = s.unfed().min(budget).min(fits);
+            let n = self.chunk_of(s.unfed(), budget).min(fits);
             if n == 0 {
                 continue;
             }
             let need = self.new_blocks(s, n);
             free -= need;
             planned += need;
-            budget -= n;
+            budget = budget.saturating_sub(n);
             plan[i] = n;
         }
         // Admission: FIFO, whole prompt must fit, one block of headroom per decoding sequence.
@@ -387,10 +400,10 @@ impl Batcher {
                 break;
             }
             seq.permit = None;
-            let n = seq.unfed().min(budget);
+            let n = self.chunk_of(seq.unfed(), budget);
             let need = self.new_blocks(&seq, n);
             planned += need;
-            budget -= n;
+            budget = budget.saturating_sub(n);
             self.running.push(seq);
             plan.push(n);
         }

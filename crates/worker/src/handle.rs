@@ -38,7 +38,8 @@ pub struct WorkerConfig {
     /// The worker's name, reported in every response's `timing.workers`.
     pub id: WorkerId,
     /// Most prompt tokens prefilled per step, over all waiting sequences (chunked prefill: a long
-    /// prompt cannot freeze running streams for longer than one chunk).
+    /// prompt cannot freeze running streams for longer than one chunk). A prompt whose rest would
+    /// be at most an eighth of this is finished in the same step instead.
     pub prefill_chunk: usize,
     /// Most requests waiting for their first prefill chunk; more are rejected as overloaded.
     pub max_queue: usize,

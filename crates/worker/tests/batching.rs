@@ -379,3 +379,34 @@ fn a_decode_reservation_without_a_handoff_ends_and_frees_its_kv() {
     }
     wait_until(&handle, "the blocks back", |s| s.kv_blocks_used == 0 && s.waiting == 0);
 }
+
+#[test]
+fn a_prompt_a_little_over_the_chunk_is_prefilled_in_one_step_and_the_step_log_shows_it() {
+    let dir = std::env::temp_dir().join(format!("tokenpath-steps-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // 64-token chunks: a rest of 8 (an eighth) is finished in the same step, a rest of 9 is not.
+    for (len, want) in [(72usize, vec![72usize]), (73, vec![64, 9]), (40, vec![40])] {
+        let path = dir.join("steps-{worker}.jsonl");
+        let config = WorkerConfig { prefill_chunk: 64, step_log: Some(path), ..WorkerConfig::default() };
+        let worker = Worker::spawn(engine(256), config).unwrap();
+        let out = collect(worker.handle().submit(request(1, prompt(len as u64, len), Some(2))).unwrap());
+        assert_eq!(out.completion_tokens, 2);
+        worker.join().unwrap();
+        let text = std::fs::read_to_string(dir.join("steps-w0.jsonl")).unwrap();
+        let steps: Vec<tokenpath_worker::StepRecord> =
+            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let prefill: Vec<usize> =
+            steps.iter().filter(|s| s.prefill_tokens > 0).map(|s| s.prefill_tokens).collect();
+        assert_eq!(prefill, want, "{len}-token prompt: {steps:?}");
+        // Then one decode step for the second token; every step after the first has its gap.
+        assert_eq!(steps.iter().filter(|s| s.decode_tokens == 1).count(), 1);
+        assert!(steps[0].gap_us.is_none() && steps[1..].iter().all(|s| s.gap_us.is_some()));
+        let pairs: u64 = steps.iter().map(|s| s.attn_pairs).sum();
+        assert_eq!(
+            pairs,
+            tokenpath_worker::StepRecord::pairs(0, len + 1),
+            "every fed token's causal context"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
