@@ -12,6 +12,22 @@ import re
 SERVERS = ("tokenpath", "llama-server", "vllm")
 
 
+def steady_ttft(doc, conc):
+    """TTFT p50 and p99 (ms) of the requests sent after the first `conc` (the closed loop's first
+    wave, sent all at once: its k-th request waits for k - 1 prefills under any scheduler)."""
+    reqs = sorted(doc.get("requests", []), key=lambda r: r["t_send"])[conc:]
+    t = []
+    for r in reqs:
+        first = next((e["at_ns"] for e in r.get("events", []) if e.get("tokens", 0) > 0), None)
+        if (r.get("outcome") or {}).get("status") == "ok" and first is not None:
+            t.append((first - r["t_send"]) / 1e6)
+    if not t:
+        return None, None
+    t.sort()
+    q = lambda f: t[min(len(t) - 1, int(round(f * (len(t) - 1))))]
+    return q(0.5), q(0.99)
+
+
 def load(out_dir):
     closed, rates = {}, {}
     for f in sorted(os.listdir(out_dir)):
@@ -23,7 +39,9 @@ def load(out_dir):
         if m.group(2) == "maxrate":
             rates[m.group(1)] = doc.get("find_max_rate", {})
         else:
-            closed[(m.group(1), int(m.group(3)))] = doc["summary"]
+            summary = dict(doc["summary"])
+            summary["steady_ttft"] = steady_ttft(doc, int(m.group(3)))
+            closed[(m.group(1), int(m.group(3)))] = summary
     return closed, rates
 
 
@@ -43,7 +61,7 @@ def main():
     fmt = lambda v, p=1: "-" if v is None else f"{v:,.{p}f}"
     print(f"tokenpath kernels: {a.kernels}")
     print(f"{'server':<14}{'conc':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
-          f"{'TPOT p99':>10}{'failed':>8}")
+          f"{'TPOT p99':>10}{'failed':>8}{'TTFT p50/p99 after the first wave':>36}")
     for s in servers:
         for c in concs:
             r = closed.get((s, c))
@@ -51,7 +69,8 @@ def main():
                 continue
             print(f"{s:<14}{c:>5}{fmt(r.get('output_tokens_per_s')):>11}"
                   f"{fmt(pct(r, 'ttft_ms', 'p50'), 0):>10}{fmt(pct(r, 'ttft_ms', 'p99'), 0):>10}"
-                  f"{fmt(pct(r, 'tpot_ms', 'p50')):>10}{fmt(pct(r, 'tpot_ms', 'p99')):>10}{r.get('failed', 0):>8}")
+                  f"{fmt(pct(r, 'tpot_ms', 'p50')):>10}{fmt(pct(r, 'tpot_ms', 'p99')):>10}{r.get('failed', 0):>8}"
+                  f"{fmt(r['steady_ttft'][0], 0):>26} / {fmt(r['steady_ttft'][1], 0)}")
     if rates:
         print()
         for s in servers:
@@ -95,6 +114,9 @@ def main():
         if top and pct(top, "ttft_ms", "p50"):
             shape = pct(top, "ttft_ms", "p99") / pct(top, "ttft_ms", "p50")
             print(f"tokenpath TTFT p99 / p50 at c={concs[-1]}: {shape:.2f} (target <= 2)")
+            p50, p99 = top["steady_ttft"]
+            if p50:
+                print(f"  after the first wave (the {concs[-1]} requests sent at once): {p99 / p50:.2f}")
 
 
 if __name__ == "__main__":

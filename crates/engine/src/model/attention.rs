@@ -115,15 +115,85 @@ fn attend_task(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
     attend_online(job, rows, q)
 }
 
+/// [`attend_online`] on AVX2 + FMA + F16C: for heads of 64 or 128 values the cache's f16 rows
+/// are read in place (`attention_avx2.rs`), for others the portable loop compiled with those
+/// features. Both give the portable path's bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_online_avx2(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
-    attend_online(job, rows, q)
+    use super::attention_avx2::online_block_f16;
+    let (hd, d) = (job.hd, job.d);
+    if hd != 64 && hd != 128 {
+        return attend_online(job, rows, q);
+    }
+    let layout = job.cache.layout();
+    let (bs, kv_dim) = (layout.block_size, layout.kv_dim);
+    let w = job.heads.len();
+    let n_q = rows.len() * w;
+    let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
+    let mut m = vec![f32::NEG_INFINITY; n_q];
+    let mut l = vec![0f32; n_q];
+    let mut acc = vec![0f32; n_q * hd];
+    let mut scores = vec![0f32; bs];
+    assert!(job.kvh * hd + hd <= kv_dim && q.len() >= rows.len() * d, "attention task out of bounds");
+    for (bi, block) in job.table.blocks().iter().enumerate() {
+        let p0 = bi * bs;
+        if p0 > max_pos {
+            break;
+        }
+        let slots = bs.min(max_pos + 1 - p0);
+        let (ks, vs) = (job.cache.slab(*block, job.layer, false), job.cache.slab(*block, job.layer, true));
+        assert!(ks.len() >= slots * kv_dim && vs.len() >= slots * kv_dim, "KV slab shorter than its block");
+        // SAFETY (pointer offsets): `kvh · hd + hd <= kv_dim` and `slots` rows of `kv_dim` fit
+        // in each slab (asserted above), so every row read below is inside its slab.
+        let (kp, vp) = unsafe { (ks.as_ptr().add(job.kvh * hd), vs.as_ptr().add(job.kvh * hd)) };
+        // The next block is elsewhere in the cache, where no hardware prefetcher looks: ask for
+        // its rows of this head now, so they arrive while this block is computed.
+        if let Some(next) = job.table.blocks().get(bi + 1).filter(|_| p0 + bs <= max_pos) {
+            let (nk, nv) = (job.cache.slab(*next, job.layer, false), job.cache.slab(*next, job.layer, true));
+            for slot in 0..bs.min(max_pos + 1 - p0 - bs) {
+                let at = slot * kv_dim + job.kvh * hd;
+                for off in (0..hd).step_by(32) {
+                    // SAFETY: a prefetch never faults; the addresses are inside the next slabs.
+                    unsafe {
+                        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                        _mm_prefetch::<_MM_HINT_T0>(nk.as_ptr().add(at + off) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(nv.as_ptr().add(at + off) as *const i8);
+                    }
+                }
+            }
+        }
+        for (ri, &(_, pos)) in rows.iter().enumerate() {
+            if pos < p0 {
+                continue;
+            }
+            let valid = slots.min(pos + 1 - p0);
+            for (j, g) in job.heads.clone().enumerate() {
+                let qi = ri * w + j;
+                let qh = &q[ri * d + (job.kvh * job.group + g) * hd..][..hd];
+                let (sc, a) = (&mut scores[..valid], &mut acc[qi * hd..(qi + 1) * hd]);
+                // SAFETY: features enabled here; `valid <= slots` rows of `hd` values at `kp`/`vp`,
+                // `kv_dim` apart (above); `qh` and `a` hold `hd` values.
+                unsafe {
+                    if hd == 64 {
+                        online_block_f16::<8>(qh, kp, vp, kv_dim, sc, job.scale, &mut m[qi], &mut l[qi], a);
+                    } else {
+                        online_block_f16::<16>(qh, kp, vp, kv_dim, sc, job.scale, &mut m[qi], &mut l[qi], a);
+                    }
+                }
+            }
+        }
+    }
+    for (qi, a) in acc.chunks_exact_mut(hd).enumerate() {
+        let inv = 1.0 / l[qi];
+        a.iter_mut().for_each(|x| *x *= inv);
+    }
+    acc
 }
 
 /// Few query rows (decode): each block's K and V converted once, then an online softmax
 /// (running max and sum) per (row, head). Head widths that are a multiple of 8 up to 128 (every
-/// model we load) take [`block_lanes`]; others a plain loop with the same order of operations.
+/// model we load) take [`online_block`]; others a plain loop with the same order of operations.
 #[inline(always)]
 fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
     let (hd, d) = (job.hd, job.d);
@@ -265,6 +335,13 @@ fn fold8(p: &[f32; 8]) -> f32 {
 #[inline(always)]
 fn softmax_step(scores: &mut [f32], m: &mut f32, l: &f32) -> (f32, f32) {
     let bmax = scores.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    softmax_step_max(scores, bmax, m, l)
+}
+
+/// [`softmax_step`] with the block's largest score `bmax` already known (the maximum of finite
+/// values does not depend on the order it is taken in).
+#[inline(always)]
+pub(super) fn softmax_step_max(scores: &mut [f32], bmax: f32, m: &mut f32, l: &f32) -> (f32, f32) {
     let new_m = m.max(bmax);
     let correction = math::exp(*m - new_m);
     let sum = l * correction + math::exp_shift_sum(scores, new_m);

@@ -7,6 +7,8 @@
 //! one-token chunk — which is what continuous batching with chunked prefill needs from an engine.
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_avx2;
 mod config;
 mod forward;
 mod ggml;
