@@ -15,10 +15,11 @@
 //! bit-identical to the AVX2 and portable paths, whatever the batch: a machine with AVX-512 and
 //! one without produce the same logits.
 //!
-//! Q8_0's signed weights: `vpdpbusd` needs one unsigned operand and AVX-512 has no `vpsignb`, so
-//! the weights' magnitudes are the unsigned operand and the activation bytes facing a negative
-//! weight are negated under a byte mask (`vpsubb` with the weights' sign bits) — the AVX2 tile's
-//! `vpsignb` trick, one masked instruction instead.
+//! The signed kinds (Q8_0, Q5_0 repacked as it, Q6_K): `vpdpbusd` needs one unsigned operand, so
+//! the activations are biased by 128 once per product (`a + 128` is 1..=255) and meet the signed
+//! weight bytes as they are; `128 · Σw` per row and block (eight more `vpdpbusd` against ones per
+//! block, shared by every activation) comes off each dot. The same exact integers as the AVX2
+//! tile's `vpsignb` trick, with one instruction per step instead of three.
 //!
 //! Safety contract: the CPU supports avx512f, avx512bw, avx512vl, avx512vnni (and avx2, fma,
 //! f16c), and both group pointers address one group block per activation block (checked by
@@ -40,19 +41,27 @@ pub(super) const ACTS: usize = 8;
 pub(super) const ROWS: usize = 2 * GROUP;
 
 /// Groups `w0` and `w1` (sixteen rows: `out[k][..8]` are `w0`'s, `out[k][8..]` `w1`'s) ×
-/// `ys.len()` (1 to [`ACTS`]) activations of kind `kind`.
+/// `ys.len()` (1 to [`ACTS`]) activations of kind `kind`; for the signed kinds (Q8_0, Q6_K)
+/// `yb[k]` holds activation `k`'s bytes biased by 128 (32 per block).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn tile_any(kind: u8, w0: &[u8], w1: &[u8], ys: &[&[BlockQ8x32]], out: &mut [[f32; ROWS]]) {
+pub(super) unsafe fn tile_any(
+    kind: u8,
+    w0: &[u8],
+    w1: &[u8],
+    yb: &[&[u8]],
+    ys: &[&[BlockQ8x32]],
+    out: &mut [[f32; ROWS]],
+) {
     unsafe {
         // Five to eight activations: 8 unpacked weight registers + 2 accumulators each still
         // fit the 32 zmm registers, and each unpacked block meets twice as many activations.
         macro_rules! wide {
             ($k:literal) => {
                 match kind {
-                    Q8_0 => tile::<Q8_0, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
-                    Q4_K => tile::<Q4_K, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
-                    Q6_K => tile::<Q6_K, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
-                    _ => tile::<Q4_1, $k>(w0, w1, std::array::from_fn(|i| ys[i]), out),
+                    Q8_0 => tile::<Q8_0, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
+                    Q4_K => tile::<Q4_K, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
+                    Q6_K => tile::<Q6_K, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
+                    _ => tile::<Q4_1, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
                 }
             };
         }
@@ -61,7 +70,7 @@ pub(super) unsafe fn tile_any(kind: u8, w0: &[u8], w1: &[u8], ys: &[&[BlockQ8x32
             7 => wide!(7),
             6 => wide!(6),
             5 => wide!(5),
-            _ => tile_for!(tile, kind, ys, (w0, w1), out),
+            _ => tile_for!(tile, kind, ys, (w0, w1, yb), out),
         }
     }
 }
@@ -71,6 +80,7 @@ pub(super) unsafe fn tile_any(kind: u8, w0: &[u8], w1: &[u8], ys: &[&[BlockQ8x32
 unsafe fn tile<const KIND: u8, const CC: usize>(
     w0: &[u8],
     w1: &[u8],
+    yb: &[&[u8]],
     ys: [&[BlockQ8x32]; CC],
     out: &mut [[f32; ROWS]],
 ) {
@@ -122,16 +132,23 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
                 Q4_K => _mm512_mul_ps(halves(16), bytes(min_bytes_at(sub), false)),
                 _ => _mm512_setzero_ps(),
             };
-            // Unsigned operands for `vpdpbusd` (nibbles, or |w| for the signed kinds) and the
-            // signed kinds' signs.
+            // The unsigned nibbles, or the signed kinds' signed bytes: those meet the activations
+            // biased by 128 (unsigned), and `128 · Σw` per row comes off each dot — exact, the same
+            // integers as the AVX2 tile's sign trick, one instruction per step.
             let mut q = [zero; 8];
-            let mut neg: [__mmask64; 8] = [0; 8];
+            let (mut wsum_lo, mut wsum_hi) = (zero, zero);
             if signed {
-                for (st, (qv, nv)) in q.iter_mut().zip(neg.iter_mut()).enumerate() {
-                    let v = pair(32 * st);
-                    *qv = _mm512_abs_epi8(v);
-                    *nv = _mm512_movepi8_mask(v);
+                let ones = _mm512_set1_epi8(1);
+                for (st, qv) in q.iter_mut().enumerate() {
+                    *qv = pair(32 * st);
+                    if st < 4 {
+                        wsum_lo = _mm512_dpbusd_epi32(wsum_lo, ones, *qv);
+                    } else {
+                        wsum_hi = _mm512_dpbusd_epi32(wsum_hi, ones, *qv);
+                    }
                 }
+                wsum_lo = _mm512_slli_epi32::<7>(wsum_lo);
+                wsum_hi = _mm512_slli_epi32::<7>(wsum_hi);
             } else {
                 for c in 0..4 {
                     let v = pair(32 * c);
@@ -140,18 +157,29 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
                 }
             }
             for k in 0..CC {
-                let yb = ys[k].get_unchecked(b);
-                let a = yb.qs.as_ptr() as *const i32;
+                let yblk = ys[k].get_unchecked(b);
+                let a = yblk.qs.as_ptr() as *const i32;
+                let ab = if signed { yb.get_unchecked(k).as_ptr().add(32 * b) as *const i32 } else { a };
                 let dot = |from: usize, to: usize| {
                     let mut dot = zero;
                     for st in from..to {
-                        let y = _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st)));
-                        let y = if signed { _mm512_mask_sub_epi8(y, neg[st], zero, y) } else { y };
-                        dot = _mm512_dpbusd_epi32(dot, q[st], y);
+                        if signed {
+                            let y = _mm512_set1_epi32(std::ptr::read_unaligned(ab.add(st)));
+                            dot = _mm512_dpbusd_epi32(dot, y, q[st]);
+                        } else {
+                            let y = _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st)));
+                            dot = _mm512_dpbusd_epi32(dot, q[st], y);
+                        }
+                    }
+                    if signed {
+                        dot = _mm512_sub_epi32(dot, if from == 0 { wsum_lo } else { wsum_hi });
+                        if from == 0 && to == 8 {
+                            dot = _mm512_sub_epi32(dot, wsum_hi);
+                        }
                     }
                     _mm512_cvtepi32_ps(dot)
                 };
-                let yd = _mm512_set1_ps(yb.d);
+                let yd = _mm512_set1_ps(yblk.d);
                 if KIND == Q6_K {
                     acc[k] = _mm512_fmadd_ps(dot(0, 4), _mm512_mul_ps(dw, yd), acc[k]);
                     acc[k] = _mm512_fmadd_ps(dot(4, 8), _mm512_mul_ps(dw_hi, yd), acc[k]);
@@ -159,9 +187,9 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
                     acc[k] = _mm512_fmadd_ps(dot(0, 8), _mm512_mul_ps(dw, yd), acc[k]);
                 }
                 if KIND == Q4_1 {
-                    accm[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(yb.s), accm[k]);
+                    accm[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(yblk.s), accm[k]);
                 } else if KIND == Q4_K {
-                    accm[k] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(yb.s), accm[k]);
+                    accm[k] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(yblk.s), accm[k]);
                 }
             }
         }
