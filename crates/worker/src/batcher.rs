@@ -471,7 +471,7 @@ impl Batcher {
         self.stats.steps += 1;
         self.stats.prompt_tokens_computed += prompt_tokens;
         self.stats.flops += (prompt_tokens + decode_tokens) as f64 * self.flops_per_token;
-        if self.step_log.is_some() {
+        if let Some(mut log) = self.step_log.take() {
             let rec = StepRecord {
                 rows: plan.iter().filter(|&&n| n > 0).count(),
                 prefill_tokens: prompt_tokens as usize,
@@ -482,9 +482,8 @@ impl Batcher {
                 free_blocks: self.available(),
                 ..StepRecord::default()
             };
-            if let Some(log) = self.step_log.as_mut() {
-                log.record(t0, now, rec);
-            }
+            log.record(self.started, t0, now, rec);
+            self.step_log = Some(log);
         }
         let mut logits = match result {
             Ok(out) => out.logits.into_iter(),

@@ -131,7 +131,7 @@ impl Worker {
         let step_log = match &config.step_log {
             Some(p) => {
                 let path = crate::batcher::step_log_path(p, &config.id.0);
-                let log = StepLog::create(&path, Instant::now()).map_err(|e| {
+                let log = StepLog::create(&path).map_err(|e| {
                     WorkerError::Config(format!("cannot create the step log {}: {e}", path.display()))
                 })?;
                 Some(log)

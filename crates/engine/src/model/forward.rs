@@ -117,7 +117,7 @@ impl Model {
 
     /// [`Model::linear`] for several matrices reading the same `x` (Q, K and V; gate and up):
     /// `x` is quantized once per activation kind and the matrices sharing it run as one parallel
-    /// region. Matrices with a repacked copy (Q4_1, Q8_0, Q4_K, Q6_K) always run the 8-row integer tiles —
+    /// region. Matrices with a repacked copy (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) always run the 8-row integer tiles —
     /// for prefill too: they beat dequantize + f32 GEMM on this CPU class (measured: 600 vs 530
     /// prompt tok/s at 512 tokens), and one kernel for every batch size means a prompt's logits
     /// do not depend on its chunking or on a prefix-cache hit. Other types take dequantize + f32

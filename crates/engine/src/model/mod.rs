@@ -63,8 +63,8 @@ impl AsRef<[u8]> for ModelBytes {
     }
 }
 
-/// A weight matrix: a type, a shape and where its bytes are in the file, plus (Q4_1, Q8_0, Q4_K,
-/// Q6_K) a copy repacked eight rows at a time that every product of it runs on.
+/// A weight matrix: a type, a shape and where its bytes are in the file, plus (Q4_1, Q8_0, Q5_0,
+/// Q4_K, Q6_K) a copy repacked eight rows at a time that every product of it runs on.
 #[derive(Debug, Clone)]
 pub struct Mat {
     ty: GgmlType,
@@ -173,7 +173,7 @@ impl Model {
             })
             .collect::<Result<Vec<_>>>()?;
         let output_norm = vec("output_norm.weight", d)?;
-        // Repacked copies of every matrix the forward pass multiplies (Q4_1, Q8_0, Q4_K, Q6_K;
+        // Repacked copies of every matrix the forward pass multiplies (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K;
         // the embedding lookups keep reading the file's rows).
         let (mut layers, mut output) = (layers, output);
         let mats = layers.iter_mut().flat_map(|l| {

@@ -1,4 +1,4 @@
-//! Q4_1, Q8_0, Q4_K and Q6_K weights repacked eight rows at a time: the kernel of every product
+//! Q4_1, Q8_0, Q5_0 (as Q8_0), Q4_K and Q6_K weights repacked eight rows at a time: the kernel of every product
 //! of those types, decode (one to a few dozen activations) and prefill alike.
 //!
 //! In ggml's row layout a 32-element block's dot product ends in an 8-lane vector per (row,
@@ -64,7 +64,7 @@ const C: usize = 4;
 /// Row groups per parallel task.
 const GROUPS_PER_TASK: usize = 8;
 
-/// A Q4_1, Q8_0, Q4_K or Q6_K matrix repacked eight rows at a time (an owned copy).
+/// A Q4_1, Q8_0, Q5_0, Q4_K or Q6_K matrix repacked eight rows at a time (an owned copy).
 #[derive(Clone)]
 pub struct Interleaved {
     ty: GgmlType,
@@ -81,7 +81,7 @@ impl std::fmt::Debug for Interleaved {
 }
 
 impl Interleaved {
-    /// Repacks `m`; `None` unless it is Q4_1, Q8_0, Q4_K or Q6_K with a whole number of 8-row
+    /// Repacks `m`; `None` unless it is Q4_1, Q8_0, Q5_0, Q4_K or Q6_K with a whole number of 8-row
     /// groups.
     pub fn from_matrix(m: &QMatrix<'_>) -> Option<Self> {
         let kind = kind_of(m.ty())?;

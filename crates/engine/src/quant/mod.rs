@@ -8,7 +8,7 @@
 //! - `tile_avx2`: register tiles (rows × activations) for the 32-block types, the one kernel
 //!   behind their matvec and batched products, so every pair is computed identically;
 //! - `matrix`: [`QMatrix`], a borrowed 2-D weight with rayon-parallel matvec and dequantize;
-//! - `interleave`: [`Interleaved`], Q4_1/Q8_0/Q4_K/Q6_K weights repacked eight rows at a time
+//! - `interleave`: [`Interleaved`], Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights repacked eight rows at a time
 //!   (`interleave_pack`: the layouts), the kernel the forward pass uses for every product of
 //!   those types; `interleave_avx2` and `interleave_avx512`: the same products eight and sixteen
 //!   rows at a time, bit-identical to the portable one.
@@ -332,19 +332,22 @@ pub(crate) fn dot_unchecked(kernel: Resolved, ty: GgmlType, row: &[u8], act: &Qu
     if kernel.0 {
         // SAFETY: `Resolved(true)` means the CPU features were detected, and `check_dot`
         // matched the lengths.
-        unsafe {
-            return match (ty, act) {
-                (GgmlType::F32, QuantizedActivation::F32(x)) => dot_avx2::dot_f32(row, x),
-                (GgmlType::F16, QuantizedActivation::F32(x)) => dot_avx2::dot_f16(row, x),
-                (GgmlType::Q4_0, QuantizedActivation::Q8x32(y)) => dot_avx2::dot_q4_0(row, y),
-                (GgmlType::Q4_1, QuantizedActivation::Q8x32(y)) => dot_avx2::dot_q4_1(row, y),
-                (GgmlType::Q8_0, QuantizedActivation::Q8x32(y)) => dot_avx2::dot_q8_0(row, y),
-                // No row-layout kernel of its own: its matrices run repacked (as Q8_0).
-                (GgmlType::Q5_0, QuantizedActivation::Q8x32(y)) => dot_scalar::dot_q5_0(row, y),
-                (GgmlType::Q4_K, QuantizedActivation::Q8K(y)) => dot_avx2::dot_q4_k(row, y),
-                (GgmlType::Q6_K, QuantizedActivation::Q8K(y)) => dot_avx2::dot_q6_k(row, y),
-                _ => f32::NAN,
-            };
+        // Types without an AVX2 row kernel (Q5_0: its matrices run repacked, as Q8_0) fall
+        // through to the portable one below.
+        let fast = unsafe {
+            match (ty, act) {
+                (GgmlType::F32, QuantizedActivation::F32(x)) => Some(dot_avx2::dot_f32(row, x)),
+                (GgmlType::F16, QuantizedActivation::F32(x)) => Some(dot_avx2::dot_f16(row, x)),
+                (GgmlType::Q4_0, QuantizedActivation::Q8x32(y)) => Some(dot_avx2::dot_q4_0(row, y)),
+                (GgmlType::Q4_1, QuantizedActivation::Q8x32(y)) => Some(dot_avx2::dot_q4_1(row, y)),
+                (GgmlType::Q8_0, QuantizedActivation::Q8x32(y)) => Some(dot_avx2::dot_q8_0(row, y)),
+                (GgmlType::Q4_K, QuantizedActivation::Q8K(y)) => Some(dot_avx2::dot_q4_k(row, y)),
+                (GgmlType::Q6_K, QuantizedActivation::Q8K(y)) => Some(dot_avx2::dot_q6_k(row, y)),
+                _ => None,
+            }
+        };
+        if let Some(v) = fast {
+            return v;
         }
     }
     let _ = kernel;

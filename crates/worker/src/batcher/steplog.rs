@@ -21,21 +21,21 @@ pub fn step_log_path(path: &Path, worker: &str) -> PathBuf {
 pub(crate) struct StepLog {
     out: Option<BufWriter<File>>,
     path: PathBuf,
-    started: Instant,
     last_end: Option<Instant>,
 }
 
 impl StepLog {
     /// Creates (truncates) the log at `path`.
-    pub(crate) fn create(path: &Path, started: Instant) -> std::io::Result<Self> {
+    pub(crate) fn create(path: &Path) -> std::io::Result<Self> {
         let file = File::create(path)?;
-        Ok(Self { out: Some(BufWriter::new(file)), path: path.to_owned(), started, last_end: None })
+        Ok(Self { out: Some(BufWriter::new(file)), path: path.to_owned(), last_end: None })
     }
 
-    /// Writes one step that ran from `t0` to `t1`; `rec`'s times are filled in here.
-    pub(crate) fn record(&mut self, t0: Instant, t1: Instant, mut rec: StepRecord) {
+    /// Writes one step that ran from `t0` to `t1` of a worker started at `started`; `rec`'s
+    /// times are filled in here.
+    pub(crate) fn record(&mut self, started: Instant, t0: Instant, t1: Instant, mut rec: StepRecord) {
         let us = |d: std::time::Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-        rec.start_us = us(t0.saturating_duration_since(self.started));
+        rec.start_us = us(t0.saturating_duration_since(started));
         rec.dur_us = us(t1.saturating_duration_since(t0));
         rec.gap_us = self.last_end.map(|e| us(t0.saturating_duration_since(e)));
         self.last_end = Some(t1);
@@ -64,10 +64,10 @@ mod tests {
         let path = step_log_path(&dir.join("steps-{worker}.jsonl"), "d0");
         assert!(path.ends_with("steps-d0.jsonl"));
         let t = Instant::now();
-        let mut log = StepLog::create(&path, t).unwrap();
+        let mut log = StepLog::create(&path).unwrap();
         let ms = Duration::from_millis;
-        log.record(t + ms(1), t + ms(4), StepRecord { rows: 2, ..StepRecord::default() });
-        log.record(t + ms(6), t + ms(7), StepRecord { rows: 1, ..StepRecord::default() });
+        log.record(t, t + ms(1), t + ms(4), StepRecord { rows: 2, ..StepRecord::default() });
+        log.record(t, t + ms(6), t + ms(7), StepRecord { rows: 1, ..StepRecord::default() });
         let text = std::fs::read_to_string(&path).unwrap();
         let recs: Vec<StepRecord> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         assert_eq!(recs.len(), 2);
