@@ -23,6 +23,11 @@ use tokenpath_bench::report::{load_records, Report, ReportOptions};
 use tokenpath_engine::tokenizer::sandbox;
 use tokenpath_timeline::SloSpec;
 
+/// mimalloc instead of glibc's malloc: the gateway allocates and frees small buffers for every
+/// chunk it relays (measured: glibc's malloc/free were ~12% of the gateway's CPU per request).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// tokenpath: an LLM serving stack timed at every stage of the request path.
 #[derive(Debug, Parser)]
 #[command(name = "tokenpath", version, propagate_version = true)]

@@ -99,6 +99,18 @@ impl ChatTemplate {
         messages: &[PromptMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
+        if self.sandbox.is_none() {
+            // In-process: the messages go to the template as they are, not through a JSON tree
+            // and its copy (what `render_json` needs for the sandbox's wire).
+            #[derive(serde::Serialize)]
+            struct Message<'a> {
+                role: &'a str,
+                content: &'a str,
+            }
+            let msgs: Vec<Message<'_>> =
+                messages.iter().map(|m| Message { role: m.role.as_str(), content: &m.content }).collect();
+            return self.render_value(Value::from_serialize(&msgs), add_generation_prompt, None);
+        }
         let msgs: Vec<serde_json::Value> = messages
             .iter()
             .map(|m| serde_json::json!({"role": m.role.as_str(), "content": m.content}))
@@ -127,14 +139,32 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, TokenizerError> {
+        self.render_value(Value::from_serialize(messages), add_generation_prompt, Some(extra))
+    }
+
+    /// Renders `messages` (already a template value) with the extra top-level variables.
+    fn render_value(
+        &self,
+        messages: Value,
+        add_generation_prompt: bool,
+        extra: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) -> Result<String, TokenizerError> {
         pycompat::reset_work_budget();
-        let mut ctx = extra.clone();
-        ctx.insert("messages".into(), messages.clone());
-        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
-        ctx.insert("bos_token".into(), self.bos_token.clone().into());
-        ctx.insert("eos_token".into(), self.eos_token.clone().into());
+        let fixed = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+        };
+        // The fixed variables win over an extra one of the same name, as they always have.
+        let ctx = match extra {
+            Some(extra) if !extra.is_empty() => {
+                minijinja::context! { ..fixed, ..Value::from_serialize(extra) }
+            }
+            _ => fixed,
+        };
         let tmpl = self.env.get_template(NAME).map_err(|e| TokenizerError::TemplateRender(describe(&e)))?;
-        tmpl.render(Value::from_serialize(&ctx)).map_err(|e| TokenizerError::TemplateRender(describe(&e)))
+        tmpl.render(ctx).map_err(|e| TokenizerError::TemplateRender(describe(&e)))
     }
 }
 

@@ -7,15 +7,18 @@
 use super::{chat_template_from_gguf, tokenizer_from_gguf, ChatTemplate, Tokenizer, TokenizerError};
 use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, GgufIndex};
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use tokenpath_protocol::tokenize::{too_long, PromptTokenizer};
-use tokenpath_protocol::{PromptMessage, ProtocolError};
+use tokenpath_protocol::{PromptMessage, ProtocolError, Role};
 
 /// A model's tokenizer and (optional) chat template.
 #[derive(Debug)]
 pub struct ModelTokenizer {
     tokenizer: Tokenizer,
     chat: Option<ChatTemplate>,
+    skeletons: Skeletons,
 }
 
 impl ModelTokenizer {
@@ -23,7 +26,7 @@ impl ModelTokenizer {
     pub fn from_gguf(g: &GgufIndex) -> Result<Self> {
         let tokenizer = tokenizer_from_gguf(g)?;
         let chat = chat_template_from_gguf(g, &tokenizer)?;
-        Ok(Self { tokenizer, chat })
+        Ok(Self { tokenizer, chat, skeletons: Skeletons::default() })
     }
 
     /// Reads only the tokenizer metadata of the GGUF file at `path` (the file is memory-mapped
@@ -66,50 +69,34 @@ impl ModelTokenizer {
     /// random marker, which finds the content spans; template text is tokenized with specials,
     /// content without. A template that transforms the content (so the two renders disagree)
     /// falls back to tokenizing the whole render with specials, as before, with a warning.
+    /// The marker render depends on the roles alone, so it is remembered per role sequence
+    /// ([`Skeletons`]) and every use is checked against the real render as a fresh one is.
     pub fn encode_chat_within(&self, messages: &[PromptMessage], n_ctx: usize) -> Result<Vec<u32>> {
         let text = self.render_chat(messages)?;
         let tok = &self.tokenizer;
         if text.len() > n_ctx.saturating_mul(tok.max_token_bytes()) {
             return Err(TokenizerError::TooLong { limit: n_ctx }.into());
         }
-        let mut nonce = [0u8; 16];
-        getrandom::fill(&mut nonce).map_err(|e| EngineError::InvalidModel(format!("no randomness: {e}")))?;
-        let tag: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
-        let marker = |i: usize| format!("\u{e000}{tag}:{i}\u{e001}");
-        let marked: Vec<PromptMessage> =
-            messages.iter().enumerate().map(|(i, m)| PromptMessage::new(m.role, marker(i))).collect();
-        let chat = self.chat.as_ref().ok_or_else(|| {
-            EngineError::InvalidModel("the model file has no tokenizer.chat_template".into())
-        })?;
-        let skeleton = chat.render(&marked, true)?;
-        // Split the skeleton at the markers, in order; each must appear exactly where the
-        // content does in the real render.
-        let mut pieces: Vec<(&str, bool)> = Vec::new();
-        let mut rest = skeleton.as_str();
-        let mut rebuilt = String::with_capacity(text.len());
-        while let Some(at) = rest.find('\u{e000}') {
-            let (before, tail) = rest.split_at(at);
-            let Some(end) = tail.find('\u{e001}') else { break };
-            let inner = &tail[3..end];
-            let idx = inner
-                .strip_prefix(&tag)
-                .and_then(|r| r.strip_prefix(':'))
-                .and_then(|r| r.parse::<usize>().ok());
-            let Some(i) = idx.filter(|&i| i < messages.len()) else { break };
-            pieces.push((before, true));
-            pieces.push((messages[i].content.as_str(), false));
-            rebuilt.push_str(before);
-            rebuilt.push_str(&messages[i].content);
-            rest = &tail[end + 3..];
+        let roles: Vec<Role> = messages.iter().map(|m| m.role).collect();
+        // A remembered skeleton first; a stale or missing one (a template that reads the clock,
+        // a first sighting of these roles) is rendered afresh and checked again.
+        let mut skeleton = self.skeletons.get(&roles);
+        let mut pieces = skeleton.as_deref().and_then(|sk| sk.spans(messages, &text));
+        if pieces.is_none() {
+            skeleton = Some(Arc::new(self.render_skeleton(messages)?));
+            pieces = skeleton.as_deref().and_then(|sk| sk.spans(messages, &text));
+            if let (Some(_), Some(sk)) = (&pieces, &skeleton) {
+                // Remembered only when it fits: a template that transforms content keeps
+                // costing two renders, not three.
+                self.skeletons.put(roles, Arc::clone(sk));
+            }
         }
-        pieces.push((rest, true));
-        rebuilt.push_str(rest);
-        if rebuilt != text {
+        let Some(pieces) = pieces else {
             tracing::warn!(
                 "the chat template transforms message content; special tokens are parsed in the whole prompt"
             );
             return Ok(tok.encode_at_most(&text, true, true, n_ctx)?);
-        }
+        };
         let mut out = Vec::new();
         if tok.add_bos() {
             out.extend(tok.bos());
@@ -124,6 +111,83 @@ impl ModelTokenizer {
             out.extend(tok.eos());
         }
         Ok(out)
+    }
+}
+
+impl ModelTokenizer {
+    /// The template rendered with every content replaced by a random marker.
+    fn render_skeleton(&self, messages: &[PromptMessage]) -> Result<Skeleton> {
+        let mut nonce = [0u8; 16];
+        getrandom::fill(&mut nonce).map_err(|e| EngineError::InvalidModel(format!("no randomness: {e}")))?;
+        let tag: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+        let marked: Vec<PromptMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| PromptMessage::new(m.role, format!("\u{e000}{tag}:{i}\u{e001}")))
+            .collect();
+        let chat = self.chat.as_ref().ok_or_else(|| {
+            EngineError::InvalidModel("the model file has no tokenizer.chat_template".into())
+        })?;
+        Ok(Skeleton { text: chat.render(&marked, true)?, tag })
+    }
+}
+
+/// A chat render with each message's content replaced by `\u{e000}{tag}:{i}\u{e001}`.
+#[derive(Debug)]
+struct Skeleton {
+    text: String,
+    tag: String,
+}
+
+impl Skeleton {
+    /// `text` (the real render of `messages`) as template pieces (`true`) and contents
+    /// (`false`), in order; `None` unless the skeleton with the contents put back is `text`
+    /// exactly (a template that transforms content, or a skeleton from another clock).
+    fn spans<'a>(&'a self, messages: &'a [PromptMessage], text: &str) -> Option<Vec<(&'a str, bool)>> {
+        let mut pieces: Vec<(&str, bool)> = Vec::new();
+        let mut rest = self.text.as_str();
+        let mut rebuilt = String::with_capacity(text.len());
+        while let Some(at) = rest.find('\u{e000}') {
+            let (before, tail) = rest.split_at(at);
+            let Some(end) = tail.find('\u{e001}') else { break };
+            let inner = &tail[3..end];
+            let idx = inner
+                .strip_prefix(&self.tag)
+                .and_then(|r| r.strip_prefix(':'))
+                .and_then(|r| r.parse::<usize>().ok());
+            let Some(i) = idx.filter(|&i| i < messages.len()) else { break };
+            pieces.push((before, true));
+            pieces.push((messages[i].content.as_str(), false));
+            rebuilt.push_str(before);
+            rebuilt.push_str(&messages[i].content);
+            rest = &tail[end + 3..];
+        }
+        pieces.push((rest, true));
+        rebuilt.push_str(rest);
+        (rebuilt == text).then_some(pieces)
+    }
+}
+
+/// Most role sequences whose skeletons are remembered; past it the memory starts over (a
+/// client sending ever new sequences costs a render each, never memory).
+const SKELETONS: usize = 256;
+
+/// Skeletons by role sequence. A plain mutex, not an owning task: this is a memo beside a
+/// synchronous tokenizer, held for a map lookup, never across a render or an await.
+#[derive(Debug, Default)]
+struct Skeletons(Mutex<HashMap<Vec<Role>, Arc<Skeleton>>>);
+
+impl Skeletons {
+    fn get(&self, roles: &[Role]) -> Option<Arc<Skeleton>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).get(roles).cloned()
+    }
+
+    fn put(&self, roles: Vec<Role>, skeleton: Arc<Skeleton>) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= SKELETONS {
+            map.clear();
+        }
+        map.insert(roles, skeleton);
     }
 }
 
