@@ -46,7 +46,9 @@ pub use stream::{
     sse_event, ChatChunkChoice, ChatCompletionChunk, ChatStream, CompletionChunk, CompletionStream, Delta,
     SSE_DONE,
 };
-pub use view::{parse_response_body, parse_stream_chunk, parse_stream_value, StreamChunkView};
+pub use view::{
+    parse_response_body, parse_stream_chunk, parse_stream_parts, parse_stream_value, StreamChunkView,
+};
 
 use tokenpath_timeline::{ServerTiming, Stage};
 

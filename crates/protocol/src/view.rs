@@ -13,6 +13,7 @@
 use crate::response::{FinishReason, Usage};
 use crate::{ErrorDetail, ProtocolError};
 use serde_json::{Map, Value};
+use std::borrow::Cow;
 use tokenpath_timeline::ServerTiming;
 
 /// What one event (or body) carries.
@@ -96,7 +97,7 @@ fn read_choice(c: &Value, view: &mut StreamChunkView) {
     fn s(v: Option<&Value>) -> &str {
         v.and_then(Value::as_str).unwrap_or("")
     }
-    let inner = c.get("delta").or_else(|| c.get("message"));
+    let inner = c.get("delta").filter(|d| !d.is_null()).or_else(|| c.get("message"));
     view.text.push_str(s(inner.and_then(|d| d.get("content"))));
     view.text.push_str(s(c.get("text")));
     let reasoning = inner
@@ -105,6 +106,77 @@ fn read_choice(c: &Value, view: &mut StreamChunkView) {
     if view.finish_reason.is_none() {
         view.finish_reason = c.get("finish_reason").and_then(Value::as_str).map(FinishReason::from_wire);
     }
+}
+
+/// Reads an event payload a relay split in two: `rest`, the chunk's other members parsed, and
+/// `choices`, that member's JSON text as it came (absent when the chunk had none). The view is
+/// [`parse_stream_value`]'s of the whole chunk; the flag says whether it had a choice.
+///
+/// The choices are read straight from their bytes into borrowed fields (`choices` is most of
+/// every chunk, and a tree of it was the largest part of a relay's cost per chunk); anything
+/// the borrowed shape does not take — a member of an unexpected type, a duplicate key, an
+/// escape that needs a copy is fine — falls back to the tree walk, so the two readers cannot
+/// disagree.
+pub fn parse_stream_parts(
+    rest: &Value,
+    choices: Option<&str>,
+) -> Result<(StreamChunkView, bool), ProtocolError> {
+    let mut view = view_of(rest)?;
+    let Some(raw) = choices else { return Ok((view, false)) };
+    match serde_json::from_str::<Option<Vec<WireChoice<'_>>>>(raw) {
+        Ok(cs) => {
+            let cs = cs.unwrap_or_default();
+            for c in &cs {
+                let inner = c.delta.as_ref().or(c.message.as_ref());
+                if let Some(d) = inner {
+                    view.text.push_str(d.content.as_deref().unwrap_or(""));
+                    let r = d.reasoning_content.as_deref().or(d.reasoning.as_deref());
+                    view.reasoning_text.push_str(r.unwrap_or(""));
+                }
+                view.text.push_str(c.text.as_deref().unwrap_or(""));
+                if view.finish_reason.is_none() {
+                    view.finish_reason = c.finish_reason.as_deref().map(FinishReason::from_wire);
+                }
+            }
+            Ok((view, !cs.is_empty()))
+        }
+        Err(_) => match serde_json::from_str::<Value>(raw) {
+            Ok(Value::Null) => Ok((view, false)),
+            Ok(Value::Array(cs)) => {
+                for c in &cs {
+                    read_choice(c, &mut view);
+                }
+                Ok((view, !cs.is_empty()))
+            }
+            Ok(_) => Err(bad("`choices` is not an array".to_owned())),
+            Err(e) => Err(bad(format!("`choices`: {e}"))),
+        },
+    }
+}
+
+/// The members of one choice the view reads, borrowed from the chunk's bytes where they have
+/// no escapes (every other member is skipped unparsed).
+#[derive(serde::Deserialize)]
+struct WireChoice<'a> {
+    #[serde(borrow, default)]
+    delta: Option<WireInner<'a>>,
+    #[serde(borrow, default)]
+    message: Option<WireInner<'a>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    finish_reason: Option<Cow<'a, str>>,
+}
+
+/// A choice's `delta` (streamed) or `message` (a whole body).
+#[derive(serde::Deserialize)]
+struct WireInner<'a> {
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    reasoning: Option<Cow<'a, str>>,
 }
 
 /// `{"error": {...}}`, `{"error": "text"}`, or old vLLM's top-level `{"object": "error", ...}`.
@@ -139,6 +211,7 @@ fn error_of(obj: &Map<String, Value>) -> Option<ErrorDetail> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn done_and_role_only_events_carry_no_tokens() {
@@ -209,6 +282,108 @@ mod tests {
     fn garbage_is_a_typed_error() {
         for bad in ["", "{", "[1]", "42", r#"{"choices":3}"#, r#"{"usage":{"prompt_tokens":"x"}}"#] {
             assert!(matches!(parse_stream_chunk(bad), Err(ProtocolError::InvalidResponse { .. })), "{bad}");
+        }
+    }
+
+    /// The split reading (`choices` from its bytes) against the tree walk of the whole chunk.
+    fn split_agrees(chunk: &str) -> Result<(), String> {
+        let whole: Value = serde_json::from_str(chunk).map_err(|e| e.to_string())?;
+        let Value::Object(mut rest) = whole.clone() else { return Ok(()) };
+        let raw = rest.remove("choices").map(|c| c.to_string());
+        let split = parse_stream_parts(&Value::Object(rest), raw.as_deref());
+        let tree = parse_stream_value(&whole);
+        match (split, tree) {
+            (Ok((a, any)), Ok(b)) => {
+                let has = whole.get("choices").and_then(Value::as_array).is_some_and(|c| !c.is_empty());
+                if a != b || any != has {
+                    return Err(format!("{chunk}: {a:?} / {b:?} ({any} vs {has})"));
+                }
+                Ok(())
+            }
+            (Err(_), Err(_)) => Ok(()),
+            (a, b) => Err(format!("{chunk}: {a:?} / {b:?}")),
+        }
+    }
+
+    #[test]
+    fn the_split_reading_agrees_with_the_tree_on_every_dialect() {
+        for c in [
+            r#"{"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+            r#"{"choices":[{"delta":{"reasoning_content":"think","content":null},"logprobs":null}]}"#,
+            r#"{"choices":[{"delta":{"reasoning_content":null,"reasoning":"r"}}]}"#,
+            r#"{"choices":[{"index":0,"text":" hi","finish_reason":"length"}],"usage":null}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}"#,
+            r#"{"choices":[{"delta":{"content":"a\u00e9\n"}},{"delta":{"content":"b"},"finish_reason":"stop"}]}"#,
+            r#"{"choices":[{"message":{"content":"whole"},"finish_reason":"stop"}]}"#,
+            r#"{"choices":[{"delta":null,"message":{"content":"m"}}]}"#,
+            r#"{"choices":[{"delta":"odd","text":5,"finish_reason":7}]}"#,
+            r#"{"choices":[{"delta":{"content":["part"]}}]}"#,
+            r#"{"choices":null}"#,
+            r#"{"choices":3}"#,
+            r#"{"choices":[1,"x",null]}"#,
+            r#"{"error":{"message":"boom"},"choices":[]}"#,
+        ] {
+            split_agrees(c).unwrap();
+        }
+    }
+
+    fn leaf() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i32>().prop_map(Value::from),
+            "[a-z\\\\\"é\n]{0,6}".prop_map(Value::from),
+        ]
+    }
+
+    fn member(names: &'static [&'static str]) -> impl Strategy<Value = Value> {
+        let inner = proptest::collection::vec((proptest::sample::select(names), leaf()), 0..4)
+            .prop_map(|kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()));
+        prop_oneof![leaf(), inner]
+    }
+
+    fn choice() -> impl Strategy<Value = Value> {
+        const INNER: &[&str] = &["content", "reasoning_content", "reasoning", "role"];
+        let fields = (
+            proptest::option::of(member(INNER)),
+            proptest::option::of(member(INNER)),
+            proptest::option::of(leaf()),
+            proptest::option::of(prop_oneof![leaf(), Just(Value::from("stop")), Just(Value::from("length"))]),
+        );
+        prop_oneof![
+            leaf(),
+            fields.prop_map(|(d, m, t, f)| {
+                let mut o = Map::new();
+                for (k, v) in [("delta", d), ("message", m), ("text", t), ("finish_reason", f)] {
+                    if let Some(v) = v {
+                        o.insert(k.to_owned(), v);
+                    }
+                }
+                Value::Object(o)
+            }),
+        ]
+    }
+
+    proptest! {
+        /// Any chunk shape: the split reading and the tree walk give the same view (or both
+        /// refuse it).
+        #[test]
+        fn the_split_reading_agrees_with_the_tree(
+            choices in proptest::option::of(prop_oneof![
+                leaf(),
+                proptest::collection::vec(choice(), 0..4).prop_map(Value::Array),
+            ]),
+            usage in proptest::option::of(Just(serde_json::json!({"prompt_tokens": 1, "completion_tokens": 2}))),
+        ) {
+            let mut o = Map::new();
+            if let Some(c) = choices {
+                o.insert("choices".into(), c);
+            }
+            if let Some(u) = usage {
+                o.insert("usage".into(), u);
+            }
+            let chunk = Value::Object(o).to_string();
+            prop_assert!(split_agrees(&chunk).is_ok(), "{}", split_agrees(&chunk).unwrap_err());
         }
     }
 }

@@ -9,17 +9,22 @@
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
+use std::borrow::Cow;
 
-/// Members passed on untouched and never read (the relay parses all others).
+/// Members passed on untouched and never read as a tree (the relay parses all others).
 const UNREAD: [&str; 4] = ["id", "created", "model", "system_fingerprint"];
+/// The member read from its bytes (`parse_stream_parts`), never as a tree.
+const CHOICES: &str = "choices";
 
 /// A chunk: its top-level members as sent, and the parsed ones the relay reads and may change.
 #[derive(Debug)]
 pub(super) struct Chunk<'a> {
     members: Members<'a>,
-    /// Every member but [`UNREAD`] ones, parsed (what `parse_stream_value` and the engine-stage
-    /// readers look at; `usage` is written back from here).
+    /// Every member but [`UNREAD`] ones and `choices`, parsed (what the view and the
+    /// engine-stage readers look at; `usage` is written back from here).
     pub(super) value: Value,
+    /// `choices` as it came.
+    choices: Option<&'a str>,
 }
 
 impl<'a> Chunk<'a> {
@@ -27,12 +32,20 @@ impl<'a> Chunk<'a> {
     pub(super) fn parse(data: &'a str) -> Result<Self, serde_json::Error> {
         let members: Members<'a> = serde_json::from_str(data)?;
         let mut value = Map::new();
+        let mut choices = None;
         for (k, raw) in &members.0 {
-            if !UNREAD.contains(&k.as_str()) {
-                value.insert(k.clone(), serde_json::from_str(raw.get())?);
+            if k == CHOICES {
+                choices = Some(raw.get());
+            } else if !UNREAD.contains(&k.as_ref()) {
+                value.insert(k.to_string(), serde_json::from_str(raw.get())?);
             }
         }
-        Ok(Self { members, value: Value::Object(value) })
+        Ok(Self { members, value: Value::Object(value), choices })
+    }
+
+    /// The `choices` member's JSON text (absent: the chunk had none).
+    pub(super) fn choices(&self) -> Option<&'a str> {
+        self.choices
     }
 
     /// The chunk for the client: `model` set to `model`, the engine's `timing` dropped and
@@ -45,14 +58,16 @@ impl<'a> Chunk<'a> {
             if out.len() > 1 {
                 out.push(',');
             }
-            out.push_str(&Value::from(key).to_string());
+            push_json_str(out, key);
             out.push(':');
             out.push_str(value);
         };
+        let mut model_json = String::with_capacity(model.len() + 2);
+        push_json_str(&mut model_json, model);
         for (k, raw) in &self.members.0 {
-            match k.as_str() {
+            match k.as_ref() {
                 "timing" => {}
-                "model" => member(&mut out, k, &Value::from(model).to_string()),
+                "model" => member(&mut out, k, &model_json),
                 "usage" => {
                     // Taken off (`value` no longer has it) when the client did not ask for it.
                     if let Some(u) = self.value.get("usage") {
@@ -70,9 +85,25 @@ impl<'a> Chunk<'a> {
     }
 }
 
-/// Top-level members in their order, each value as its bytes.
+/// Appends `s` as a JSON string: as it is between quotes when nothing in it needs an escape
+/// (every member name and model name in practice), else through serde_json.
+fn push_json_str(out: &mut String, s: &str) {
+    if s.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
+        out.push_str(&Value::from(s).to_string());
+    } else {
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    }
+}
+
+/// Top-level members in their order, each value as its bytes (names borrowed unless escaped).
 #[derive(Debug)]
-struct Members<'a>(Vec<(String, &'a RawValue)>);
+struct Members<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
+
+/// A member name, borrowed from the chunk when it has no escape.
+#[derive(serde::Deserialize)]
+struct Name<'a>(#[serde(borrow)] Cow<'a, str>);
 
 impl Members<'_> {
     fn len(&self) -> usize {
@@ -90,8 +121,8 @@ impl<'de> Deserialize<'de> for Members<'de> {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let mut out = Vec::new();
-                while let Some(member) = map.next_entry::<String, &'de RawValue>()? {
-                    out.push(member);
+                while let Some((Name(k), v)) = map.next_entry::<Name<'de>, &'de RawValue>()? {
+                    out.push((k, v));
                 }
                 Ok(Members(out))
             }
@@ -110,7 +141,8 @@ mod tests {
             "choices":[{"index":0,"delta":{"content":"h\u00e9"},"logprobs":{"content":[{"token":"x","logprob":-0.5e0}]},"finish_reason":null}],
             "timing":{"stages_ms":{}},"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
         let mut c = Chunk::parse(data).unwrap();
-        assert!(c.value.get("model").is_none() && c.value.get("choices").is_some());
+        assert!(c.value.get("model").is_none() && c.value.get("choices").is_none());
+        assert!(c.choices().is_some_and(|raw| raw.starts_with(r#"[{"index":0"#)));
         c.value["usage"]["prompt_tokens_details"] = serde_json::json!({"cached_tokens": 2});
         let out = c.render("served", Some(&serde_json::json!({"stages_ms": {"gateway": 0.1}})));
         assert!(out.starts_with(r#"{"id":"c-1","object":"chat.completion.chunk","created":7,"model":"served","choices":[{"index":0,"delta":{"content":"h\u00e9"},"logprobs":{"content":[{"token":"x","logprob":-0.5e0}]}"#), "{out}");
@@ -118,6 +150,14 @@ mod tests {
         assert_eq!(back["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
         assert_eq!(back["timing"]["stages_ms"]["gateway"], 0.1);
         assert_eq!(out.matches("timing").count(), 1, "the engine's timing is replaced: {out}");
+    }
+
+    #[test]
+    fn names_that_need_escapes_are_escaped() {
+        let c = Chunk::parse(r#"{"a\"b":1,"model":"m","t\u0001":2}"#).unwrap();
+        let out = c.render("x\"y", None);
+        assert_eq!(out, r#"{"a\"b":1,"model":"x\"y","t\u0001":2}"#);
+        assert!(serde_json::from_str::<Value>(&out).is_ok());
     }
 
     #[test]

@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 use tokenpath_protocol::cluster::peer_message;
 use tokenpath_protocol::work::{StreamSender, TokenMeter, TokenUsage, WorkEvent};
 use tokenpath_protocol::{
-    parse_stream_value, FinishReason as WireFinish, SseDecoder, SseEvent, StreamChunkView, Usage,
+    parse_stream_parts, parse_stream_value, FinishReason as WireFinish, SseDecoder, SseEvent,
+    StreamChunkView, Usage,
 };
 use tokenpath_timeline::{FinishReason, ServerTiming, Stage, StageSource};
 use tokio::sync::oneshot;
@@ -240,11 +241,11 @@ impl Relay {
         let Ok(mut chunk) = Chunk::parse(data) else {
             return Flow::Failed("it sent a chunk that is not a JSON object".into());
         };
-        let v = &mut chunk.value;
-        let view = match parse_stream_value(v) {
-            Ok(view) => view,
+        let (view, any_choice) = match parse_stream_parts(&chunk.value, chunk.choices()) {
+            Ok(read) => read,
             Err(e) => return Flow::Failed(format!("it sent a chunk we cannot read: {e}")),
         };
+        let v = &mut chunk.value;
         if pending && (view.usage.is_some() || view.finish_reason.is_some()) {
             return Flow::Settle;
         }
@@ -270,7 +271,7 @@ impl Relay {
                 m.generated(tokens);
             }
         }
-        let usage_only = view.usage.is_some() && no_choices(v);
+        let usage_only = view.usage.is_some() && !any_choice;
         if let Some(u) = view.usage {
             seen.usage = Some(u);
             self.rewrite_cached(v);
@@ -541,8 +542,4 @@ fn ms(d: Duration) -> f64 {
 /// Cached prompt tokens of a usage object (absent: none).
 fn cached(u: &Usage) -> u64 {
     u.prompt_tokens_details.as_ref().map_or(0, |d| d.cached_tokens)
-}
-
-fn no_choices(v: &Value) -> bool {
-    v.get("choices").and_then(Value::as_array).is_none_or(Vec::is_empty)
 }
