@@ -168,11 +168,19 @@ pub fn matmul_group_interleaved_with(
         return Ok(());
     }
     // Resolved once per product: the AVX-512 tiles take two groups at a time, AVX2 one.
-    let wide = kernel == Kernel::Avx512 && Kernel::Avx512.is_available();
+    let wide = kernel >= Kernel::Avx512 && Kernel::Avx512.is_available();
+    // Sixteen or more activations fill the AMX tiles: their biased bytes, made once here.
+    #[cfg(target_arch = "x86_64")]
+    let amx =
+        wide && n >= super::interleave_amx::MIN_ACTS && kernel >= Kernel::Amx && Kernel::Amx.is_available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let amx = false;
+    #[cfg(target_arch = "x86_64")]
+    let amx_acts = if amx { super::interleave_amx::biased_rows(&ys, mats[0].cols) } else { Vec::new() };
     // The AVX-512 tiles of the signed kinds take each activation byte biased by 128 (unsigned, as
     // `vpdpbusd` wants its first operand), made once per product here, not once per row group.
     let signed = mats.iter().any(|m| m.kind == Q8_0_KIND || m.kind == Q6_K_KIND);
-    let biased: Vec<Vec<u8>> = if wide && signed {
+    let biased: Vec<Vec<u8>> = if wide && signed && !amx {
         ys.iter().map(|y| y.iter().flat_map(|b| b.qs.map(|q| (q as u8) ^ 0x80)).collect()).collect()
     } else {
         Vec::new()
@@ -193,9 +201,32 @@ pub fn matmul_group_interleaved_with(
         let m = mats[*i];
         let rows = (*g1 - *g0) * GROUP;
         let mut g = *g0;
+        #[cfg(target_arch = "x86_64")]
+        let mut scratch = super::interleave_amx::Scratch::default();
         while g < *g1 {
             let two = wide && g + 1 < *g1;
             let at = (g - *g0) * GROUP;
+            #[cfg(target_arch = "x86_64")]
+            if amx && two {
+                // SAFETY: AMX granted and AVX-512 detected (`amx`); both groups hold one unit per
+                // activation unit (checked above); `amx_acts` is `biased_rows` of `ys`; `buf`
+                // holds `n × rows` and `at + 16 <= rows`.
+                unsafe {
+                    super::interleave_amx::rows16(
+                        m.kind,
+                        m.group(g),
+                        m.group(g + 1),
+                        &amx_acts,
+                        &ys,
+                        &mut scratch,
+                        buf,
+                        rows,
+                        at,
+                    );
+                }
+                g += 2;
+                continue;
+            }
             let mut c = 0;
             while c < n {
                 let k = (n - c).min(if two { super::interleave_avx512::ACTS } else { C });
@@ -417,6 +448,46 @@ mod tests {
                 .collect();
             for (k, o) in paths.iter().zip(&outs) {
                 assert_eq!(o, &outs[0], "{ty} {rows}x{cols}, {n} activations: {k} vs {}", paths[0]);
+            }
+        }
+    }
+
+    #[test]
+    fn prefill_sized_products_give_the_same_bits_on_every_path() {
+        // Sixteen and more activations: the AMX tiles where the CPU has them (partial last tiles,
+        // a lone group after the pairs), against every other path.
+        let base = [(16, 64, 16), (24, 96, 17), (72, 576, 37), (40, 64, 33), (16, 1536, 20), (8, 32, 16)];
+        let paths: Vec<Kernel> = Kernel::ALL.into_iter().filter(|k| k.is_available()).collect();
+        println!("kernel paths compared: {paths:?}");
+        for (ty, (rows, cols, n)) in
+            TYPES.into_iter().flat_map(|t| shapes(t, base).into_iter().map(move |s| (t, s)))
+        {
+            let data = matrix_of(ty, rows, cols, 5 * rows as u32 + n as u32);
+            let m = QMatrix::new(ty, rows, cols, &data).unwrap();
+            let il = Interleaved::from_matrix(&m).unwrap();
+            let a = acts(n, cols, rows + 1);
+            let outs: Vec<Vec<u32>> = paths
+                .iter()
+                .map(|&k| {
+                    let mut out = vec![0f32; rows * n];
+                    matmul_group_interleaved_with(k, &[&il], &a, &mut [&mut out]).unwrap();
+                    out.iter().map(|x| x.to_bits()).collect()
+                })
+                .collect();
+            for (k, o) in paths.iter().zip(&outs) {
+                assert_eq!(o, &outs[0], "{ty} {rows}x{cols}, {n} activations: {k} vs {}", paths[0]);
+            }
+            // And each activation's rows as a product of that activation alone.
+            let last = outs.last().unwrap();
+            for b in [0, n - 1] {
+                let mut one = vec![0f32; rows];
+                matmul_group_interleaved_with(Kernel::Scalar, &[&il], &a[b..b + 1], &mut [&mut one]).unwrap();
+                let bits: Vec<u32> = one.iter().map(|x| x.to_bits()).collect();
+                assert_eq!(
+                    &last[b * rows..(b + 1) * rows],
+                    &bits[..],
+                    "{ty} {rows}x{cols}: activation {b} alone"
+                );
             }
         }
     }

@@ -34,6 +34,93 @@ use super::interleave_pack::{
     Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
 };
 
+/// Block `sub`'s weight scales in the unit at `u0` (group 0, lanes 0..8) and `u1` (group 1,
+/// lanes 8..16) as `(dw, dw_hi, mw)`: the f16 scale (times `sc` for Q4_K; Q6_K: each 16-element
+/// half's), and the minimum term (Q4_1 `m`, Q4_K `dmin · m`, else zero). A macro so that every
+/// tile using it (this file's, the AMX one's) inlines the same operations.
+macro_rules! block_scales {
+    ($kind:expr, $u0:expr, $u1:expr, $sub:expr) => {{
+        let (u0, u1, sub): (*const u8, *const u8, usize) = ($u0, $u1, $sub);
+        // Eight f16 of each group at `off` (scales, minimums) → sixteen f32 lanes.
+        let halves = |off: usize| {
+            _mm512_cvtph_ps(_mm256_set_m128i(
+                _mm_loadu_si128(u1.add(off) as *const __m128i),
+                _mm_loadu_si128(u0.add(off) as *const __m128i),
+            ))
+        };
+        // Eight bytes of each group at `off` (the K-quants' integer scales) → sixteen f32.
+        let bytes = |off: usize, signed: bool| {
+            let v = _mm_set_epi64x(
+                std::ptr::read_unaligned(u1.add(off) as *const i64),
+                std::ptr::read_unaligned(u0.add(off) as *const i64),
+            );
+            _mm512_cvtepi32_ps(if signed { _mm512_cvtepi8_epi32(v) } else { _mm512_cvtepu8_epi32(v) })
+        };
+        let d = halves(0);
+        let (dw, dw_hi) = match $kind {
+            Q4_K => (_mm512_mul_ps(d, bytes(scale_bytes_at($kind, sub, 0), false)), d),
+            Q6_K => (
+                _mm512_mul_ps(d, bytes(scale_bytes_at($kind, sub, 0), true)),
+                _mm512_mul_ps(d, bytes(scale_bytes_at($kind, sub, 1), true)),
+            ),
+            _ => (d, d),
+        };
+        let mw = match $kind {
+            Q4_1 => halves(16),
+            Q4_K => _mm512_mul_ps(halves(16), bytes(min_bytes_at(sub), false)),
+            _ => _mm512_setzero_ps(),
+        };
+        (dw, dw_hi, mw)
+    }};
+}
+pub(super) use block_scales;
+
+/// The block's weight bytes whose quant chunks start at `b0` (group 0) and `b1` (group 1) as
+/// eight registers, register `st` holding elements `4st..4st + 4` of each of the sixteen rows in
+/// its 32-bit lanes (the unsigned kinds' nibbles unpacked); with `$sums`, also `128 · Σw` per row
+/// over steps 0..4 and 4..8 (else zeros).
+macro_rules! block_quants {
+    ($kind:expr, $b0:expr, $b1:expr, $sums:expr) => {{
+        let (b0, b1): (*const u8, *const u8) = ($b0, $b1);
+        // 32 bytes of each group at `off`: group 0 in the low half, group 1 in the high.
+        let pair = |off: usize| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(b0.add(off) as *const __m256i)),
+                _mm256_loadu_si256(b1.add(off) as *const __m256i),
+            )
+        };
+        let zero = _mm512_setzero_si512();
+        let mut q = [zero; 8];
+        if $kind == Q8_0 || $kind == Q6_K {
+            for (st, qv) in q.iter_mut().enumerate() {
+                *qv = pair(32 * st);
+            }
+        } else {
+            let low4 = _mm512_set1_epi8(0x0F);
+            for c in 0..4 {
+                let v = pair(32 * c);
+                q[2 * c] = _mm512_and_si512(v, low4);
+                q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
+            }
+        }
+        let (mut lo, mut hi) = (zero, zero);
+        if $sums {
+            let ones = _mm512_set1_epi8(1);
+            for (st, qv) in q.iter().enumerate() {
+                if st < 4 {
+                    lo = _mm512_dpbusd_epi32(lo, ones, *qv);
+                } else {
+                    hi = _mm512_dpbusd_epi32(hi, ones, *qv);
+                }
+            }
+            lo = _mm512_slli_epi32::<7>(lo);
+            hi = _mm512_slli_epi32::<7>(hi);
+        }
+        (q, lo, hi)
+    }};
+}
+pub(super) use block_quants;
+
 /// Most activations per tile.
 pub(super) const ACTS: usize = 8;
 
@@ -87,7 +174,6 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
     unsafe {
         let signed = KIND == Q8_0 || KIND == Q6_K;
         let nb = ys[0].len();
-        let low4 = _mm512_set1_epi8(0x0F);
         let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); CC];
         let mut accm = [_mm512_setzero_ps(); CC];
@@ -95,67 +181,12 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
         for b in 0..nb {
             let (base, sub) = unit_of(KIND, b);
             let (u0, u1) = (p0.add(base), p1.add(base));
-            let (b0, b1) = (u0.add(quants_at(KIND, sub)), u1.add(quants_at(KIND, sub)));
-            // Eight f16 of each group at `off` (scales, minimums) → sixteen f32 lanes.
-            let halves = |off: usize| {
-                _mm512_cvtph_ps(_mm256_set_m128i(
-                    _mm_loadu_si128(u1.add(off) as *const __m128i),
-                    _mm_loadu_si128(u0.add(off) as *const __m128i),
-                ))
-            };
-            // Eight bytes of each group at `off` (the K-quants' integer scales) → sixteen f32.
-            let bytes = |off: usize, signed: bool| {
-                let v = _mm_set_epi64x(
-                    std::ptr::read_unaligned(u1.add(off) as *const i64),
-                    std::ptr::read_unaligned(u0.add(off) as *const i64),
-                );
-                _mm512_cvtepi32_ps(if signed { _mm512_cvtepi8_epi32(v) } else { _mm512_cvtepu8_epi32(v) })
-            };
-            // 32 bytes of each group at `off`: group 0 in the low half, group 1 in the high.
-            let pair = |off: usize| {
-                _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(b0.add(off) as *const __m256i)),
-                    _mm256_loadu_si256(b1.add(off) as *const __m256i),
-                )
-            };
-            let d = halves(0);
-            let (dw, dw_hi) = match KIND {
-                Q4_K => (_mm512_mul_ps(d, bytes(scale_bytes_at(KIND, sub, 0), false)), d),
-                Q6_K => (
-                    _mm512_mul_ps(d, bytes(scale_bytes_at(KIND, sub, 0), true)),
-                    _mm512_mul_ps(d, bytes(scale_bytes_at(KIND, sub, 1), true)),
-                ),
-                _ => (d, d),
-            };
-            let mw = match KIND {
-                Q4_1 => halves(16),
-                Q4_K => _mm512_mul_ps(halves(16), bytes(min_bytes_at(sub), false)),
-                _ => _mm512_setzero_ps(),
-            };
+            let (dw, dw_hi, mw) = block_scales!(KIND, u0, u1, sub);
             // The unsigned nibbles, or the signed kinds' signed bytes: those meet the activations
             // biased by 128 (unsigned), and `128 · Σw` per row comes off each dot — exact, the same
             // integers as the AVX2 tile's sign trick, one instruction per step.
-            let mut q = [zero; 8];
-            let (mut wsum_lo, mut wsum_hi) = (zero, zero);
-            if signed {
-                let ones = _mm512_set1_epi8(1);
-                for (st, qv) in q.iter_mut().enumerate() {
-                    *qv = pair(32 * st);
-                    if st < 4 {
-                        wsum_lo = _mm512_dpbusd_epi32(wsum_lo, ones, *qv);
-                    } else {
-                        wsum_hi = _mm512_dpbusd_epi32(wsum_hi, ones, *qv);
-                    }
-                }
-                wsum_lo = _mm512_slli_epi32::<7>(wsum_lo);
-                wsum_hi = _mm512_slli_epi32::<7>(wsum_hi);
-            } else {
-                for c in 0..4 {
-                    let v = pair(32 * c);
-                    q[2 * c] = _mm512_and_si512(v, low4);
-                    q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
-                }
-            }
+            let (q, wsum_lo, wsum_hi) =
+                block_quants!(KIND, u0.add(quants_at(KIND, sub)), u1.add(quants_at(KIND, sub)), signed);
             for k in 0..CC {
                 let yblk = ys[k].get_unchecked(b);
                 let a = yblk.qs.as_ptr() as *const i32;

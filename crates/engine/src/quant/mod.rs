@@ -23,6 +23,8 @@ mod dot_avx2;
 mod dot_scalar;
 mod interleave;
 #[cfg(target_arch = "x86_64")]
+mod interleave_amx;
+#[cfg(target_arch = "x86_64")]
 mod interleave_avx2;
 #[cfg(target_arch = "x86_64")]
 mod interleave_avx512;
@@ -50,21 +52,28 @@ pub enum Kernel {
     Scalar,
     /// x86_64 AVX2 + FMA + F16C. Requesting it on a CPU without those falls back to `Scalar`.
     Avx2,
-    /// AVX2's, plus AVX-512 F/BW/VL/VNNI for the repacked Q4_1/Q8_0 products (sixteen rows per
+    /// AVX2's, plus AVX-512 F/BW/VL/VNNI for the repacked products (sixteen rows per
     /// `vpdpbusd`); the row-layout kernels stay AVX2's. Bit-identical to the other paths.
     Avx512,
+    /// AVX-512's, plus AMX-INT8 tiles for repacked products of sixteen or more activations
+    /// (prefill: 16 × 16 dots per `tdpbusd`). Bit-identical to the other paths. Opt-in
+    /// (`TOKENPATH_KERNEL=amx`), not the default: on the AMX machine measured, the per-block
+    /// scaling every 32 products (which keeps the bits identical) costs what the tiles save —
+    /// prefill within ±7% of `avx512` (docs/engine.md).
+    Amx,
 }
 
-/// Caps the kernel family at run time (`scalar`, `avx2`, `avx512`): what a CPU without a feature
+/// Caps the kernel family at run time (`scalar`, `avx2`, `avx512`, `amx`): what a CPU without a feature
 /// would run, on one that has it — for tests of the dispatch and for comparisons.
 pub const KERNEL_ENV: &str = "TOKENPATH_KERNEL";
 
 impl Kernel {
     /// Every family, slowest first.
-    pub const ALL: [Kernel; 3] = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512];
+    pub const ALL: [Kernel; 4] = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512, Kernel::Amx];
 
     /// The fastest kernel family this CPU supports, at most [`KERNEL_ENV`]'s when set (read
-    /// once per process; an unknown value is ignored with a warning).
+    /// once per process; an unknown value is ignored with a warning); at most
+    /// [`Kernel::DEFAULT_CAP`] when not.
     pub fn best() -> Kernel {
         static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
         *BEST.get_or_init(|| {
@@ -77,9 +86,14 @@ impl Kernel {
         })
     }
 
-    /// The fastest family at or below `cap` that `available` says this CPU runs.
+    /// The highest family picked without [`KERNEL_ENV`]: AMX is asked for by name (see
+    /// [`Kernel::Amx`]).
+    pub const DEFAULT_CAP: Kernel = Kernel::Avx512;
+
+    /// The fastest family at or below `cap` (default [`Kernel::DEFAULT_CAP`]) that `available`
+    /// says this CPU runs.
     pub fn pick(cap: Option<Kernel>, available: impl Fn(Kernel) -> bool) -> Kernel {
-        let cap = cap.unwrap_or(Kernel::Avx512);
+        let cap = cap.unwrap_or(Kernel::DEFAULT_CAP);
         Kernel::ALL.into_iter().rev().find(|k| *k <= cap && available(*k)).unwrap_or(Kernel::Scalar)
     }
 
@@ -89,6 +103,7 @@ impl Kernel {
             Kernel::Scalar => "scalar",
             Kernel::Avx2 => "avx2",
             Kernel::Avx512 => "avx512",
+            Kernel::Amx => "amx",
         }
     }
 
@@ -110,8 +125,10 @@ impl Kernel {
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => Kernel::Avx512.is_available() && interleave_amx::available(),
             #[cfg(not(target_arch = "x86_64"))]
-            Kernel::Avx2 | Kernel::Avx512 => false,
+            Kernel::Avx2 | Kernel::Avx512 | Kernel::Amx => false,
         }
     }
 }

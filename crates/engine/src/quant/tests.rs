@@ -256,11 +256,16 @@ fn the_fastest_available_kernel_is_picked_under_the_cap() {
         assert_eq!(Kernel::best(), Kernel::pick(None, Kernel::is_available));
     }
     let all = |_: Kernel| true;
+    // AMX only when asked for by name; then a CPU without it (or a kernel that refuses its tile
+    // state) runs AVX-512.
     assert_eq!(Kernel::pick(None, all), Kernel::Avx512);
+    assert_eq!(Kernel::pick(Some(Kernel::Amx), all), Kernel::Amx);
+    assert_eq!(Kernel::pick(Some(Kernel::Amx), |k| k != Kernel::Amx), Kernel::Avx512);
+    assert_eq!(Kernel::pick(Some(Kernel::Avx512), all), Kernel::Avx512);
     assert_eq!(Kernel::pick(Some(Kernel::Avx2), all), Kernel::Avx2);
     assert_eq!(Kernel::pick(Some(Kernel::Scalar), all), Kernel::Scalar);
-    // A CPU without AVX-512 (or with AVX-512 masked) runs AVX2; without AVX2, the portable path.
-    assert_eq!(Kernel::pick(None, |k| k != Kernel::Avx512), Kernel::Avx2);
+    // Without AVX-512 (or with it masked), AVX2; without AVX2, the portable path.
+    assert_eq!(Kernel::pick(None, |k| k < Kernel::Avx512), Kernel::Avx2);
     assert_eq!(Kernel::pick(Some(Kernel::Avx512), |k| k == Kernel::Scalar), Kernel::Scalar);
     for k in Kernel::ALL {
         assert_eq!(k.name().parse::<Kernel>().unwrap(), k);
