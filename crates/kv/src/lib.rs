@@ -4,11 +4,15 @@
 //! It is its own crate, apart from the engine, because the same block identities are used by the
 //! gateway's cache-aware router (which never loads a model) and by the transfer transport (which
 //! never runs one). [`PrefixCache`] is the reuse index every worker keeps; the bytes of a block
-//! move between processes in the worker crate, framed by the protocol crate.
+//! move between processes in the worker crate, framed by the protocol crate. [`Slab`] is the KV
+//! pool's SSD tier: blocks in a file of fixed slots that outlives the process, each verified
+//! against its key, namespace and checksum before it is served.
 
 mod prefix;
+pub mod slab;
 
 pub use prefix::PrefixCache;
+pub use slab::{Slab, SlabGeometry};
 
 use std::fmt;
 
@@ -18,6 +22,17 @@ pub enum KvError {
     /// A block size of zero tokens was asked for.
     #[error("block size must be at least one token")]
     ZeroBlockSize,
+    /// A pool file could not be read or written.
+    #[error("KV pool file {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// A slab file of another shape, or a block that does not fit its slots.
+    #[error("KV pool slab: {0}")]
+    SlabGeometry(String),
 }
 
 /// Identity of one full KV block: BLAKE3 chained over a namespace and every token from the
