@@ -212,17 +212,16 @@ pub fn matmul_group_interleaved_with(
                 // activation unit (checked above); `amx_acts` is `biased_rows` of `ys`; `buf`
                 // holds `n × rows` and `at + 16 <= rows`.
                 unsafe {
-                    super::interleave_amx::rows16(
-                        m.kind,
-                        m.group(g),
-                        m.group(g + 1),
-                        &amx_acts,
-                        &ys,
-                        &mut scratch,
-                        buf,
+                    let op = super::interleave_amx::Rows16 {
+                        w0: m.group(g),
+                        w1: m.group(g + 1),
+                        ab: &amx_acts,
+                        ys: &ys,
+                        buf: &mut buf[..],
                         rows,
                         at,
-                    );
+                    };
+                    super::interleave_amx::rows16(m.kind, op, &mut scratch);
                 }
                 g += 2;
                 continue;
@@ -425,71 +424,55 @@ mod tests {
         }
     }
 
+    /// For every type and `(rows, cols, activations)` of `base`: every path this CPU runs gives
+    /// the bits of the first, and (when `alone`) the first and last activations' rows are those
+    /// of a product of that activation by itself. Returns the paths compared.
+    fn paths_agree(base: [(usize, usize, usize); 6], seed: u32, alone: bool) -> Vec<Kernel> {
+        let paths: Vec<Kernel> = Kernel::ALL.into_iter().filter(|k| k.is_available()).collect();
+        for (ty, (rows, cols, n)) in
+            TYPES.into_iter().flat_map(|t| shapes(t, base).into_iter().map(move |s| (t, s)))
+        {
+            let data = matrix_of(ty, rows, cols, seed * rows as u32 + n as u32);
+            let m = QMatrix::new(ty, rows, cols, &data).unwrap();
+            let il = Interleaved::from_matrix(&m).unwrap();
+            let a = acts(n, cols, rows);
+            let product = |k: Kernel, a: &[QuantizedActivation]| -> Vec<u32> {
+                let mut out = vec![0f32; rows * a.len()];
+                matmul_group_interleaved_with(k, &[&il], a, &mut [&mut out]).unwrap();
+                out.iter().map(|x| x.to_bits()).collect()
+            };
+            let outs: Vec<Vec<u32>> = paths.iter().map(|&k| product(k, &a)).collect();
+            for (k, o) in paths.iter().zip(&outs) {
+                assert_eq!(o, &outs[0], "{ty} {rows}x{cols}, {n} activations: {k} vs {}", paths[0]);
+            }
+            if alone {
+                let last = outs.last().unwrap();
+                for b in [0, n - 1] {
+                    let one = product(Kernel::Scalar, &a[b..b + 1]);
+                    assert_eq!(
+                        &last[b * rows..(b + 1) * rows],
+                        &one[..],
+                        "{ty} {rows}x{cols}: activation {b} alone"
+                    );
+                }
+            }
+        }
+        paths
+    }
+
     #[test]
     fn every_kernel_path_gives_the_same_bits() {
         // Odd group counts (a lone group after the AVX-512 pairs), one to sixteen activations.
         let base = [(8, 32, 1), (24, 64, 3), (72, 576, 5), (200, 96, 16), (16, 1536, 4), (40, 64, 7)];
-        let paths: Vec<Kernel> = Kernel::ALL.into_iter().filter(|k| k.is_available()).collect();
-        println!("kernel paths compared: {paths:?}");
-        for (ty, (rows, cols, n)) in
-            TYPES.into_iter().flat_map(|t| shapes(t, base).into_iter().map(move |s| (t, s)))
-        {
-            let data = matrix_of(ty, rows, cols, 3 * rows as u32 + 1);
-            let m = QMatrix::new(ty, rows, cols, &data).unwrap();
-            let il = Interleaved::from_matrix(&m).unwrap();
-            let a = acts(n, cols, rows);
-            let outs: Vec<Vec<u32>> = paths
-                .iter()
-                .map(|&k| {
-                    let mut out = vec![0f32; rows * n];
-                    matmul_group_interleaved_with(k, &[&il], &a, &mut [&mut out]).unwrap();
-                    out.iter().map(|x| x.to_bits()).collect()
-                })
-                .collect();
-            for (k, o) in paths.iter().zip(&outs) {
-                assert_eq!(o, &outs[0], "{ty} {rows}x{cols}, {n} activations: {k} vs {}", paths[0]);
-            }
-        }
+        println!("kernel paths compared: {:?}", paths_agree(base, 3, false));
     }
 
     #[test]
     fn prefill_sized_products_give_the_same_bits_on_every_path() {
         // Sixteen and more activations: the AMX tiles where the CPU has them (partial last tiles,
-        // a lone group after the pairs), against every other path.
+        // a lone group after the pairs), against every other path and a product of one.
         let base = [(16, 64, 16), (24, 96, 17), (72, 576, 37), (40, 64, 33), (16, 1536, 20), (8, 32, 16)];
-        let paths: Vec<Kernel> = Kernel::ALL.into_iter().filter(|k| k.is_available()).collect();
-        println!("kernel paths compared: {paths:?}");
-        for (ty, (rows, cols, n)) in
-            TYPES.into_iter().flat_map(|t| shapes(t, base).into_iter().map(move |s| (t, s)))
-        {
-            let data = matrix_of(ty, rows, cols, 5 * rows as u32 + n as u32);
-            let m = QMatrix::new(ty, rows, cols, &data).unwrap();
-            let il = Interleaved::from_matrix(&m).unwrap();
-            let a = acts(n, cols, rows + 1);
-            let outs: Vec<Vec<u32>> = paths
-                .iter()
-                .map(|&k| {
-                    let mut out = vec![0f32; rows * n];
-                    matmul_group_interleaved_with(k, &[&il], &a, &mut [&mut out]).unwrap();
-                    out.iter().map(|x| x.to_bits()).collect()
-                })
-                .collect();
-            for (k, o) in paths.iter().zip(&outs) {
-                assert_eq!(o, &outs[0], "{ty} {rows}x{cols}, {n} activations: {k} vs {}", paths[0]);
-            }
-            // And each activation's rows as a product of that activation alone.
-            let last = outs.last().unwrap();
-            for b in [0, n - 1] {
-                let mut one = vec![0f32; rows];
-                matmul_group_interleaved_with(Kernel::Scalar, &[&il], &a[b..b + 1], &mut [&mut one]).unwrap();
-                let bits: Vec<u32> = one.iter().map(|x| x.to_bits()).collect();
-                assert_eq!(
-                    &last[b * rows..(b + 1) * rows],
-                    &bits[..],
-                    "{ty} {rows}x{cols}: activation {b} alone"
-                );
-            }
-        }
+        println!("kernel paths compared: {:?}", paths_agree(base, 5, true));
     }
 
     #[test]

@@ -135,49 +135,41 @@ pub(super) fn biased_rows(ys: &[&[BlockQ8x32]], cols: usize) -> Vec<u8> {
     out
 }
 
-/// Groups `w0` and `w1` (sixteen rows) × every activation of `ys`, whose biased bytes are `ab`
-/// ([`biased_rows`]): row `r` of activation `m` goes to `buf[m * rows + at + r]`.
+/// One call's operands: groups `w0` and `w1` (sixteen rows) × every activation of `ys`, whose
+/// biased bytes are `ab` ([`biased_rows`]); row `r` of activation `m` goes to
+/// `buf[m * rows + at + r]`.
+pub(super) struct Rows16<'a> {
+    pub w0: &'a [u8],
+    pub w1: &'a [u8],
+    pub ab: &'a [u8],
+    pub ys: &'a [&'a [BlockQ8x32]],
+    pub buf: &'a mut [f32],
+    pub rows: usize,
+    pub at: usize,
+}
+
+/// [`Rows16`]'s product for weights of `kind`.
 ///
 /// # Safety
 /// [`available`] returned true (and the AVX-512 F/BW/VL/VNNI, AVX2, FMA, F16C features are
 /// present); both groups hold one unit per activation unit; `ab` is [`biased_rows`] of `ys`;
 /// `buf` holds `ys.len() * rows` values and `at + 16 <= rows`.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn rows16(
-    kind: u8,
-    w0: &[u8],
-    w1: &[u8],
-    ab: &[u8],
-    ys: &[&[BlockQ8x32]],
-    scratch: &mut Scratch,
-    buf: &mut [f32],
-    rows: usize,
-    at: usize,
-) {
+pub(super) unsafe fn rows16(kind: u8, op: Rows16<'_>, scratch: &mut Scratch) {
     unsafe {
         match kind {
-            Q8_0 => run::<Q8_0>(w0, w1, ab, ys, scratch, buf, rows, at),
-            Q4_K => run::<Q4_K>(w0, w1, ab, ys, scratch, buf, rows, at),
-            Q6_K => run::<Q6_K>(w0, w1, ab, ys, scratch, buf, rows, at),
-            _ => run::<Q4_1>(w0, w1, ab, ys, scratch, buf, rows, at),
+            Q8_0 => run::<Q8_0>(op, scratch),
+            Q4_K => run::<Q4_K>(op, scratch),
+            Q6_K => run::<Q6_K>(op, scratch),
+            _ => run::<Q4_1>(op, scratch),
         }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn run<const KIND: u8>(
-    w0: &[u8],
-    w1: &[u8],
-    ab: &[u8],
-    ys: &[&[BlockQ8x32]],
-    scratch: &mut Scratch,
-    buf: &mut [f32],
-    rows: usize,
-    at: usize,
-) {
+unsafe fn run<const KIND: u8>(op: Rows16<'_>, scratch: &mut Scratch) {
+    let Rows16 { w0, w1, ab, ys, buf, rows, at } = op;
     unsafe {
         let nb = ys[0].len();
         let cols = 32 * nb;
