@@ -71,7 +71,7 @@ enum Command {
     Report(ReportArgs),
     /// Serve the OpenAI-compatible API: gateway + one colocated worker on the embedded engine, or
     /// prefill/decode worker processes (--prefill N --decode M, --cluster FILE).
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// A model-less OpenAI server that answers at once (or plays one half of a vLLM/SGLang PD
     /// pair), for measuring gateways and routers in front of it.
     MockEngine(mock_engine::MockEngineArgs),
@@ -143,7 +143,7 @@ fn main() -> anyhow::Result<()> {
         Command::Report(args) => report(args),
         Command::BenchKv(args) => bench_kv::run(args),
         Command::Demo(args) => demo::run(args),
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Worker(args) => worker::run(args),
         Command::MockEngine(args) => mock_engine::run(args),
     }

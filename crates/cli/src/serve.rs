@@ -184,6 +184,31 @@ pub(crate) struct BatchingArgs {
     /// step-time model is fitted to. `{worker}` in the path becomes each worker's name.
     #[arg(long, env = "TOKENPATH_STEP_LOG", value_name = "PATH")]
     step_log: Option<std::path::PathBuf>,
+    /// Keep prefix KV blocks in this directory too (the KV pool's SSD tier, one file per worker):
+    /// they outlive the process, so a restarted server serves prompt prefixes it computed before.
+    /// Blocks are bound to the model file's digest, KV layout, numerics and tenant scope.
+    #[arg(long, env = "TOKENPATH_KV_POOL", value_name = "DIR")]
+    kv_pool: Option<std::path::PathBuf>,
+    /// Size of each worker's SSD tier file under --kv-pool (`1GiB`, `512MiB`, bytes).
+    #[arg(long, env = "TOKENPATH_KV_POOL_SSD", value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
+    kv_pool_ssd: u64,
+}
+
+/// `1GiB`, `512MiB`, `64KiB`, `2G`, `100M` (binary multiples) or plain bytes.
+pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a size (e.g. 1GiB, 512MiB)"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
+        other => return Err(format!("unknown size unit `{other}` in `{s}` (B, KiB, MiB, GiB, TiB)")),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(|| format!("`{s}` is too large"))
 }
 
 impl BatchingArgs {
@@ -196,6 +221,10 @@ impl BatchingArgs {
             kv_tokens: self.kv_tokens,
             prefix_cache: !self.no_prefix_cache,
             step_log: self.step_log.clone(),
+            kv_pool: self
+                .kv_pool
+                .clone()
+                .map(|dir| tokenpath_worker::KvPoolConfig { dir, ssd_bytes: self.kv_pool_ssd }),
             ..WorkerConfig::default()
         }
     }
@@ -222,6 +251,11 @@ impl BatchingArgs {
                 format!("{p}.{}", tokenpath_worker::WORKER_PLACEHOLDER)
             };
             a.push(format!("--step-log={p}"));
+        }
+        if let Some(d) = &self.kv_pool {
+            // One directory; each child writes its own file in it (named after the worker).
+            a.push(format!("--kv-pool={}", d.display()));
+            a.push(format!("--kv-pool-ssd={}", self.kv_pool_ssd));
         }
         a
     }
@@ -454,4 +488,21 @@ fn start_workers(
         }
     }
     Ok(workers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_take_binary_units_and_refuse_the_rest() {
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size(" 64 KiB "), Ok(64 << 10));
+        for bad in ["", "GiB", "1.5GiB", "1PB", "-1", "99999999999TiB"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
 }

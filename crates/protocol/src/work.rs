@@ -221,6 +221,10 @@ pub struct WorkerStats {
     pub preempted: u64,
     /// Prompt tokens served from the prefix cache instead of computed.
     pub prompt_tokens_cached: u64,
+    /// Of those, tokens loaded from the KV pool's SSD tier (verified) rather than found in the
+    /// worker's arena.
+    #[serde(default)]
+    pub prompt_tokens_cached_ssd: u64,
     /// Blocks held only by the prefix cache (counted in `kv_blocks_free`: reclaimable).
     pub kv_blocks_cached: usize,
     /// KV transfers received intact (decode mode).
@@ -278,6 +282,7 @@ impl WorkerStats {
             &mut self.cancelled,
             &mut self.preempted,
             &mut self.prompt_tokens_cached,
+            &mut self.prompt_tokens_cached_ssd,
             &mut self.kv_imports,
             &mut self.kv_fallbacks,
         ] {
@@ -304,6 +309,8 @@ impl WorkerStats {
         self.cancelled = self.cancelled.saturating_add(o.cancelled);
         self.preempted = self.preempted.saturating_add(o.preempted);
         self.prompt_tokens_cached = self.prompt_tokens_cached.saturating_add(o.prompt_tokens_cached);
+        self.prompt_tokens_cached_ssd =
+            self.prompt_tokens_cached_ssd.saturating_add(o.prompt_tokens_cached_ssd);
         self.kv_blocks_cached = self.kv_blocks_cached.saturating_add(o.kv_blocks_cached);
         self.kv_imports = self.kv_imports.saturating_add(o.kv_imports);
         self.kv_fallbacks = self.kv_fallbacks.saturating_add(o.kv_fallbacks);

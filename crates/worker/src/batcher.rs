@@ -113,6 +113,8 @@ pub(crate) struct Batcher {
     flops_per_token: f64,
     closed: bool,
     step_log: Option<StepLog>,
+    /// The KV pool's SSD tier, when configured.
+    pool: Option<tokenpath_kv::Slab>,
 }
 
 impl Batcher {
@@ -123,14 +125,23 @@ impl Batcher {
         rx: mpsc::Receiver<Command>,
         stats_tx: watch::Sender<WorkerStats>,
         step_log: Option<StepLog>,
-    ) -> Self {
+    ) -> Result<Self, crate::WorkerError> {
         let flops_per_token = engine.model().config().flops_per_token() as f64;
         let prefix = cfg.prefix_cache.then(PrefixCache::new);
         let model = format!("{:?}", engine.model().config());
         let numerics = format!("{:?}", engine.model().numerics());
         let layout = format!("{:?}", cache.layout());
-        let root = BlockHash::namespace(&[model.as_bytes(), numerics.as_bytes(), layout.as_bytes(), b"f16"]);
-        Self {
+        let mut root =
+            BlockHash::namespace(&[model.as_bytes(), numerics.as_bytes(), layout.as_bytes(), b"f16"]);
+        let pool = match &cfg.kv_pool {
+            Some(p) => {
+                // Blocks that outlive the process bind the very weights, not just their shape.
+                root = BlockHash::namespace(&[&root.0, b"weights", &engine.model().weights_digest()]);
+                Some(prefix::open_pool(p, &cfg.id.0, cache.block_bytes(), root)?)
+            }
+            None => None,
+        };
+        Ok(Self {
             prefix_tokens: std::collections::HashMap::new(),
             root,
             engine,
@@ -149,7 +160,8 @@ impl Batcher {
             flops_per_token,
             closed: false,
             step_log,
-        }
+            pool,
+        })
     }
 
     /// Runs until every handle is dropped and every accepted request has ended.

@@ -56,6 +56,20 @@ pub struct WorkerConfig {
     pub handoff_wait: std::time::Duration,
     /// Write one JSON line per forward step here (`{worker}` becomes the worker's name).
     pub step_log: Option<std::path::PathBuf>,
+    /// Keep prefix blocks in the KV pool's SSD tier too (needs `prefix_cache`).
+    pub kv_pool: Option<KvPoolConfig>,
+}
+
+/// The KV pool's SSD tier of one worker: `DIR/<worker>.slab`, a file of `ssd_bytes` that
+/// outlives the process. Every prefix block a sequence completes is written to it (write-through)
+/// and a fresh sequence's prefix continues from it past what the arena holds; blocks bind the
+/// model file's digest, KV layout, numerics and tenant scope.
+#[derive(Clone, Debug)]
+pub struct KvPoolConfig {
+    /// The pool's directory (created if absent).
+    pub dir: std::path::PathBuf,
+    /// Bytes of the SSD tier's file (a whole number of slots: one block each plus a 4 KiB header).
+    pub ssd_bytes: u64,
 }
 
 impl Default for WorkerConfig {
@@ -70,6 +84,7 @@ impl Default for WorkerConfig {
             prefix_cache: true,
             handoff_wait: crate::pd::HANDOFF_WAIT,
             step_log: None,
+            kv_pool: None,
         }
     }
 }
@@ -138,7 +153,10 @@ impl Worker {
             }
             None => None,
         };
-        let batcher = Batcher::new(Arc::clone(&engine), cache, config.clone(), rx, stats_tx, step_log);
+        if config.kv_pool.is_some() && !config.prefix_cache {
+            return Err(WorkerError::Config("the KV pool needs the prefix cache".into()));
+        }
+        let batcher = Batcher::new(Arc::clone(&engine), cache, config.clone(), rx, stats_tx, step_log)?;
         let thread = std::thread::Builder::new()
             .name(format!("worker-{}", config.id))
             .spawn(move || batcher.run())

@@ -21,8 +21,8 @@ mod seq;
 
 pub use batcher::{step_log_path, WORKER_PLACEHOLDER};
 pub use handle::{
-    Worker, WorkerConfig, WorkerHandle, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE,
-    DEFAULT_PREFILL_CHUNK,
+    KvPoolConfig, Worker, WorkerConfig, WorkerHandle, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
 };
 pub use pd::KvBlocks;
 /// What part of the request path a worker runs (defined with the worker messages).

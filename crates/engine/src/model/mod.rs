@@ -228,6 +228,12 @@ impl Model {
         self.file.index()
     }
 
+    /// BLAKE3 of the whole model file: what binds KV kept beyond this process (the KV pool) to
+    /// these weights. Reads every page of the file, so computed only when asked.
+    pub fn weights_digest(&self) -> [u8; 32] {
+        *blake3::hash(self.file.bytes()).as_bytes()
+    }
+
     /// Size of the model file in bytes.
     pub fn file_bytes(&self) -> usize {
         self.file.bytes().len()

@@ -1,0 +1,60 @@
+//! `tokenpath serve --kv-pool DIR` through the real binary: a server killed outright (SIGKILL, no
+//! chance to flush anything) and started again on the same directory serves the prompt prefix
+//! it computed before from the SSD tier; the answer is the same as the first time.
+
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
+
+mod support;
+
+use support::http;
+use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
+
+/// (generated text, cached prompt tokens) of a greedy completion of `prompt`.
+fn complete(port: u16, prompt: &[u32]) -> (String, u64) {
+    let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+        "ignore_eos": true})
+    .to_string();
+    let (status, text) = http(port, "POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    (v["choices"][0]["text"].as_str().unwrap().to_owned(), cached)
+}
+
+#[test]
+fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() {
+    let id = std::process::id();
+    let model = std::env::temp_dir().join(format!("tp-cli-kvpool-{id}.gguf"));
+    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
+    let dir = std::env::temp_dir().join(format!("tp-cli-kvpool-{id}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_arg = dir.to_str().unwrap().to_owned();
+    let args = [
+        "--served-model-name",
+        "tiny",
+        "--kv-tokens",
+        "1024",
+        "--kv-pool",
+        &dir_arg,
+        "--kv-pool-ssd",
+        "16MiB",
+    ];
+    let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 37 % 200)).collect();
+
+    let mut first = support::serve(&model, &args);
+    let (want, cached) = complete(first.port, &prompt);
+    assert_eq!(cached, 0);
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    let logs = first.logs();
+    assert!(logs.contains("KV pool SSD tier opened"), "{logs}");
+
+    let mut second = support::serve(&model, &args);
+    assert_eq!(complete(second.port, &prompt), (want, 64), "four 16-token blocks from the SSD tier");
+    second.child.kill().unwrap();
+    second.child.wait().unwrap();
+    let logs = second.logs();
+    assert!(logs.contains("blocks=4") || logs.contains("blocks: 4"), "{logs}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&model);
+}
