@@ -51,6 +51,16 @@ fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() 
 
     let mut second = support::serve(&model, &args);
     assert_eq!(complete(second.port, &prompt), (want, 64), "four 16-token blocks from the SSD tier");
+    let (status, metrics) = http(second.port, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    assert!(metrics.contains("tokenpath_kv_pool_ssd_hit_tokens_total 64"), "{metrics}");
+    assert!(metrics.contains("tokenpath_kv_pool_failed_loads_total 0"), "{metrics}");
+    let blocks: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tokenpath_kv_pool_ssd_blocks "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    assert!(blocks >= 4, "{blocks} blocks in the SSD tier");
     second.child.kill().unwrap();
     second.child.wait().unwrap();
     let logs = second.logs();

@@ -91,6 +91,12 @@ pub const NUM_PREEMPTIONS: &str = "tokenpath_num_preemptions";
 pub const WORKER_BUSY_SECONDS: &str = "tokenpath_worker_busy_seconds";
 /// Model FLOPs the worker ran (counter).
 pub const WORKER_FLOPS: &str = "tokenpath_worker_flops";
+/// Blocks held by the KV pool's SSD tier, over the workers (gauge).
+pub const KV_POOL_SSD_BLOCKS: &str = "tokenpath_kv_pool_ssd_blocks";
+/// Prompt tokens served from the KV pool's SSD tier (counter).
+pub const KV_POOL_SSD_HIT_TOKENS: &str = "tokenpath_kv_pool_ssd_hit_tokens";
+/// KV pool loads that failed verification and were recomputed (counter).
+pub const KV_POOL_FAILED_LOADS: &str = "tokenpath_kv_pool_failed_loads";
 /// The machine's peak FLOP/s as configured (`--peak-gflops`); absent when not configured.
 pub const WORKER_PEAK_FLOPS: &str = "tokenpath_worker_peak_flops";
 
@@ -151,12 +157,17 @@ pub struct Metrics {
     kv_free: Gauge,
     kv_usage: Gauge<f64, std::sync::atomic::AtomicU64>,
     preemptions: Counter,
+    pool_blocks: Gauge,
+    pool_hit_tokens: Counter,
+    pool_failed_loads: Counter,
     busy_seconds: FloatCounter,
     flops: FloatCounter,
     /// The highest worker totals mirrored so far (`f64` bits for the float ones): a scrape adds
     /// only what it raised the mark by, so concurrent scrapes never both add the same delta, and
     /// a cluster total that dips (a worker marked down) and comes back adds nothing twice.
     seen_preempted: AtomicU64,
+    seen_pool_hits: AtomicU64,
+    seen_pool_failed: AtomicU64,
     seen_busy: AtomicU64,
     seen_flops: AtomicU64,
 }
@@ -227,9 +238,14 @@ impl Metrics {
             kv_usage: Gauge::default(),
             kv_free: Gauge::default(),
             preemptions: Counter::default(),
+            pool_blocks: Gauge::default(),
+            pool_hit_tokens: Counter::default(),
+            pool_failed_loads: Counter::default(),
             busy_seconds: FloatCounter::default(),
             flops: FloatCounter::default(),
             seen_preempted: AtomicU64::new(0),
+            seen_pool_hits: AtomicU64::new(0),
+            seen_pool_failed: AtomicU64::new(0),
             seen_busy: AtomicU64::new(0f64.to_bits()),
             seen_flops: AtomicU64::new(0f64.to_bits()),
         };
@@ -294,6 +310,17 @@ impl Metrics {
             m.busy_seconds.clone(),
         );
         registry.register(WORKER_FLOPS, "Model FLOPs the worker computed", m.flops.clone());
+        registry.register(KV_POOL_SSD_BLOCKS, "Blocks held by the KV pool's SSD tier", m.pool_blocks.clone());
+        registry.register(
+            KV_POOL_SSD_HIT_TOKENS,
+            "Prompt tokens served from the KV pool's SSD tier",
+            m.pool_hit_tokens.clone(),
+        );
+        registry.register(
+            KV_POOL_FAILED_LOADS,
+            "KV pool loads that failed verification (recomputed, never served)",
+            m.pool_failed_loads.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -363,6 +390,9 @@ impl Metrics {
         self.kv_usage.set(stats.kv_usage());
         // Counters mirror the worker's monotonic totals, through high-water marks (see them).
         self.preemptions.inc_by(raise(&self.seen_preempted, stats.preempted));
+        self.pool_blocks.set(as_i64(stats.kv_pool_blocks));
+        self.pool_hit_tokens.inc_by(raise(&self.seen_pool_hits, stats.prompt_tokens_cached_ssd));
+        self.pool_failed_loads.inc_by(raise(&self.seen_pool_failed, stats.kv_pool_failed_loads));
         let busy = raise_f64(&self.seen_busy, stats.busy_seconds);
         if busy > 0.0 {
             self.busy_seconds.inc_by(busy);

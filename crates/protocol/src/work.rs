@@ -225,6 +225,12 @@ pub struct WorkerStats {
     /// worker's arena.
     #[serde(default)]
     pub prompt_tokens_cached_ssd: u64,
+    /// Blocks held by the KV pool's SSD tier (occupancy).
+    #[serde(default)]
+    pub kv_pool_blocks: usize,
+    /// Loads from the KV pool that failed verification (recomputed; never served).
+    #[serde(default)]
+    pub kv_pool_failed_loads: u64,
     /// Blocks held only by the prefix cache (counted in `kv_blocks_free`: reclaimable).
     pub kv_blocks_cached: usize,
     /// KV transfers received intact (decode mode).
@@ -272,6 +278,7 @@ impl WorkerStats {
             &mut self.kv_blocks_used,
             &mut self.kv_blocks_free,
             &mut self.kv_blocks_cached,
+            &mut self.kv_pool_blocks,
         ] {
             *v = (*v).min(cap_usize);
         }
@@ -283,6 +290,7 @@ impl WorkerStats {
             &mut self.preempted,
             &mut self.prompt_tokens_cached,
             &mut self.prompt_tokens_cached_ssd,
+            &mut self.kv_pool_failed_loads,
             &mut self.kv_imports,
             &mut self.kv_fallbacks,
         ] {

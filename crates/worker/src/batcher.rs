@@ -587,6 +587,10 @@ impl Batcher {
         self.stats.kv_blocks_used = self.cache.total_blocks() - available;
         self.stats.kv_blocks_free = available;
         self.stats.kv_blocks_cached = self.prefix.as_ref().map_or(0, PrefixCache::len);
+        if let Some(pool) = &self.pool {
+            self.stats.kv_pool_blocks = pool.len();
+            self.stats.kv_pool_failed_loads = pool.stats().failed_loads;
+        }
         self.stats.busy_seconds = self.busy.as_secs_f64();
         self.stats.uptime_seconds = self.started.elapsed().as_secs_f64();
         self.stats_tx.send_replace(self.stats.clone());

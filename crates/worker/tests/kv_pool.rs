@@ -90,3 +90,33 @@ fn a_restarted_worker_serves_the_prefix_from_the_ssd_tier_and_other_weights_neve
     assert!(Worker::spawn(engine(1), bad).is_err());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_damaged_pool_block_is_recomputed_and_counted_never_served() {
+    use std::os::unix::fs::FileExt;
+    let dir = std::env::temp_dir().join(format!("tokenpath-kv-pool-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let pool = KvPoolConfig { dir: dir.clone(), ssd_bytes: 8 << 20 };
+    let config = || WorkerConfig { kv_pool: Some(pool.clone()), ..WorkerConfig::default() };
+    let prompt: Vec<u32> = (0..40).map(|i| 5 + (i * 11 % 190)).collect();
+    let first = Worker::spawn(engine(3), config()).expect("worker");
+    let (want, _) = run(&first, 1, &prompt);
+    first.join().expect("join");
+    // Flip bytes in every slot's payload (a bad disk, or a write torn by a crash).
+    let path = dir.join("w0.slab");
+    let f = std::fs::OpenOptions::new().write(true).open(&path).expect("slab");
+    let len = f.metadata().expect("len").len();
+    let block = engine(3).new_cache(1024, 16).expect("cache").block_bytes() as u64;
+    let slot = 4096 + block.div_ceil(4096) * 4096;
+    let mut at = 4096;
+    while at + slot <= len {
+        f.write_all_at(&[0xA5; 32], at + 4096 + 1000).expect("write");
+        at += slot;
+    }
+    let second = Worker::spawn(engine(3), config()).expect("worker");
+    assert_eq!(run(&second, 2, &prompt), (want, 0), "recomputed, the same tokens");
+    let stats = second.handle().stats();
+    assert_eq!((stats.kv_pool_failed_loads, stats.prompt_tokens_cached_ssd), (1, 0));
+    second.join().expect("join");
+    let _ = std::fs::remove_dir_all(&dir);
+}
