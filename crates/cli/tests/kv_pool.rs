@@ -18,6 +18,12 @@ fn complete(port: u16, prompt: &[u32]) -> (String, u64) {
     assert_eq!(status, 200, "{text}");
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    // The timeline says which tier they came from.
+    let ssd = v["timing"]["cached_tokens_ssd"].as_u64().unwrap_or(0);
+    assert!(ssd <= cached, "{text}");
+    if cached > 0 {
+        assert_eq!(ssd, cached, "a fresh process's arena holds nothing: {text}");
+    }
     (v["choices"][0]["text"].as_str().unwrap().to_owned(), cached)
 }
 

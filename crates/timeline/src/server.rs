@@ -215,6 +215,10 @@ pub struct ServerTiming {
     /// Prompt tokens served from the prefix cache.
     #[serde(default)]
     pub cached_tokens: u64,
+    /// Of those, the tokens loaded from the KV pool's SSD tier (verified) rather than found in
+    /// the worker's arena; absent when none were.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cached_tokens_ssd: u64,
     /// Bytes of KV moved between processes (PD only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_transfer_bytes: Option<u64>,
@@ -264,7 +268,11 @@ impl ServerTiming {
         for (stage, v) in &other.stages_ms {
             self.stages_ms.entry(*stage).or_insert(*v);
         }
-        self.cached_tokens = self.cached_tokens.max(other.cached_tokens);
+        if other.cached_tokens > self.cached_tokens {
+            // The tier split goes with the count it splits.
+            self.cached_tokens = other.cached_tokens;
+            self.cached_tokens_ssd = other.cached_tokens_ssd;
+        }
         if self.kv_transfer_bytes.is_none() {
             self.kv_transfer_bytes = other.kv_transfer_bytes;
         }
@@ -365,4 +373,8 @@ mod tests {
         let back: ServerTiming = serde_json::from_value(json).unwrap();
         assert_eq!(back, colocated().timing());
     }
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }

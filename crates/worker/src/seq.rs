@@ -68,6 +68,8 @@ pub(crate) struct Seq {
     pub(crate) permit: Option<OwnedSemaphorePermit>,
     /// Prompt tokens served from the prefix cache at first admission.
     pub(crate) cached_tokens: usize,
+    /// Of those, tokens loaded from the KV pool's SSD tier.
+    pub(crate) cached_tokens_ssd: usize,
     /// Chained hashes of the blocks registered in the prefix cache so far.
     pub(crate) hashes: Vec<BlockHash>,
     /// Prefill mode: blocks already sent out.
@@ -117,6 +119,7 @@ impl Seq {
             backlog,
             permit: Some(permit),
             cached_tokens: 0,
+            cached_tokens_ssd: 0,
             hashes: Vec::new(),
             exported_blocks: 0,
             kv: KvState::Pending,
@@ -259,6 +262,7 @@ impl Seq {
                 self.stamp(Mark::Finished(reason), at);
                 let mut timing = self.timeline.timing();
                 timing.cached_tokens = self.cached_tokens as u64;
+                timing.cached_tokens_ssd = self.cached_tokens_ssd as u64;
                 timing.kv_recomputed = self.recomputed;
                 timing.workers.insert(self.mode.role_name().into(), worker.clone());
                 let usage = self.usage();
@@ -267,6 +271,7 @@ impl Seq {
             Ending::Handoff => {
                 let mut timing = self.timeline.timing();
                 timing.cached_tokens = self.cached_tokens as u64;
+                timing.cached_tokens_ssd = self.cached_tokens_ssd as u64;
                 timing.workers.insert("prefill".into(), worker.clone());
                 let first_token = self.tokens[self.prompt_len];
                 let sampler = self.sampler.state();

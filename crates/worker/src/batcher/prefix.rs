@@ -98,7 +98,8 @@ impl Batcher {
         // Past the arena's blocks, the SSD tier's: each verified by the slab before use, read
         // into a fresh block and registered in the arena's index like a computed one. A block
         // the tier lacks or fails to verify ends the prefix (the rest is computed).
-        let mut have = blocks.len();
+        let arena = blocks.len();
+        let mut have = arena;
         if let Some(pool) = self.pool.as_mut() {
             while have < hashes.len() && pool.contains(&hashes[have]) && self.cache.free_blocks() > 0 {
                 let bytes = match pool.get(&hashes[have]) {
@@ -129,7 +130,6 @@ impl Batcher {
                     }
                 }
                 have += 1;
-                self.stats.prompt_tokens_cached_ssd += bs as u64;
             }
         }
         if have == 0 {
@@ -146,7 +146,9 @@ impl Batcher {
         }
         if seq.cached_tokens == 0 && !seq.prefill_started {
             seq.cached_tokens = seq.fed.min(seq.prompt_len);
+            seq.cached_tokens_ssd = seq.cached_tokens.saturating_sub(arena * bs);
             self.stats.prompt_tokens_cached += seq.cached_tokens as u64;
+            self.stats.prompt_tokens_cached_ssd += seq.cached_tokens_ssd as u64;
         }
     }
 
