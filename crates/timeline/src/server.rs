@@ -287,6 +287,10 @@ impl ServerTiming {
     }
 }
 
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -373,8 +377,4 @@ mod tests {
         let back: ServerTiming = serde_json::from_value(json).unwrap();
         assert_eq!(back, colocated().timing());
     }
-}
-
-fn is_zero(v: &u64) -> bool {
-    *v == 0
 }
