@@ -8,7 +8,9 @@
 //! pool's SSD tier: blocks in a file of fixed slots that outlives the process, each verified
 //! against its key, namespace and checksum before it is served.
 
+pub mod pool;
 mod prefix;
+pub mod shm;
 pub mod slab;
 
 pub use prefix::PrefixCache;

@@ -342,6 +342,42 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     w.flush().await.map_err(io)
 }
 
+/// Reads one control frame from a blocking stream (the KV pool's clients live on the batcher's
+/// own thread, never on a runtime): the same checks as [`read_control_frame`], the kind refused
+/// from the header before any payload is read. `Ok(None)` on a clean end of stream.
+pub fn read_control_frame_sync<R: std::io::Read>(r: &mut R) -> Result<Option<Vec<u8>>, ProtocolError> {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    let mut got = 0;
+    while got < FRAME_HEADER_LEN {
+        let n = r.read(&mut h[got..]).map_err(io)?;
+        if n == 0 {
+            if got == 0 {
+                return Ok(None);
+            }
+            return Err(bad("stream ended inside a frame header"));
+        }
+        got += n;
+    }
+    let header = FrameHeader::decode(&h)?;
+    if header.kind != FrameKind::Control {
+        return Err(bad(format!("a {:?} frame where a control message belongs", header.kind)));
+    }
+    let mut payload = vec![0u8; header.len as usize];
+    r.read_exact(&mut payload).map_err(io)?;
+    header.verify(&payload)?;
+    Ok(Some(payload))
+}
+
+/// Writes one control frame to a blocking stream, header and payload in one write.
+pub fn write_control_frame_sync<W: std::io::Write>(w: &mut W, payload: &[u8]) -> Result<(), ProtocolError> {
+    let header = FrameHeader::for_payload(FrameKind::Control, payload)?.encode();
+    let mut all = Vec::with_capacity(FRAME_HEADER_LEN + payload.len());
+    all.extend_from_slice(&header);
+    all.extend_from_slice(payload);
+    w.write_all(&all).map_err(io)?;
+    w.flush().map_err(io)
+}
+
 fn io(e: std::io::Error) -> ProtocolError {
     ProtocolError::Connection { message: e.to_string() }
 }

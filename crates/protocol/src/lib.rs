@@ -21,6 +21,7 @@ pub mod error;
 pub mod forward;
 pub mod frame;
 pub mod params;
+pub mod pool;
 pub mod response;
 pub mod sampling;
 pub mod sse;

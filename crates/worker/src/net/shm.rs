@@ -376,55 +376,7 @@ impl RingSpace {
     }
 }
 
-#[cfg(target_os = "linux")]
-mod sys {
-    use std::fs::File;
-    use std::io;
-    use std::os::fd::{AsRawFd, FromRawFd};
-
-    const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-
-    pub(super) fn sealed_memfd(len: usize) -> io::Result<File> {
-        // SAFETY: a valid NUL-terminated name and flags; the returned descriptor is checked.
-        let fd = unsafe {
-            libc::memfd_create(c"tokenpath-kv".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor nobody else owns.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(len as u64)?;
-        // SAFETY: fcntl on a descriptor we own with an integer argument.
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(file)
-    }
-
-    pub(super) fn sealed_against_shrinking(file: &File) -> io::Result<bool> {
-        // SAFETY: fcntl on a descriptor we own, no pointer argument.
-        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(seals & libc::F_SEAL_SHRINK != 0)
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-mod sys {
-    use std::fs::File;
-    use std::io;
-
-    pub(super) fn sealed_memfd(_len: usize) -> io::Result<File> {
-        Err(io::ErrorKind::Unsupported.into())
-    }
-
-    pub(super) fn sealed_against_shrinking(_file: &File) -> io::Result<bool> {
-        Ok(false)
-    }
-}
+use tokenpath_kv::shm as sys;
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,259 @@
+//! A worker's side of the pool: blocking calls from the batcher's own thread (a round trip is
+//! tens of microseconds on a Unix socket), the RAM tier mapped once per connection, and every
+//! failure a miss. A pool that cannot be reached — not started yet, its host gone — costs the
+//! worker nothing but its hits: the client retries a second later, and hosts the pool itself
+//! when nobody holds it.
+
+use std::fs::File;
+use std::io::{self, IoSliceMut, Read};
+use std::mem::MaybeUninit;
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+use tokenpath_protocol::frame::{
+    read_control_frame_sync, write_control_frame_sync, FrameHeader, FrameKind, FRAME_HEADER_LEN,
+};
+use tokenpath_protocol::pool::{
+    LeasedBlock, PoolReply, PoolRequest, PoolStats, WireKey, MAX_POOL_KEYS, POOL_VERSION,
+};
+
+use super::{slot_bytes, socket_path, PoolConfig, PoolHost};
+use crate::shm::SharedSlots;
+use crate::BlockHash;
+
+/// Longest wait for the pool's answer before the connection is dropped (and the call a miss).
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Wait before reconnecting after a failure.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Blocks leased for reading, in key order; give it back with [`PoolClient::release`].
+#[derive(Debug, Default)]
+pub struct ReadLease {
+    id: u64,
+    /// The leased blocks.
+    pub blocks: Vec<LeasedBlock>,
+}
+
+#[derive(Debug)]
+struct Conn {
+    stream: UnixStream,
+    ram: SharedSlots,
+}
+
+/// A connection to the host's pool, reconnecting (or hosting the pool) as needed.
+#[derive(Debug)]
+pub struct PoolClient {
+    cfg: PoolConfig,
+    namespace: BlockHash,
+    block_bytes: usize,
+    conn: Option<Conn>,
+    host: Option<PoolHost>,
+    retry_at: Option<Instant>,
+}
+
+impl PoolClient {
+    /// A client of the pool of `namespace` in `cfg.dir`; connects (or hosts it) at once.
+    pub fn new(cfg: PoolConfig, namespace: BlockHash, block_bytes: usize) -> Self {
+        let mut me = Self { cfg, namespace, block_bytes, conn: None, host: None, retry_at: None };
+        me.ensure();
+        me
+    }
+
+    /// Whether this process hosts the pool.
+    pub fn hosts(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// Whether a connection is up now.
+    pub fn connected(&self) -> bool {
+        self.conn.is_some()
+    }
+
+    fn ensure(&mut self) -> bool {
+        if self.conn.is_some() {
+            return true;
+        }
+        if self.retry_at.is_some_and(|t| Instant::now() < t) {
+            return false;
+        }
+        let socket = socket_path(&self.cfg.dir, &self.namespace);
+        let mut conn = connect(&socket, self.namespace, self.block_bytes);
+        if conn.is_err() && self.host.is_none() {
+            match PoolHost::start(&self.cfg, self.namespace, self.block_bytes) {
+                Ok(Some(host)) => {
+                    self.host = Some(host);
+                    conn = connect(&socket, self.namespace, self.block_bytes);
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!("cannot host the KV pool: {e}"),
+            }
+        }
+        match conn {
+            Ok(c) => {
+                self.conn = Some(c);
+                self.retry_at = None;
+                true
+            }
+            Err(e) => {
+                tracing::warn!(socket = %socket.display(), "KV pool unreachable, serving without it for now: {e}");
+                self.retry_at = Some(Instant::now() + RETRY_AFTER);
+                false
+            }
+        }
+    }
+
+    fn call(&mut self, req: &PoolRequest) -> Option<PoolReply> {
+        if !self.ensure() {
+            return None;
+        }
+        let conn = self.conn.as_mut()?;
+        let result = write_control_frame_sync(&mut conn.stream, &req.encode())
+            .and_then(|()| read_control_frame_sync(&mut conn.stream))
+            .map_err(|e| e.to_string())
+            .and_then(|b| b.ok_or_else(|| "the pool closed the connection".to_owned()))
+            .and_then(|b| PoolReply::decode(&b).map_err(|e| e.to_string()));
+        match result {
+            Ok(PoolReply::Error { message }) => {
+                tracing::warn!("the KV pool refused a request: {message}");
+                None
+            }
+            Ok(reply) => Some(reply),
+            Err(e) => {
+                tracing::warn!("KV pool connection lost: {e}");
+                self.conn = None;
+                self.retry_at = Some(Instant::now() + RETRY_AFTER);
+                None
+            }
+        }
+    }
+
+    /// Leases the longest run of held blocks from `keys[0]` (empty when none, or no pool).
+    pub fn lookup(&mut self, keys: &[BlockHash]) -> ReadLease {
+        let keys: Vec<WireKey> = keys.iter().take(MAX_POOL_KEYS).map(|k| WireKey(k.0)).collect();
+        if keys.is_empty() {
+            return ReadLease::default();
+        }
+        match self.call(&PoolRequest::Lookup { keys }) {
+            Some(PoolReply::Lease { lease, blocks }) if lease != 0 => ReadLease { id: lease, blocks },
+            _ => ReadLease::default(),
+        }
+    }
+
+    /// Copies a leased block into `dst` (one block's bytes) and checks it: `false` — never use
+    /// `dst` then — when the connection is gone or the bytes are not the block's.
+    pub fn load(&self, block: &LeasedBlock, dst: &mut [u8]) -> bool {
+        let Some(conn) = &self.conn else { return false };
+        dst.len() == self.block_bytes
+            && conn.ram.copy_out(block.slot, dst).is_ok()
+            && blake3::hash(dst).as_bytes() == &block.checksum.0
+    }
+
+    /// The RAM tier's mapping: every client can write any slot of it (which is why nothing is
+    /// used before its checksum is checked); exposed for tests that play a rogue client.
+    pub fn slots(&self) -> Option<&SharedSlots> {
+        self.conn.as_ref().map(|c| &c.ram)
+    }
+
+    /// Ends a read lease (a lease of a lost connection ended with it).
+    pub fn release(&mut self, lease: ReadLease) {
+        if lease.id != 0 && self.conn.is_some() {
+            let _ = self.call(&PoolRequest::Release { lease: lease.id });
+        }
+    }
+
+    /// Stores the blocks of `keys` the pool lacks: `block(i)` gives the bytes of `keys[i]`, and
+    /// is called only for the blocks the pool gave a slot. Returns how many it indexed.
+    pub fn store(&mut self, keys: &[BlockHash], mut block: impl FnMut(usize) -> Vec<u8>) -> u32 {
+        let wire: Vec<WireKey> = keys.iter().take(MAX_POOL_KEYS).map(|k| WireKey(k.0)).collect();
+        if wire.is_empty() {
+            return 0;
+        }
+        let Some(PoolReply::Reserved { lease, slots }) = self.call(&PoolRequest::Reserve { keys: wire })
+        else {
+            return 0;
+        };
+        if lease == 0 {
+            return 0;
+        }
+        let mut checksums = Vec::new();
+        let mut ok = slots.len() <= keys.len();
+        for (i, slot) in slots.iter().enumerate() {
+            let Some(slot) = slot else { continue };
+            let bytes = block(i);
+            let written = bytes.len() == self.block_bytes
+                && self.conn.as_ref().is_some_and(|c| c.ram.copy_in(*slot, &bytes).is_ok());
+            ok &= written;
+            checksums.push(WireKey(*blake3::hash(&bytes).as_bytes()));
+        }
+        let req = if ok { PoolRequest::Commit { lease, checksums } } else { PoolRequest::Abandon { lease } };
+        match self.call(&req) {
+            Some(PoolReply::Committed { stored, .. }) => stored,
+            _ => 0,
+        }
+    }
+
+    /// The pool's counters, when it answers.
+    pub fn stats(&mut self) -> Option<PoolStats> {
+        match self.call(&PoolRequest::Stats) {
+            Some(PoolReply::Stats(s)) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+fn connect(socket: &std::path::Path, namespace: BlockHash, block_bytes: usize) -> io::Result<Conn> {
+    let mut stream = UnixStream::connect(socket)?;
+    stream.set_read_timeout(Some(CALL_TIMEOUT))?;
+    stream.set_write_timeout(Some(CALL_TIMEOUT))?;
+    let hello = PoolRequest::Hello {
+        version: POOL_VERSION,
+        namespace: WireKey(namespace.0),
+        block_bytes: block_bytes as u64,
+    };
+    write_control_frame_sync(&mut stream, &hello.encode()).map_err(io::Error::other)?;
+    let (payload, fd) = read_with_fd(&mut stream)?;
+    match PoolReply::decode(&payload).map_err(io::Error::other)? {
+        PoolReply::Welcome { slots, slot_bytes: sb, map_bytes, .. } => {
+            let file = fd.ok_or_else(|| io::Error::other("the pool's welcome came without its memory"))?;
+            if sb != slot_bytes(block_bytes) as u64 || map_bytes != u64::from(slots) * sb {
+                return Err(io::Error::other(format!(
+                    "the pool's slots are {sb} bytes, blocks here {block_bytes}"
+                )));
+            }
+            let ram = SharedSlots::open(&file, slots, sb as usize)?;
+            Ok(Conn { stream, ram })
+        }
+        PoolReply::Error { message } => Err(io::Error::other(message)),
+        other => Err(io::Error::other(format!("the pool answered hello with {other:?}"))),
+    }
+}
+
+/// Reads one control frame whose first bytes may carry a descriptor (`SCM_RIGHTS`).
+fn read_with_fd(stream: &mut UnixStream) -> io::Result<(Vec<u8>, Option<File>)> {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut cmsg = RecvAncillaryBuffer::new(&mut space);
+    let got =
+        rustix::net::recvmsg(&*stream, &mut [IoSliceMut::new(&mut h)], &mut cmsg, RecvFlags::CMSG_CLOEXEC)?;
+    let mut fds = Vec::new();
+    for m in cmsg.drain() {
+        if let RecvAncillaryMessage::ScmRights(it) = m {
+            fds.extend(it);
+        }
+    }
+    if got.bytes == 0 {
+        return Err(io::Error::other("the pool closed the connection"));
+    }
+    stream.read_exact(&mut h[got.bytes..])?;
+    let header = FrameHeader::decode(&h).map_err(io::Error::other)?;
+    if header.kind != FrameKind::Control {
+        return Err(io::Error::other("the pool sent a frame that is not a control message"));
+    }
+    let mut payload = vec![0u8; header.len as usize];
+    stream.read_exact(&mut payload)?;
+    header.verify(&payload).map_err(io::Error::other)?;
+    // One descriptor is expected; any other is closed here (dropped).
+    let fd = if fds.len() == 1 { fds.pop().map(File::from) } else { None };
+    Ok((payload, fd))
+}

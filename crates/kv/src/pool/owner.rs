@@ -1,0 +1,450 @@
+//! The pool owner's state: the host-RAM tier's slots and index, the SSD tier behind it, and every
+//! lease. Synchronous and clock-free (the caller passes `now`), so every rule here is tested
+//! without a socket; [`super::server`] runs it on one thread and feeds it its clients' requests.
+//!
+//! The rules that keep hit rates from decaying (the recurring failure of the pools this copies):
+//! a slot is pinned only by an open lease; every lease has a deadline and an owner, and ends on
+//! release, on its deadline, or when its client goes away — so a worker killed mid-load pins
+//! nothing a moment later. A block is indexed only after its checksum was checked against the
+//! slot's bytes, and a lookup hands out that checksum so the reader checks its copy too.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use tokenpath_protocol::pool::{PoolStats, PoolTier};
+
+use crate::shm::SharedSlots;
+use crate::slab::Slab;
+use crate::BlockHash;
+
+/// A client connection's id (one per worker connection).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ClientId(pub u64);
+
+/// A lease's id (0 is never one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LeaseId(pub u64);
+
+#[derive(Clone, Copy, Debug)]
+enum Slot {
+    Free,
+    /// Reserved for a write lease.
+    Writing,
+    Held {
+        key: BlockHash,
+        checksum: [u8; 32],
+        /// Open read leases on it.
+        pins: u32,
+        /// Not yet written down to the SSD tier.
+        dirty: bool,
+        /// Recency (its key in `lru` while unpinned).
+        tick: u64,
+    },
+}
+
+#[derive(Debug)]
+enum LeaseKind {
+    Read(Vec<u32>),
+    Write(Vec<(u32, BlockHash)>),
+}
+
+#[derive(Debug)]
+struct Lease {
+    client: ClientId,
+    started: Instant,
+    deadline: Instant,
+    kind: LeaseKind,
+}
+
+/// One leased block: its slot, the checksum its bytes must have, where it was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Leased {
+    /// Slot in the RAM tier.
+    pub slot: u32,
+    /// BLAKE3 of the block.
+    pub checksum: [u8; 32],
+    /// RAM, or read up from SSD for this lookup.
+    pub tier: PoolTier,
+}
+
+/// Why a request was refused.
+#[derive(Debug, PartialEq, Eq)]
+pub enum OwnerError {
+    /// No such lease, or not this client's, or not of that kind.
+    NoLease,
+    /// A commit's checksums do not match its reserved slots.
+    BadCommit(String),
+}
+
+impl std::fmt::Display for OwnerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NoLease => write!(f, "no such lease of this client (ended by its deadline?)"),
+            Self::BadCommit(m) => write!(f, "bad commit: {m}"),
+        }
+    }
+}
+
+/// The owner's state.
+#[derive(Debug)]
+pub struct Owner {
+    ram: SharedSlots,
+    block_bytes: usize,
+    slots: Vec<Slot>,
+    index: HashMap<BlockHash, u32>,
+    /// Unpinned held slots by recency, oldest first.
+    lru: BTreeMap<u64, u32>,
+    free: Vec<u32>,
+    /// Keys with a write lease out (a second writer of the same key gets no slot).
+    writing: HashMap<BlockHash, LeaseId>,
+    leases: HashMap<LeaseId, Lease>,
+    /// Keys committed but not yet written down, oldest first.
+    dirty: VecDeque<BlockHash>,
+    next_lease: u64,
+    tick: u64,
+    ssd: Option<Slab>,
+    ssd_slots: u32,
+    lease_for: Duration,
+    stats: PoolStats,
+    buf: Vec<u8>,
+}
+
+impl Owner {
+    /// An owner of `ram` (blocks of `block_bytes` each) with an optional SSD tier behind it.
+    pub fn new(ram: SharedSlots, block_bytes: usize, ssd: Option<Slab>, lease_for: Duration) -> Self {
+        let n = ram.slots();
+        let ssd_slots = ssd.as_ref().map_or(0, |s| s.capacity() as u32);
+        Self {
+            ram,
+            block_bytes,
+            slots: vec![Slot::Free; n as usize],
+            index: HashMap::new(),
+            lru: BTreeMap::new(),
+            free: (0..n).rev().collect(),
+            writing: HashMap::new(),
+            leases: HashMap::new(),
+            dirty: VecDeque::new(),
+            next_lease: 1,
+            tick: 0,
+            ssd,
+            ssd_slots,
+            lease_for,
+            stats: PoolStats { ram_slots: n, ..PoolStats::default() },
+            buf: vec![0; block_bytes],
+        }
+    }
+
+    /// How long a lease lives.
+    pub fn lease_for(&self) -> Duration {
+        self.lease_for
+    }
+
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    fn open_lease(&mut self, client: ClientId, now: Instant, kind: LeaseKind) -> LeaseId {
+        let id = LeaseId(self.next_lease);
+        self.next_lease += 1;
+        self.leases.insert(id, Lease { client, started: now, deadline: now + self.lease_for, kind });
+        id
+    }
+
+    /// Leases the longest run of held blocks from `keys[0]` on, reading SSD-tier blocks up into
+    /// RAM as it goes. `None` when the first key is not held.
+    pub fn lookup(
+        &mut self,
+        client: ClientId,
+        keys: &[BlockHash],
+        now: Instant,
+    ) -> Option<(LeaseId, Vec<Leased>)> {
+        let mut got: Vec<Leased> = Vec::new();
+        for key in keys {
+            let found = match self.index.get(key).copied() {
+                Some(slot) => Some((slot, PoolTier::Host)),
+                None => self.read_up(key).map(|slot| (slot, PoolTier::Ssd)),
+            };
+            let Some((slot, tier)) = found else { break };
+            let Slot::Held { checksum, pins, tick, .. } = &mut self.slots[slot as usize] else { break };
+            if *pins == 0 {
+                self.lru.remove(tick);
+            }
+            *pins += 1;
+            match tier {
+                PoolTier::Host => self.stats.hits_ram += 1,
+                PoolTier::Ssd => self.stats.hits_ssd += 1,
+            }
+            got.push(Leased { slot, checksum: *checksum, tier });
+        }
+        if got.is_empty() {
+            self.stats.misses += 1;
+            return None;
+        }
+        let slots = got.iter().map(|b| b.slot).collect();
+        Some((self.open_lease(client, now, LeaseKind::Read(slots)), got))
+    }
+
+    /// `key` from the SSD tier into a RAM slot (verified by the slab), or `None`.
+    fn read_up(&mut self, key: &BlockHash) -> Option<u32> {
+        if !self.ssd.as_ref()?.contains(key) {
+            return None;
+        }
+        let slot = self.take_slot()?;
+        let ssd = self.ssd.as_mut()?;
+        let failed_before = ssd.stats().failed_loads;
+        let bytes = match ssd.get(key) {
+            Ok(Some(b)) => Some(b),
+            Ok(None) => None,
+            Err(e) => {
+                tracing::warn!("KV pool SSD read failed: {e}");
+                None
+            }
+        };
+        self.stats.failed += ssd.stats().failed_loads - failed_before;
+        let Some(bytes) = bytes.filter(|b| b.len() == self.block_bytes) else {
+            self.release_slot(slot);
+            return None;
+        };
+        if self.ram.copy_in(slot, &bytes).is_err() {
+            self.release_slot(slot);
+            return None;
+        }
+        let checksum = *blake3::hash(&bytes).as_bytes();
+        let tick = self.next_tick();
+        self.slots[slot as usize] = Slot::Held { key: *key, checksum, pins: 0, dirty: false, tick };
+        self.lru.insert(tick, slot);
+        self.index.insert(*key, slot);
+        Some(slot)
+    }
+
+    fn release_slot(&mut self, slot: u32) {
+        self.slots[slot as usize] = Slot::Free;
+        self.free.push(slot);
+    }
+
+    /// A free slot, evicting the least recently used unpinned block (written down first when
+    /// dirty) when none is free. `None` when every slot is pinned or being written.
+    fn take_slot(&mut self) -> Option<u32> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        let (_, slot) = self.lru.pop_first()?;
+        let Slot::Held { key, checksum, dirty, .. } = self.slots[slot as usize] else { return None };
+        if dirty {
+            self.write_down(slot, key, checksum);
+        }
+        self.index.remove(&key);
+        self.stats.evictions_ram += 1;
+        self.slots[slot as usize] = Slot::Writing;
+        Some(slot)
+    }
+
+    /// Writes a held block to the SSD tier (after checking its bytes still are the block). An
+    /// SSD that fails takes the tier out: the pool runs on RAM alone and says so.
+    fn write_down(&mut self, slot: u32, key: BlockHash, checksum: [u8; 32]) {
+        if let Slot::Held { dirty, .. } = &mut self.slots[slot as usize] {
+            *dirty = false;
+        }
+        let Some(ssd) = self.ssd.as_mut() else { return };
+        if self.ram.copy_out(slot, &mut self.buf).is_err() || *blake3::hash(&self.buf).as_bytes() != checksum
+        {
+            self.stats.failed += 1;
+            return;
+        }
+        match ssd.put(key, &self.buf) {
+            Ok(_) => self.stats.written_ssd += 1,
+            Err(e) => {
+                tracing::warn!("the KV pool's SSD tier failed ({e}); running on host RAM only");
+                self.ssd = None;
+                self.stats.ssd_degraded = true;
+            }
+        }
+    }
+
+    /// Write slots for the keys not held (per key: a slot, or `None` when held, being written
+    /// by another lease, or when no slot is free). `None` when no slot was given at all.
+    pub fn reserve(
+        &mut self,
+        client: ClientId,
+        keys: &[BlockHash],
+        now: Instant,
+    ) -> Option<(LeaseId, Vec<Option<u32>>)> {
+        let mut out = Vec::with_capacity(keys.len());
+        let mut given = Vec::new();
+        for key in keys {
+            let held = self.index.contains_key(key)
+                || self.writing.contains_key(key)
+                || given.iter().any(|(_, k)| k == key)
+                || self.ssd.as_ref().is_some_and(|s| s.contains(key));
+            let slot = if held { None } else { self.take_slot() };
+            if let Some(s) = slot {
+                self.slots[s as usize] = Slot::Writing;
+                given.push((s, *key));
+            }
+            out.push(slot);
+        }
+        if given.is_empty() {
+            return None;
+        }
+        let keys: Vec<BlockHash> = given.iter().map(|(_, k)| *k).collect();
+        let id = self.open_lease(client, now, LeaseKind::Write(given));
+        for k in keys {
+            self.writing.insert(k, id);
+        }
+        Some((id, out))
+    }
+
+    /// Indexes a write lease's slots whose bytes have the checksums the writer computed (in
+    /// the order the slots were given); the others are freed. Returns (stored, failed).
+    pub fn commit(
+        &mut self,
+        client: ClientId,
+        lease: LeaseId,
+        checksums: &[[u8; 32]],
+    ) -> Result<(u32, u32), OwnerError> {
+        match self.leases.get(&lease) {
+            Some(l) if l.client == client && matches!(l.kind, LeaseKind::Write(_)) => {}
+            _ => return Err(OwnerError::NoLease),
+        }
+        let Some(Lease { kind: LeaseKind::Write(given), .. }) = self.leases.remove(&lease) else {
+            return Err(OwnerError::NoLease);
+        };
+        if checksums.len() != given.len() {
+            self.end_write(&given);
+            return Err(OwnerError::BadCommit(format!(
+                "{} checksums for {} slots",
+                checksums.len(),
+                given.len()
+            )));
+        }
+        let (mut stored, mut failed) = (0, 0);
+        for ((slot, key), want) in given.iter().zip(checksums) {
+            self.writing.remove(key);
+            let ok =
+                self.ram.copy_out(*slot, &mut self.buf).is_ok() && blake3::hash(&self.buf).as_bytes() == want;
+            if !ok {
+                failed += 1;
+                self.release_slot(*slot);
+                continue;
+            }
+            let tick = self.next_tick();
+            let dirty = self.ssd.is_some();
+            self.slots[*slot as usize] = Slot::Held { key: *key, checksum: *want, pins: 0, dirty, tick };
+            self.lru.insert(tick, *slot);
+            self.index.insert(*key, *slot);
+            if dirty {
+                self.dirty.push_back(*key);
+            }
+            stored += 1;
+        }
+        self.stats.stored += u64::from(stored);
+        self.stats.failed += u64::from(failed);
+        Ok((stored, failed))
+    }
+
+    fn end_write(&mut self, given: &[(u32, BlockHash)]) {
+        for (slot, key) in given {
+            self.writing.remove(key);
+            self.release_slot(*slot);
+        }
+    }
+
+    fn end_read(&mut self, slots: &[u32]) {
+        for &slot in slots {
+            let tick = self.next_tick();
+            if let Slot::Held { pins, tick: t, .. } = &mut self.slots[slot as usize] {
+                *pins = pins.saturating_sub(1);
+                if *pins == 0 {
+                    *t = tick;
+                    self.lru.insert(tick, slot);
+                }
+            }
+        }
+    }
+
+    fn end(&mut self, lease: Lease) {
+        match lease.kind {
+            LeaseKind::Read(slots) => self.end_read(&slots),
+            LeaseKind::Write(given) => self.end_write(&given),
+        }
+    }
+
+    /// Ends a lease of this client's (a read lease's release, a write lease's abandon).
+    pub fn release(&mut self, client: ClientId, lease: LeaseId) -> Result<(), OwnerError> {
+        match self.leases.get(&lease) {
+            Some(l) if l.client == client => {}
+            _ => return Err(OwnerError::NoLease),
+        }
+        let l = self.leases.remove(&lease).ok_or(OwnerError::NoLease)?;
+        self.end(l);
+        Ok(())
+    }
+
+    /// Ends every lease past its deadline.
+    pub fn expire(&mut self, now: Instant) {
+        let late: Vec<LeaseId> =
+            self.leases.iter().filter(|(_, l)| l.deadline <= now).map(|(id, _)| *id).collect();
+        self.end_all(late);
+    }
+
+    /// Ends every lease of a client that went away.
+    pub fn drop_client(&mut self, client: ClientId) {
+        let gone: Vec<LeaseId> =
+            self.leases.iter().filter(|(_, l)| l.client == client).map(|(id, _)| *id).collect();
+        self.end_all(gone);
+    }
+
+    fn end_all(&mut self, ids: Vec<LeaseId>) {
+        for id in ids {
+            if let Some(l) = self.leases.remove(&id) {
+                self.stats.leases_expired += 1;
+                self.end(l);
+            }
+        }
+    }
+
+    /// Writes up to `max` dirty blocks down to the SSD tier (what the owner does when idle, so
+    /// a crash loses only the last moments' blocks). Returns how many were written.
+    pub fn flush(&mut self, max: usize) -> usize {
+        let mut n = 0;
+        while n < max && self.ssd.is_some() {
+            let Some(key) = self.dirty.pop_front() else { break };
+            let Some(&slot) = self.index.get(&key) else { continue };
+            if let Slot::Held { key, checksum, dirty: true, .. } = self.slots[slot as usize] {
+                self.write_down(slot, key, checksum);
+                n += 1;
+            }
+        }
+        if n > 0 {
+            if let Some(Err(e)) = self.ssd.as_ref().map(Slab::sync) {
+                tracing::warn!("KV pool SSD sync failed: {e}");
+            }
+        }
+        n
+    }
+
+    /// Dirty blocks waiting to be written down.
+    pub fn dirty(&self) -> usize {
+        self.dirty.len()
+    }
+
+    /// The counters now.
+    pub fn stats(&self, now: Instant) -> PoolStats {
+        let pinned = self.slots.iter().filter(|s| matches!(s, Slot::Held { pins, .. } if *pins > 0)).count();
+        let oldest = self.leases.values().map(|l| now.saturating_duration_since(l.started)).max();
+        PoolStats {
+            ram_blocks: self.index.len() as u32,
+            ssd_slots: if self.ssd.is_some() { self.ssd_slots } else { 0 },
+            ssd_blocks: self.ssd.as_ref().map_or(0, |s| s.len() as u32),
+            leases: self.leases.len() as u32,
+            pinned: pinned as u32,
+            oldest_lease_ms: oldest.map_or(0, |d| d.as_millis() as u64),
+            ..self.stats.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "owner_tests.rs"]
+mod tests;

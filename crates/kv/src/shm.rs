@@ -1,0 +1,175 @@
+//! Sealed shared memory on one host: the memfd behind the same-host KV transfer ring (worker
+//! crate) and behind the KV pool's RAM tier ([`crate::pool`]), and [`SharedSlots`], a mapping of
+//! fixed-size slots touched only through bounds-checked copies.
+//!
+//! Why copies only: every process that maps a pool's memfd may write any byte of it at any
+//! moment, so no reference into it is ever handed out (a `&[u8]` into memory another process
+//! changes is undefined behaviour). What is copied out is checked afterwards against a checksum
+//! the owner keeps; a scribble becomes a failed load, never unchecked KV.
+//!
+//! Linux only (memfd seals); elsewhere creating one fails and callers run without it.
+
+use std::fs::File;
+use std::io;
+
+/// A new memfd of `len` bytes, sealed against shrinking and growing (a shrunk mapping would
+/// fault in every process that maps it).
+pub fn sealed_memfd(len: usize) -> io::Result<File> {
+    sys::sealed_memfd(len)
+}
+
+/// Whether a passed descriptor is sealed against shrinking (checked before mapping one).
+pub fn sealed_against_shrinking(file: &File) -> io::Result<bool> {
+    sys::sealed_against_shrinking(file)
+}
+
+/// A mapping of `slots` slots of `slot_bytes` each.
+#[derive(Debug)]
+pub struct SharedSlots {
+    map: memmap2::MmapRaw,
+    slot_bytes: usize,
+    slots: u32,
+}
+
+impl SharedSlots {
+    /// A fresh sealed memfd of the slots, and its mapping (the owner's).
+    pub fn create(slots: u32, slot_bytes: usize) -> io::Result<(File, Self)> {
+        let len = (slots as usize)
+            .checked_mul(slot_bytes)
+            .filter(|&l| l > 0)
+            .ok_or_else(|| io::Error::other(format!("{slots} slots of {slot_bytes} bytes")))?;
+        let file = sealed_memfd(len)?;
+        let me = Self::map(&file, slots, slot_bytes)?;
+        Ok((file, me))
+    }
+
+    /// Maps a passed memfd after checking it is sealed and exactly `slots × slot_bytes` long.
+    pub fn open(file: &File, slots: u32, slot_bytes: usize) -> io::Result<Self> {
+        let len = (slots as usize).checked_mul(slot_bytes).filter(|&l| l > 0 && l <= 1 << 40);
+        let len = len.ok_or_else(|| io::Error::other(format!("{slots} slots of {slot_bytes} bytes")))?;
+        if file.metadata()?.len() != len as u64 || !sealed_against_shrinking(file)? {
+            return Err(io::Error::other("the pool's memory is not a sealed memfd of its size"));
+        }
+        Self::map(file, slots, slot_bytes)
+    }
+
+    fn map(file: &File, slots: u32, slot_bytes: usize) -> io::Result<Self> {
+        let map = memmap2::MmapOptions::new().len(slots as usize * slot_bytes).map_raw(file)?;
+        Ok(Self { map, slot_bytes, slots })
+    }
+
+    /// Slots in the mapping.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Bytes of one slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn start(&self, slot: u32, len: usize) -> Result<usize, String> {
+        if slot >= self.slots || len > self.slot_bytes {
+            return Err(format!("{len} bytes at slot {slot} of {} × {}", self.slots, self.slot_bytes));
+        }
+        Ok(slot as usize * self.slot_bytes)
+    }
+
+    /// Copies the first `dst.len()` bytes of `slot` out.
+    pub fn copy_out(&self, slot: u32, dst: &mut [u8]) -> Result<(), String> {
+        let start = self.start(slot, dst.len())?;
+        // SAFETY: `start..start + dst.len()` lies inside the mapping (checked against the slot
+        // count and size it was created or opened with), which lives as long as `self` and
+        // cannot shrink (sealed). Another process may write it meanwhile: the copy is then
+        // garbage, which the caller's checksum rejects.
+        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(start), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into the start of `slot`.
+    pub fn copy_in(&self, slot: u32, src: &[u8]) -> Result<(), String> {
+        let start = self.start(slot, src.len())?;
+        // SAFETY: inside the mapping (checked), which cannot shrink; `src` is the caller's memory.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(start), src.len()) };
+        Ok(())
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod sys {
+    use std::fs::File;
+    use std::io;
+    use std::os::fd::{AsRawFd, FromRawFd};
+
+    const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+    pub(super) fn sealed_memfd(len: usize) -> io::Result<File> {
+        // SAFETY: a valid NUL-terminated name and flags; the returned descriptor is checked.
+        let fd = unsafe {
+            libc::memfd_create(c"tokenpath-kv".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(len as u64)?;
+        // SAFETY: fcntl on a descriptor we own with an integer argument.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(file)
+    }
+
+    pub(super) fn sealed_against_shrinking(file: &File) -> io::Result<bool> {
+        // SAFETY: fcntl on a descriptor we own, no pointer argument.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(seals & libc::F_SEAL_SHRINK != 0)
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod sys {
+    use std::fs::File;
+    use std::io;
+
+    pub(super) fn sealed_memfd(_len: usize) -> io::Result<File> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+
+    pub(super) fn sealed_against_shrinking(_file: &File) -> io::Result<bool> {
+        Ok(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_copy_in_and_out_and_refuse_out_of_bounds() {
+        let (file, owner) = SharedSlots::create(3, 4096).expect("memfd");
+        let peer = SharedSlots::open(&file, 3, 4096).expect("maps");
+        owner.copy_in(2, &[7; 100]).expect("in");
+        let mut out = [0u8; 100];
+        peer.copy_out(2, &mut out).expect("out");
+        assert_eq!(out, [7; 100], "the same memory in both mappings");
+        assert!(peer.copy_out(3, &mut out).is_err(), "past the last slot");
+        assert!(peer.copy_in(0, &[0; 4097]).is_err(), "over a slot");
+        assert!(SharedSlots::open(&file, 4, 4096).is_err(), "a size it is not");
+        let plain = tempfile_like();
+        assert!(SharedSlots::open(&plain, 1, 4096).is_err(), "an unsealed file");
+    }
+
+    fn tempfile_like() -> File {
+        let p = std::env::temp_dir().join(format!("tokenpath-shm-{}", std::process::id()));
+        let f = std::fs::OpenOptions::new().create(true).truncate(true).read(true).write(true).open(&p);
+        let f = f.expect("file");
+        f.set_len(4096).expect("len");
+        let _ = std::fs::remove_file(&p);
+        f
+    }
+}

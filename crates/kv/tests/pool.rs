@@ -1,0 +1,155 @@
+//! The KV pool through its real socket and shared memory: clients in this process and in a
+//! child process (killed mid-lease), the host going away and the next client hosting it again
+//! from the SSD tier, a scribbled slot, and hellos that do not match.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tokenpath_kv::pool::{PoolClient, PoolConfig};
+use tokenpath_kv::{chain_hash, BlockHash};
+
+const BLOCK: usize = 5000;
+
+fn ns() -> BlockHash {
+    BlockHash::namespace(&[b"kv pool integration"])
+}
+
+fn key(i: u32) -> BlockHash {
+    chain_hash(ns(), &[i])
+}
+
+fn keys(ids: std::ops::Range<u32>) -> Vec<BlockHash> {
+    ids.map(key).collect()
+}
+
+fn block(i: usize) -> Vec<u8> {
+    (0..BLOCK).map(|j| (i * 7 + j * 13) as u8).collect()
+}
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tokenpath-pool-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn config(d: &std::path::Path) -> PoolConfig {
+    PoolConfig { ram_bytes: 8 * 8192, ssd_bytes: 1 << 20, ..PoolConfig::new(d) }
+}
+
+/// Loads every block of a run and checks each is the one stored; returns how many.
+fn load_all(c: &mut PoolClient, ids: std::ops::Range<u32>) -> usize {
+    let lease = c.lookup(&keys(ids.clone()));
+    let n = lease.blocks.len();
+    for (b, i) in lease.blocks.iter().zip(ids) {
+        let mut buf = vec![0; BLOCK];
+        assert!(c.load(b, &mut buf), "block {i} loads and checks");
+        assert_eq!(buf, block(i as usize));
+    }
+    c.release(lease);
+    n
+}
+
+#[test]
+fn a_block_stored_by_one_client_is_loaded_by_another_and_survives_its_host() {
+    let d = dir("share");
+    let mut host = PoolClient::new(config(&d), ns(), BLOCK);
+    assert!(host.hosts() && host.connected());
+    let mut other = PoolClient::new(config(&d), ns(), BLOCK);
+    assert!(!other.hosts() && other.connected(), "the second process connects to the first's pool");
+    assert_eq!(host.store(&keys(0..4), |i| block(i)), 4);
+    assert_eq!(host.store(&keys(0..4), |_| unreachable!("held already: nothing to write")), 0);
+    assert_eq!(load_all(&mut other, 0..6), 4);
+    let s = other.stats().expect("stats");
+    assert_eq!((s.ram_blocks, s.hits_ram, s.leases, s.pinned), (4, 4, 0, 0));
+
+    // A slot scribbled on by a client (every client maps the RAM tier read-write): the reader's
+    // check fails and the block is never used.
+    let lease = other.lookup(&keys(0..1));
+    let mut buf = vec![0; BLOCK];
+    scribble(&d, lease.blocks[0].slot);
+    assert!(!other.load(&lease.blocks[0], &mut buf), "a scribbled slot is a failed load");
+    other.release(lease);
+
+    // The host goes away (its blocks written down to SSD as it stops); the other client loses
+    // the connection, and a second later hosts the pool itself, from the SSD tier.
+    drop(host);
+    assert!(other.lookup(&keys(1..2)).blocks.is_empty(), "the host is gone: a miss");
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(load_all(&mut other, 1..4), 3, "blocks 1..4 come back from SSD");
+    assert!(other.hosts());
+    let s = other.stats().expect("stats");
+    assert_eq!(s.hits_ssd, 3);
+    drop(other);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Writes garbage into a RAM slot the way a misbehaving client could.
+fn scribble(d: &std::path::Path, slot: u32) {
+    let rogue = PoolClient::new(config(d), ns(), BLOCK);
+    rogue.slots().expect("mapped").copy_in(slot, &[0xA5; 64]).expect("in bounds");
+}
+
+#[test]
+fn a_client_killed_while_it_holds_a_lease_pins_nothing_afterwards() {
+    if let Ok(d) = std::env::var("TOKENPATH_POOL_CHILD") {
+        // The child: lease the blocks, say so, and wait to be killed.
+        let mut c = PoolClient::new(config(std::path::Path::new(&d)), ns(), BLOCK);
+        let lease = c.lookup(&keys(0..3));
+        println!("leased {}", lease.blocks.len());
+        std::thread::sleep(Duration::from_secs(60));
+        return;
+    }
+    let d = dir("kill");
+    let mut host = PoolClient::new(config(&d), ns(), BLOCK);
+    assert_eq!(host.store(&keys(0..3), |i| block(i)), 3);
+    let me = std::env::current_exe().expect("test binary");
+    let mut child = Command::new(me)
+        .args(["--exact", "a_client_killed_while_it_holds_a_lease_pins_nothing_afterwards", "--nocapture"])
+        .env("TOKENPATH_POOL_CHILD", &d)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("child");
+    let mut out = child.stdout.take().expect("stdout");
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !seen.contains("leased 3") && Instant::now() < deadline {
+        let mut b = [0u8; 256];
+        let n = std::io::Read::read(&mut out, &mut b).expect("read");
+        if n == 0 {
+            break;
+        }
+        seen.push_str(&String::from_utf8_lossy(&b[..n]));
+    }
+    assert!(seen.contains("leased 3"), "child said {seen:?}");
+    let s = host.stats().expect("stats");
+    assert_eq!((s.leases, s.pinned), (1, 3), "the child's lease pins its three blocks");
+    child.kill().expect("kill");
+    child.wait().expect("wait");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut s = host.stats().expect("stats");
+    while s.pinned != 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        s = host.stats().expect("stats");
+    }
+    assert_eq!((s.leases, s.pinned, s.leases_expired), (0, 0, 1), "its lease ended with its connection");
+    drop(host);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_client_of_another_block_size_is_refused_and_serves_without_the_pool() {
+    let d = dir("hello");
+    let mut host = PoolClient::new(config(&d), ns(), BLOCK);
+    assert_eq!(host.store(&keys(0..1), |i| block(i)), 1);
+    let mut other = PoolClient::new(config(&d), ns(), BLOCK + 1);
+    assert!(!other.connected() && !other.hosts(), "refused, and the pool is hosted already");
+    assert!(other.lookup(&keys(0..1)).blocks.is_empty());
+    // Another namespace in the same directory is another pool.
+    let other_ns = BlockHash::namespace(&[b"other weights"]);
+    let mut third = PoolClient::new(config(&d), other_ns, BLOCK);
+    assert!(third.hosts(), "its own pool");
+    assert!(third.lookup(&keys(0..1)).blocks.is_empty(), "never another namespace's blocks");
+    drop((host, other, third));
+    let _ = std::fs::remove_dir_all(&d);
+}
