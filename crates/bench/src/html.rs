@@ -92,6 +92,7 @@ fn stage_color(s: Stage) -> &'static str {
     match s {
         Stage::Gateway => "#9c9c9c",
         Stage::Queue => "#f2b134",
+        Stage::KvLoad => "#86bcb6",
         Stage::Prefill => "#4e79a7",
         Stage::KvTransfer => "#b07aa1",
         Stage::DecodeQueue => "#ff9da7",

@@ -184,12 +184,17 @@ pub(crate) struct BatchingArgs {
     /// step-time model is fitted to. `{worker}` in the path becomes each worker's name.
     #[arg(long, env = "TOKENPATH_STEP_LOG", value_name = "PATH")]
     step_log: Option<std::path::PathBuf>,
-    /// Keep prefix KV blocks in this directory too (the KV pool's SSD tier, one file per worker):
-    /// they outlive the process, so a restarted server serves prompt prefixes it computed before.
-    /// Blocks are bound to the model file's digest, KV layout, numerics and tenant scope.
+    /// Share prefix KV blocks through the host's KV pool in this directory: a host-RAM tier every
+    /// worker on the host reads and writes, and an SSD tier behind it that outlives the process
+    /// (a restarted server serves prompt prefixes it computed before). The first process on the
+    /// host to open it hosts it. Blocks are bound to the model file's digest, KV layout,
+    /// numerics and tenant scope, and checked before use.
     #[arg(long, env = "TOKENPATH_KV_POOL", value_name = "DIR")]
     kv_pool: Option<std::path::PathBuf>,
-    /// Size of each worker's SSD tier file under --kv-pool (`1GiB`, `512MiB`, bytes).
+    /// Size of the pool's host-RAM tier (`512MiB`, `2GiB`, bytes).
+    #[arg(long, env = "TOKENPATH_KV_POOL_RAM", value_name = "SIZE", default_value = "512MiB", value_parser = parse_size)]
+    kv_pool_ram: u64,
+    /// Size of the pool's SSD tier file (`1GiB`, bytes; 0: RAM only).
     #[arg(long, env = "TOKENPATH_KV_POOL_SSD", value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     kv_pool_ssd: u64,
 }
@@ -221,10 +226,11 @@ impl BatchingArgs {
             kv_tokens: self.kv_tokens,
             prefix_cache: !self.no_prefix_cache,
             step_log: self.step_log.clone(),
-            kv_pool: self
-                .kv_pool
-                .clone()
-                .map(|dir| tokenpath_worker::KvPoolConfig { dir, ssd_bytes: self.kv_pool_ssd }),
+            kv_pool: self.kv_pool.clone().map(|dir| tokenpath_worker::KvPoolConfig {
+                ram_bytes: self.kv_pool_ram,
+                ssd_bytes: self.kv_pool_ssd,
+                ..tokenpath_worker::KvPoolConfig::new(dir)
+            }),
             ..WorkerConfig::default()
         }
     }
@@ -253,8 +259,9 @@ impl BatchingArgs {
             a.push(format!("--step-log={p}"));
         }
         if let Some(d) = &self.kv_pool {
-            // One directory; each child writes its own file in it (named after the worker).
+            // One pool for every child: the first to start hosts it, the others join.
             a.push(format!("--kv-pool={}", d.display()));
+            a.push(format!("--kv-pool-ram={}", self.kv_pool_ram));
             a.push(format!("--kv-pool-ssd={}", self.kv_pool_ssd));
         }
         a

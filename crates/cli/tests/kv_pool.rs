@@ -1,6 +1,7 @@
 //! `tokenpath serve --kv-pool DIR` through the real binary: a server killed outright (SIGKILL, no
-//! chance to flush anything) and started again on the same directory serves the prompt prefix
-//! it computed before from the SSD tier; the answer is the same as the first time.
+//! chance to flush anything on the way out) and started again on the same directory serves the
+//! prompt prefix it computed before from the SSD tier (the pool writes blocks down as soon as
+//! it is idle); the answer is the same as the first time.
 
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
@@ -59,11 +60,11 @@ fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() 
     assert_eq!(complete(second.port, &prompt), (want, 64), "four 16-token blocks from the SSD tier");
     let (status, metrics) = http(second.port, "GET", "/metrics", "");
     assert_eq!(status, 200);
-    assert!(metrics.contains("tokenpath_kv_pool_ssd_hit_tokens_total 64"), "{metrics}");
+    assert!(metrics.contains(r#"tokenpath_kv_pool_hit_tokens_total{tier="ssd"} 64"#), "{metrics}");
     assert!(metrics.contains("tokenpath_kv_pool_failed_loads_total 0"), "{metrics}");
     let blocks: u64 = metrics
         .lines()
-        .find_map(|l| l.strip_prefix("tokenpath_kv_pool_ssd_blocks "))
+        .find_map(|l| l.strip_prefix(r#"tokenpath_kv_pool_blocks{tier="ssd"} "#))
         .and_then(|v| v.trim().parse().ok())
         .unwrap();
     assert!(blocks >= 4, "{blocks} blocks in the SSD tier");

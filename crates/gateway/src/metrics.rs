@@ -35,6 +35,8 @@
 //! | `tokenpath_worker_busy_seconds_total`, `tokenpath_worker_flops_total` | — (busy fraction and achieved FLOP/s via `rate()`) |
 //! | `tokenpath_worker_peak_flops` | — (`rate(tokenpath_worker_flops_total[1m]) / tokenpath_worker_peak_flops` = share of peak) |
 
+mod pool;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -91,12 +93,30 @@ pub const NUM_PREEMPTIONS: &str = "tokenpath_num_preemptions";
 pub const WORKER_BUSY_SECONDS: &str = "tokenpath_worker_busy_seconds";
 /// Model FLOPs the worker ran (counter).
 pub const WORKER_FLOPS: &str = "tokenpath_worker_flops";
-/// Blocks held by the KV pool's SSD tier, over the workers (gauge).
-pub const KV_POOL_SSD_BLOCKS: &str = "tokenpath_kv_pool_ssd_blocks";
-/// Prompt tokens served from the KV pool's SSD tier (counter).
-pub const KV_POOL_SSD_HIT_TOKENS: &str = "tokenpath_kv_pool_ssd_hit_tokens";
+/// Blocks held by each tier of the host's KV pool, `tier` = `host` | `ssd` (gauge).
+pub const KV_POOL_BLOCKS: &str = "tokenpath_kv_pool_blocks";
+/// Blocks each tier can hold (gauge).
+pub const KV_POOL_SLOTS: &str = "tokenpath_kv_pool_slots";
+/// Blocks leased from the pool by the tier they were found in (counter).
+pub const KV_POOL_HITS: &str = "tokenpath_kv_pool_hits";
+/// Prompt tokens served from the KV pool, by tier (counter).
+pub const KV_POOL_HIT_TOKENS: &str = "tokenpath_kv_pool_hit_tokens";
+/// Pool lookups whose first block was not held (counter).
+pub const KV_POOL_MISSES: &str = "tokenpath_kv_pool_misses";
+/// Bytes of KV loaded from the pool (counter).
+pub const KV_POOL_LOAD_BYTES: &str = "tokenpath_kv_pool_load_bytes";
 /// KV pool loads that failed verification and were recomputed (counter).
 pub const KV_POOL_FAILED_LOADS: &str = "tokenpath_kv_pool_failed_loads";
+/// Blocks pushed out of the pool's RAM tier (counter).
+pub const KV_POOL_EVICTIONS: &str = "tokenpath_kv_pool_evictions";
+/// Pool leases open (gauge).
+pub const KV_POOL_LEASES: &str = "tokenpath_kv_pool_leases";
+/// Pool RAM blocks pinned by leases (gauge).
+pub const KV_POOL_PINNED_BLOCKS: &str = "tokenpath_kv_pool_pinned_blocks";
+/// Age of the oldest open pool lease, seconds (gauge).
+pub const KV_POOL_LEASE_AGE_SECONDS: &str = "tokenpath_kv_pool_oldest_lease_seconds";
+/// 1 when the pool's SSD tier failed and it runs on RAM only (gauge).
+pub const KV_POOL_SSD_DEGRADED: &str = "tokenpath_kv_pool_ssd_degraded";
 /// The machine's peak FLOP/s as configured (`--peak-gflops`); absent when not configured.
 pub const WORKER_PEAK_FLOPS: &str = "tokenpath_worker_peak_flops";
 
@@ -157,17 +177,13 @@ pub struct Metrics {
     kv_free: Gauge,
     kv_usage: Gauge<f64, std::sync::atomic::AtomicU64>,
     preemptions: Counter,
-    pool_blocks: Gauge,
-    pool_hit_tokens: Counter,
-    pool_failed_loads: Counter,
+    pool: pool::PoolMetrics,
     busy_seconds: FloatCounter,
     flops: FloatCounter,
     /// The highest worker totals mirrored so far (`f64` bits for the float ones): a scrape adds
     /// only what it raised the mark by, so concurrent scrapes never both add the same delta, and
     /// a cluster total that dips (a worker marked down) and comes back adds nothing twice.
     seen_preempted: AtomicU64,
-    seen_pool_hits: AtomicU64,
-    seen_pool_failed: AtomicU64,
     seen_busy: AtomicU64,
     seen_flops: AtomicU64,
 }
@@ -238,14 +254,10 @@ impl Metrics {
             kv_usage: Gauge::default(),
             kv_free: Gauge::default(),
             preemptions: Counter::default(),
-            pool_blocks: Gauge::default(),
-            pool_hit_tokens: Counter::default(),
-            pool_failed_loads: Counter::default(),
+            pool: pool::PoolMetrics::default(),
             busy_seconds: FloatCounter::default(),
             flops: FloatCounter::default(),
             seen_preempted: AtomicU64::new(0),
-            seen_pool_hits: AtomicU64::new(0),
-            seen_pool_failed: AtomicU64::new(0),
             seen_busy: AtomicU64::new(0f64.to_bits()),
             seen_flops: AtomicU64::new(0f64.to_bits()),
         };
@@ -310,17 +322,7 @@ impl Metrics {
             m.busy_seconds.clone(),
         );
         registry.register(WORKER_FLOPS, "Model FLOPs the worker computed", m.flops.clone());
-        registry.register(KV_POOL_SSD_BLOCKS, "Blocks held by the KV pool's SSD tier", m.pool_blocks.clone());
-        registry.register(
-            KV_POOL_SSD_HIT_TOKENS,
-            "Prompt tokens served from the KV pool's SSD tier",
-            m.pool_hit_tokens.clone(),
-        );
-        registry.register(
-            KV_POOL_FAILED_LOADS,
-            "KV pool loads that failed verification (recomputed, never served)",
-            m.pool_failed_loads.clone(),
-        );
+        m.pool.register(&mut registry);
         Metrics { registry, ..m }
     }
 
@@ -390,9 +392,7 @@ impl Metrics {
         self.kv_usage.set(stats.kv_usage());
         // Counters mirror the worker's monotonic totals, through high-water marks (see them).
         self.preemptions.inc_by(raise(&self.seen_preempted, stats.preempted));
-        self.pool_blocks.set(as_i64(stats.kv_pool_blocks));
-        self.pool_hit_tokens.inc_by(raise(&self.seen_pool_hits, stats.prompt_tokens_cached_ssd));
-        self.pool_failed_loads.inc_by(raise(&self.seen_pool_failed, stats.kv_pool_failed_loads));
+        self.pool.update(stats);
         let busy = raise_f64(&self.seen_busy, stats.busy_seconds);
         if busy > 0.0 {
             self.busy_seconds.inc_by(busy);

@@ -118,7 +118,7 @@ fn lay_out(
         // colocated worker (`both`) all of it; the gateway's stage is no worker's.
         let role = match stage {
             Stage::Gateway => None,
-            Stage::Prefill | Stage::Queue | Stage::KvTransfer => Some("prefill"),
+            Stage::Prefill | Stage::Queue | Stage::KvLoad | Stage::KvTransfer => Some("prefill"),
             Stage::DecodeQueue | Stage::Decode => Some("decode"),
         };
         if let Some(w) = role.and_then(|r| timing.workers.get(r).or_else(|| timing.workers.get("both"))) {

@@ -225,12 +225,20 @@ pub struct WorkerStats {
     /// worker's arena.
     #[serde(default)]
     pub prompt_tokens_cached_ssd: u64,
-    /// Blocks held by the KV pool's SSD tier (occupancy).
+    /// Of those, tokens loaded from the KV pool's host-RAM tier (verified).
     #[serde(default)]
-    pub kv_pool_blocks: usize,
-    /// Loads from the KV pool that failed verification (recomputed; never served).
+    pub prompt_tokens_cached_host: u64,
+    /// Bytes of KV loaded from the KV pool into this worker's blocks.
+    #[serde(default)]
+    pub kv_pool_load_bytes: u64,
+    /// Blocks this worker copied from the KV pool that failed their check (recomputed; never
+    /// served).
     #[serde(default)]
     pub kv_pool_failed_loads: u64,
+    /// The host's KV pool as it last answered this worker (one pool per host: a cluster's sum
+    /// keeps one of its workers' views, not a sum).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_pool: Option<crate::pool::PoolStats>,
     /// Blocks held only by the prefix cache (counted in `kv_blocks_free`: reclaimable).
     pub kv_blocks_cached: usize,
     /// KV transfers received intact (decode mode).
@@ -278,7 +286,6 @@ impl WorkerStats {
             &mut self.kv_blocks_used,
             &mut self.kv_blocks_free,
             &mut self.kv_blocks_cached,
-            &mut self.kv_pool_blocks,
         ] {
             *v = (*v).min(cap_usize);
         }
@@ -290,6 +297,8 @@ impl WorkerStats {
             &mut self.preempted,
             &mut self.prompt_tokens_cached,
             &mut self.prompt_tokens_cached_ssd,
+            &mut self.prompt_tokens_cached_host,
+            &mut self.kv_pool_load_bytes,
             &mut self.kv_pool_failed_loads,
             &mut self.kv_imports,
             &mut self.kv_fallbacks,
@@ -319,6 +328,13 @@ impl WorkerStats {
         self.prompt_tokens_cached = self.prompt_tokens_cached.saturating_add(o.prompt_tokens_cached);
         self.prompt_tokens_cached_ssd =
             self.prompt_tokens_cached_ssd.saturating_add(o.prompt_tokens_cached_ssd);
+        self.prompt_tokens_cached_host =
+            self.prompt_tokens_cached_host.saturating_add(o.prompt_tokens_cached_host);
+        self.kv_pool_load_bytes = self.kv_pool_load_bytes.saturating_add(o.kv_pool_load_bytes);
+        self.kv_pool_failed_loads = self.kv_pool_failed_loads.saturating_add(o.kv_pool_failed_loads);
+        if self.kv_pool.is_none() {
+            self.kv_pool.clone_from(&o.kv_pool);
+        }
         self.kv_blocks_cached = self.kv_blocks_cached.saturating_add(o.kv_blocks_cached);
         self.kv_imports = self.kv_imports.saturating_add(o.kv_imports);
         self.kv_fallbacks = self.kv_fallbacks.saturating_add(o.kv_fallbacks);

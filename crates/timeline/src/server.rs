@@ -14,8 +14,11 @@ use std::fmt;
 pub enum Stage {
     /// `arrived` → `admitted`: auth, validation, tokenization, rate limit.
     Gateway,
-    /// `admitted` → `prefill_start`: waiting for a prefill slot.
+    /// `admitted` → `kv_load_start` (or `prefill_start`): waiting for a prefill slot.
     Queue,
+    /// `kv_load_start` → `kv_load_end`: a prompt prefix's KV copied in from the KV pool; absent
+    /// when nothing was loaded.
+    KvLoad,
     /// `prefill_start` → `prefill_end` (first token computed), all chunks included.
     Prefill,
     /// `kv_transfer_start` → `kv_transfer_end`; absent when colocated.
@@ -28,14 +31,22 @@ pub enum Stage {
 
 impl Stage {
     /// Every stage in path order.
-    pub const ALL: [Stage; 6] =
-        [Stage::Gateway, Stage::Queue, Stage::Prefill, Stage::KvTransfer, Stage::DecodeQueue, Stage::Decode];
+    pub const ALL: [Stage; 7] = [
+        Stage::Gateway,
+        Stage::Queue,
+        Stage::KvLoad,
+        Stage::Prefill,
+        Stage::KvTransfer,
+        Stage::DecodeQueue,
+        Stage::Decode,
+    ];
 
     /// The snake_case name used on the wire, in metrics labels and in reports.
     pub fn name(self) -> &'static str {
         match self {
             Stage::Gateway => "gateway",
             Stage::Queue => "queue",
+            Stage::KvLoad => "kv_load",
             Stage::Prefill => "prefill",
             Stage::KvTransfer => "kv_transfer",
             Stage::DecodeQueue => "decode_queue",
@@ -67,6 +78,10 @@ pub enum FinishReason {
 pub enum Mark {
     /// Authenticated, validated, tokenized, rate limit passed.
     Admitted,
+    /// A load of prompt KV from the KV pool began.
+    KvLoadStart,
+    /// It ended (with at least one block loaded).
+    KvLoadEnd,
     /// First prefill chunk scheduled.
     PrefillStart,
     /// Prefill done and the first token computed.
@@ -89,6 +104,8 @@ impl Mark {
     fn name(self) -> &'static str {
         match self {
             Mark::Admitted => "admitted",
+            Mark::KvLoadStart => "kv_load_start",
+            Mark::KvLoadEnd => "kv_load_end",
             Mark::PrefillStart => "prefill_start",
             Mark::PrefillEnd => "prefill_end",
             Mark::KvTransferStart => "kv_transfer_start",
@@ -105,6 +122,8 @@ impl Mark {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ServerTimeline {
     admitted: Option<Nanos>,
+    kv_load_start: Option<Nanos>,
+    kv_load_end: Option<Nanos>,
     prefill_start: Option<Nanos>,
     prefill_end: Option<Nanos>,
     kv_transfer_start: Option<Nanos>,
@@ -135,6 +154,8 @@ impl ServerTimeline {
         self.last = (at, mark.name());
         let slot = match mark {
             Mark::Admitted => &mut self.admitted,
+            Mark::KvLoadStart => &mut self.kv_load_start,
+            Mark::KvLoadEnd => &mut self.kv_load_end,
             Mark::PrefillStart => &mut self.prefill_start,
             Mark::PrefillEnd => &mut self.prefill_end,
             Mark::KvTransferStart => &mut self.kv_transfer_start,
@@ -161,7 +182,8 @@ impl ServerTimeline {
     pub fn stage_ns(&self, stage: Stage) -> Option<Nanos> {
         let (from, to) = match stage {
             Stage::Gateway => (Some(0), self.admitted),
-            Stage::Queue => (self.admitted, self.prefill_start),
+            Stage::Queue => (self.admitted, self.kv_load_start.or(self.prefill_start)),
+            Stage::KvLoad => (self.kv_load_start, self.kv_load_end),
             Stage::Prefill => (self.prefill_start, self.prefill_end),
             Stage::KvTransfer => (self.kv_transfer_start, self.kv_transfer_end),
             Stage::DecodeQueue => (self.kv_transfer_end.or(self.prefill_end), self.decode_start),
@@ -219,6 +241,10 @@ pub struct ServerTiming {
     /// the worker's arena; absent when none were.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cached_tokens_ssd: u64,
+    /// Of those, the tokens loaded from the KV pool's host-RAM tier; absent when none were.
+    /// (`cached_tokens − cached_tokens_host − cached_tokens_ssd` were in the worker's arena.)
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cached_tokens_host: u64,
     /// Bytes of KV moved between processes (PD only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_transfer_bytes: Option<u64>,
@@ -272,6 +298,7 @@ impl ServerTiming {
             // The tier split goes with the count it splits.
             self.cached_tokens = other.cached_tokens;
             self.cached_tokens_ssd = other.cached_tokens_ssd;
+            self.cached_tokens_host = other.cached_tokens_host;
         }
         if self.kv_transfer_bytes.is_none() {
             self.kv_transfer_bytes = other.kv_transfer_bytes;

@@ -113,8 +113,10 @@ pub(crate) struct Batcher {
     flops_per_token: f64,
     closed: bool,
     step_log: Option<StepLog>,
-    /// The KV pool's SSD tier, when configured.
-    pool: Option<tokenpath_kv::Slab>,
+    /// The host's KV pool, when configured.
+    pool: Option<tokenpath_kv::pool::PoolClient>,
+    /// When the pool's counters were last asked for (at most once a second).
+    pool_stats_at: Option<Instant>,
 }
 
 impl Batcher {
@@ -137,7 +139,7 @@ impl Batcher {
             Some(p) => {
                 // Blocks that outlive the process bind the very weights, not just their shape.
                 root = BlockHash::namespace(&[&root.0, b"weights", &engine.model().weights_digest()]);
-                Some(prefix::open_pool(p, &cfg.id.0, cache.block_bytes(), root)?)
+                Some(tokenpath_kv::pool::PoolClient::new(p.clone(), root, cache.block_bytes()))
             }
             None => None,
         };
@@ -161,6 +163,7 @@ impl Batcher {
             closed: false,
             step_log,
             pool,
+            pool_stats_at: None,
         })
     }
 
@@ -587,9 +590,11 @@ impl Batcher {
         self.stats.kv_blocks_used = self.cache.total_blocks() - available;
         self.stats.kv_blocks_free = available;
         self.stats.kv_blocks_cached = self.prefix.as_ref().map_or(0, PrefixCache::len);
-        if let Some(pool) = &self.pool {
-            self.stats.kv_pool_blocks = pool.len();
-            self.stats.kv_pool_failed_loads = pool.stats().failed_loads;
+        if let Some(pool) = self.pool.as_mut() {
+            if self.pool_stats_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                self.pool_stats_at = Some(Instant::now());
+                self.stats.kv_pool = pool.stats();
+            }
         }
         self.stats.busy_seconds = self.busy.as_secs_f64();
         self.stats.uptime_seconds = self.started.elapsed().as_secs_f64();

@@ -56,20 +56,11 @@ pub struct WorkerConfig {
     pub handoff_wait: std::time::Duration,
     /// Write one JSON line per forward step here (`{worker}` becomes the worker's name).
     pub step_log: Option<std::path::PathBuf>,
-    /// Keep prefix blocks in the KV pool's SSD tier too (needs `prefix_cache`).
-    pub kv_pool: Option<KvPoolConfig>,
-}
-
-/// The KV pool's SSD tier of one worker: `DIR/<worker>.slab`, a file of `ssd_bytes` that
-/// outlives the process. Every prefix block a sequence completes is written to it (write-through)
-/// and a fresh sequence's prefix continues from it past what the arena holds; blocks bind the
-/// model file's digest, KV layout, numerics and tenant scope.
-#[derive(Clone, Debug)]
-pub struct KvPoolConfig {
-    /// The pool's directory (created if absent).
-    pub dir: std::path::PathBuf,
-    /// Bytes of the SSD tier's file (a whole number of slots: one block each plus a 4 KiB header).
-    pub ssd_bytes: u64,
+    /// Share prefix blocks through the host's KV pool (needs `prefix_cache`): every block a
+    /// sequence completes is stored there, and a fresh sequence's prefix continues from it past
+    /// what this worker's arena holds. Blocks bind the model file's digest, KV layout,
+    /// numerics and tenant scope.
+    pub kv_pool: Option<tokenpath_kv::pool::PoolConfig>,
 }
 
 impl Default for WorkerConfig {

@@ -21,10 +21,12 @@ mod seq;
 
 pub use batcher::{step_log_path, WORKER_PLACEHOLDER};
 pub use handle::{
-    KvPoolConfig, Worker, WorkerConfig, WorkerHandle, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK,
+    Worker, WorkerConfig, WorkerHandle, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE,
+    DEFAULT_PREFILL_CHUNK,
 };
 pub use pd::KvBlocks;
+/// The KV pool a worker joins (`WorkerConfig::kv_pool`): the kv crate's type, named here.
+pub use tokenpath_kv::pool::PoolConfig as KvPoolConfig;
 /// What part of the request path a worker runs (defined with the worker messages).
 pub use tokenpath_protocol::cluster::WorkerRole as Role;
 /// The boundary types a worker speaks, defined once in the protocol crate.

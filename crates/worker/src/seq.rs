@@ -70,6 +70,8 @@ pub(crate) struct Seq {
     pub(crate) cached_tokens: usize,
     /// Of those, tokens loaded from the KV pool's SSD tier.
     pub(crate) cached_tokens_ssd: usize,
+    /// Of those, tokens loaded from the KV pool's host-RAM tier.
+    pub(crate) cached_tokens_host: usize,
     /// Chained hashes of the blocks registered in the prefix cache so far.
     pub(crate) hashes: Vec<BlockHash>,
     /// Prefill mode: blocks already sent out.
@@ -120,6 +122,7 @@ impl Seq {
             permit: Some(permit),
             cached_tokens: 0,
             cached_tokens_ssd: 0,
+            cached_tokens_host: 0,
             hashes: Vec::new(),
             exported_blocks: 0,
             kv: KvState::Pending,
@@ -263,6 +266,7 @@ impl Seq {
                 let mut timing = self.timeline.timing();
                 timing.cached_tokens = self.cached_tokens as u64;
                 timing.cached_tokens_ssd = self.cached_tokens_ssd as u64;
+                timing.cached_tokens_host = self.cached_tokens_host as u64;
                 timing.kv_recomputed = self.recomputed;
                 timing.workers.insert(self.mode.role_name().into(), worker.clone());
                 let usage = self.usage();
@@ -272,6 +276,7 @@ impl Seq {
                 let mut timing = self.timeline.timing();
                 timing.cached_tokens = self.cached_tokens as u64;
                 timing.cached_tokens_ssd = self.cached_tokens_ssd as u64;
+                timing.cached_tokens_host = self.cached_tokens_host as u64;
                 timing.workers.insert("prefill".into(), worker.clone());
                 let first_token = self.tokens[self.prompt_len];
                 let sampler = self.sampler.state();

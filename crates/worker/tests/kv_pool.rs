@@ -1,6 +1,8 @@
-//! The KV pool's SSD tier through the worker: a prompt's blocks written by one worker are
-//! served to the next worker on the same directory (a restart), verified, with the same tokens
-//! as a computed prefix; another model's worker on that directory is never served them.
+//! The KV pool through the worker: a prompt's blocks written by one worker are served to another
+//! worker alive at the same time from the host-RAM tier, and to the next worker on the same
+//! directory (a restart) from the SSD tier, checked, with the same tokens as a computed prefix;
+//! another model's worker on that directory is never served them, and a damaged block is
+//! recomputed, never served.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -8,7 +10,7 @@ use tokenpath_engine::model::Model;
 use tokenpath_engine::sampling::SamplingParams;
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 use tokenpath_engine::Engine;
-use tokenpath_timeline::RequestId;
+use tokenpath_timeline::{RequestId, ServerTiming, Stage};
 use tokenpath_worker::{KvPoolConfig, WorkEvent, WorkRequest, Worker, WorkerConfig};
 
 fn engine(seed: u64) -> Arc<Engine> {
@@ -37,23 +39,105 @@ fn request(id: u64, prompt: Vec<u32>) -> WorkRequest {
 
 /// (generated text, cached prompt tokens) of one request.
 fn run(worker: &Worker, id: u64, prompt: &[u32]) -> (String, u64) {
+    let (text, cached, _) = run_timed(worker, id, prompt);
+    (text, cached)
+}
+
+/// The same, with the request's timing.
+fn run_timed(worker: &Worker, id: u64, prompt: &[u32]) -> (String, u64, ServerTiming) {
     let mut s = worker.handle().submit(request(id, prompt.to_vec())).expect("submit");
     let mut text = String::new();
     loop {
         match s.blocking_next() {
             Some(WorkEvent::Text { delta, .. }) => text.push_str(&delta),
-            Some(WorkEvent::Finished { usage, .. }) => return (text, usage.cached_tokens),
+            Some(WorkEvent::Finished { usage, timing, .. }) => return (text, usage.cached_tokens, timing),
             Some(_) => {}
             None => panic!("the stream ended without finishing"),
         }
     }
 }
 
+/// The tests of this file one at a time: one of them scribbles on every pool memfd of the
+/// process, which must not be another test's pool.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn pool_config(dir: &std::path::Path, ssd_bytes: u64) -> KvPoolConfig {
+    KvPoolConfig { ram_bytes: 64 << 20, ssd_bytes, ..KvPoolConfig::new(dir) }
+}
+
+/// Writes over every page of the pool's RAM tier, as a rogue process that maps it could: the
+/// pool is hosted in this process, so its memfd is one of our descriptors.
+fn scribble_pool_memory() -> usize {
+    use std::os::unix::fs::FileExt;
+    let mut n = 0;
+    for e in std::fs::read_dir("/proc/self/fd").expect("fds").filter_map(Result::ok) {
+        let target =
+            std::fs::read_link(e.path()).map(|t| t.to_string_lossy().into_owned()).unwrap_or_default();
+        if !target.starts_with("/memfd:tokenpath-kv") {
+            continue;
+        }
+        let Ok(f) = std::fs::OpenOptions::new().write(true).open(e.path()) else { continue };
+        let len = f.metadata().expect("len").len();
+        for at in (0..len).step_by(4096) {
+            f.write_all_at(&[0x5A; 16], at + 100).expect("scribble");
+        }
+        n += 1;
+    }
+    n
+}
+
+#[test]
+fn a_block_computed_by_one_worker_is_served_to_another_from_host_ram_and_checked() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("tokenpath-kv-pool-ram-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = || WorkerConfig { kv_pool: Some(pool_config(&dir, 0)), ..WorkerConfig::default() };
+    let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 37 % 200)).collect();
+    let plain = Worker::spawn(engine(1), WorkerConfig::default()).expect("worker");
+    let (want, _) = run(&plain, 0, &prompt);
+    plain.join().expect("join");
+
+    // Two workers on one pool at once (what `serve --prefill/--decode` children, or several
+    // `tokenpath worker`s on a host, are): the first hosts it.
+    let a = Worker::spawn(engine(1), config()).expect("worker");
+    let b = Worker::spawn(engine(1), config()).expect("worker");
+    let (text, cached, timing) = run_timed(&a, 1, &prompt);
+    assert_eq!((text, cached), (want.clone(), 0));
+    assert!(timing.stage_ms(Stage::KvLoad).is_none(), "nothing loaded: no kv_load stage");
+    let (text, cached, timing) = run_timed(&b, 2, &prompt);
+    assert_eq!((text, cached), (want.clone(), 64), "the same tokens, four blocks from the other worker");
+    assert_eq!((timing.cached_tokens_host, timing.cached_tokens_ssd), (64, 0));
+    assert!(timing.stage_ms(Stage::KvLoad).is_some(), "the load is a stage of its own");
+    let stats = b.handle().stats();
+    assert_eq!((stats.prompt_tokens_cached_host, stats.kv_pool_failed_loads), (64, 0));
+    assert_eq!(
+        stats.kv_pool_load_bytes,
+        4 * engine(1).new_cache(1024, 16).expect("cache").block_bytes() as u64
+    );
+
+    // The pool's memory scribbled on: a third worker's load fails its check, the prompt is
+    // recomputed — the same tokens — and the failure is counted, never served.
+    let prompt2: Vec<u32> = (0..40).map(|i| 5 + (i * 11 % 190)).collect();
+    let (want2, _) = run(&a, 3, &prompt2);
+    assert_eq!(scribble_pool_memory(), 1, "the pool's RAM tier is this process's memfd");
+    let c = Worker::spawn(engine(1), config()).expect("worker");
+    assert_eq!(run(&c, 4, &prompt2), (want2, 0), "recomputed, the same tokens");
+    assert_eq!(
+        (c.handle().stats().kv_pool_failed_loads, c.handle().stats().prompt_tokens_cached_host),
+        (1, 0)
+    );
+    for w in [a, b, c] {
+        w.join().expect("join");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_restarted_worker_serves_the_prefix_from_the_ssd_tier_and_other_weights_never_see_it() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("tokenpath-kv-pool-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let pool = KvPoolConfig { dir: dir.clone(), ssd_bytes: 64 << 20 };
+    let pool = pool_config(&dir, 64 << 20);
     let config = || WorkerConfig { kv_pool: Some(pool.clone()), ..WorkerConfig::default() };
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 37 % 200)).collect();
     // The reference: no pool at all.
@@ -66,7 +150,7 @@ fn a_restarted_worker_serves_the_prefix_from_the_ssd_tier_and_other_weights_neve
     assert_eq!(run(&first, 1, &prompt), (want.clone(), 0));
     assert_eq!(first.handle().stats().prompt_tokens_cached_ssd, 0);
     first.join().expect("join");
-    assert!(dir.join("w0.slab").exists());
+    assert!(slab(&dir).exists(), "the pool wrote its blocks down as it stopped");
 
     // A new process's worker (a fresh arena) on the same directory: the 64 tokens of the four
     // full blocks before the last prompt token come from the SSD tier.
@@ -93,17 +177,18 @@ fn a_restarted_worker_serves_the_prefix_from_the_ssd_tier_and_other_weights_neve
 
 #[test]
 fn a_damaged_pool_block_is_recomputed_and_counted_never_served() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     use std::os::unix::fs::FileExt;
     let dir = std::env::temp_dir().join(format!("tokenpath-kv-pool-bad-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let pool = KvPoolConfig { dir: dir.clone(), ssd_bytes: 8 << 20 };
+    let pool = pool_config(&dir, 8 << 20);
     let config = || WorkerConfig { kv_pool: Some(pool.clone()), ..WorkerConfig::default() };
     let prompt: Vec<u32> = (0..40).map(|i| 5 + (i * 11 % 190)).collect();
     let first = Worker::spawn(engine(3), config()).expect("worker");
     let (want, _) = run(&first, 1, &prompt);
     first.join().expect("join");
     // Flip bytes in every slot's payload (a bad disk, or a write torn by a crash).
-    let path = dir.join("w0.slab");
+    let path = slab(&dir);
     let f = std::fs::OpenOptions::new().write(true).open(&path).expect("slab");
     let len = f.metadata().expect("len").len();
     let block = engine(3).new_cache(1024, 16).expect("cache").block_bytes() as u64;
@@ -116,7 +201,17 @@ fn a_damaged_pool_block_is_recomputed_and_counted_never_served() {
     let second = Worker::spawn(engine(3), config()).expect("worker");
     assert_eq!(run(&second, 2, &prompt), (want, 0), "recomputed, the same tokens");
     let stats = second.handle().stats();
-    assert_eq!((stats.kv_pool_failed_loads, stats.prompt_tokens_cached_ssd), (1, 0));
+    assert_eq!((stats.prompt_tokens_cached_ssd, stats.prompt_tokens_cached_host), (0, 0));
     second.join().expect("join");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The pool's slab file in `dir` (one per namespace; these tests use one model at a time).
+fn slab(dir: &std::path::Path) -> std::path::PathBuf {
+    std::fs::read_dir(dir)
+        .expect("dir")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "slab"))
+        .expect("a slab file")
 }

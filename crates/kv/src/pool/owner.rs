@@ -416,12 +416,14 @@ impl Owner {
                 n += 1;
             }
         }
-        if n > 0 {
-            if let Some(Err(e)) = self.ssd.as_ref().map(Slab::sync) {
-                tracing::warn!("KV pool SSD sync failed: {e}");
-            }
-        }
         n
+    }
+
+    /// Makes what was written down durable (`fsync`).
+    pub fn sync(&self) {
+        if let Some(Err(e)) = self.ssd.as_ref().map(Slab::sync) {
+            tracing::warn!("KV pool SSD sync failed: {e}");
+        }
     }
 
     /// Dirty blocks waiting to be written down.

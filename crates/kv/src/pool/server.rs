@@ -31,6 +31,11 @@ use crate::{BlockHash, KvError};
 const MAX_CLIENTS: usize = 256;
 /// How long the owner waits for a request before doing its idle work.
 const IDLE_TICK: Duration = Duration::from_millis(20);
+/// Dirty blocks written down per idle turn.
+const FLUSH_BATCH: usize = 4;
+/// Longest a written-down block waits for `fsync` (the owner syncs after a burst, at most this
+/// often, and when it stops).
+const SYNC_EVERY: Duration = Duration::from_secs(1);
 /// A client that stops reading its replies is cut off after this.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -189,12 +194,30 @@ fn open_ssd(cfg: &PoolConfig, namespace: BlockHash, block_bytes: usize) -> Optio
 }
 
 fn run_owner(mut owner: Owner, rx: mpsc::Receiver<Command>) {
+    let mut synced = Instant::now();
     loop {
-        let cmd = match rx.recv_timeout(IDLE_TICK) {
+        // Dirty blocks are written down between requests, a few at a time, so a lookup never
+        // waits behind more than a few block writes and a crash loses only the newest blocks.
+        let next = if owner.dirty() > 0 {
+            match rx.try_recv() {
+                Ok(c) => Ok(c),
+                Err(mpsc::TryRecvError::Empty) => Err(mpsc::RecvTimeoutError::Timeout),
+                Err(mpsc::TryRecvError::Disconnected) => Err(mpsc::RecvTimeoutError::Disconnected),
+            }
+        } else {
+            rx.recv_timeout(IDLE_TICK)
+        };
+        let cmd = match next {
             Ok(c) => c,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 owner.expire(Instant::now());
-                owner.flush(16);
+                owner.flush(FLUSH_BATCH);
+                // Durable against power loss too, once a burst is written (a killed process
+                // loses nothing the kernel already has).
+                if owner.dirty() == 0 && synced.elapsed() >= SYNC_EVERY {
+                    owner.sync();
+                    synced = Instant::now();
+                }
                 continue;
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -211,6 +234,7 @@ fn run_owner(mut owner: Owner, rx: mpsc::Receiver<Command>) {
     }
     let n = owner.dirty();
     owner.flush(usize::MAX);
+    owner.sync();
     tracing::debug!(written = n, "KV pool stopped");
 }
 

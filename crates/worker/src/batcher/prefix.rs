@@ -5,35 +5,10 @@
 
 use super::Batcher;
 use crate::seq::Seq;
-use crate::{KvPoolConfig, WorkerError};
-use tokenpath_kv::slab::{Slab, SlabGeometry};
+use std::time::Instant;
 use tokenpath_kv::{block_hashes, chain_hash, BlockHash};
-
-/// Opens worker `id`'s SSD tier under `cfg.dir` for blocks of `block_bytes` under `root`.
-pub(super) fn open_pool(
-    cfg: &KvPoolConfig,
-    id: &str,
-    block_bytes: usize,
-    root: BlockHash,
-) -> Result<Slab, WorkerError> {
-    let fail = |e: String| WorkerError::Config(format!("KV pool {}: {e}", cfg.dir.display()));
-    std::fs::create_dir_all(&cfg.dir).map_err(|e| fail(e.to_string()))?;
-    let payload_bytes = u32::try_from(block_bytes).map_err(|_| fail("a KV block over 4 GiB".into()))?;
-    let slot = SlabGeometry { slots: 1, payload_bytes }.slot_bytes();
-    let slots =
-        u32::try_from(cfg.ssd_bytes.saturating_sub(tokenpath_kv::slab::PAGE) / slot).unwrap_or(u32::MAX);
-    if slots == 0 {
-        return Err(fail(format!("{} bytes hold no {slot}-byte slot", cfg.ssd_bytes)));
-    }
-    let geometry = SlabGeometry { slots, payload_bytes };
-    let path = cfg.dir.join(format!("{id}.slab"));
-    let (slab, report) = Slab::open(&path, geometry, root).map_err(|e| fail(e.to_string()))?;
-    tracing::info!(
-        path = %path.display(), blocks = report.blocks, torn = report.torn, foreign = report.foreign,
-        "KV pool SSD tier opened"
-    );
-    Ok(slab)
-}
+use tokenpath_protocol::pool::PoolTier;
+use tokenpath_timeline::Mark;
 
 impl Batcher {
     /// Blocks held only by the prefix cache (reclaimable at any time).
@@ -95,21 +70,27 @@ impl Batcher {
                 }
             }
         };
-        // Past the arena's blocks, the SSD tier's: each verified by the slab before use, read
-        // into a fresh block and registered in the arena's index like a computed one. A block
-        // the tier lacks or fails to verify ends the prefix (the rest is computed).
+        // Past the arena's blocks, the host pool's: leased, each copied into a fresh block and
+        // checked against the checksum its writer computed before use, then registered in the
+        // arena's index like a computed one. A block that fails its check ends the prefix (the
+        // rest is computed); the lease ends on every path.
         let arena = blocks.len();
         let mut have = arena;
-        if let Some(pool) = self.pool.as_mut() {
-            while have < hashes.len() && pool.contains(&hashes[have]) && self.cache.free_blocks() > 0 {
-                let bytes = match pool.get(&hashes[have]) {
-                    Ok(Some(b)) => b,
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!(request = %seq.id, "KV pool read failed: {e}");
-                        break;
-                    }
-                };
+        let (mut host, mut ssd) = (0usize, 0usize);
+        let load_start = Instant::now();
+        if let Some(pool) = self.pool.as_mut().filter(|_| have < hashes.len() && self.cache.free_blocks() > 0)
+        {
+            let lease = pool.lookup(&hashes[have..]);
+            let mut bytes = vec![0u8; self.cache.block_bytes()];
+            for block in &lease.blocks {
+                if self.cache.free_blocks() == 0 {
+                    break;
+                }
+                if !pool.load(block, &mut bytes) {
+                    self.stats.kv_pool_failed_loads += 1;
+                    tracing::warn!(request = %seq.id, "a KV pool block failed its check: recomputed");
+                    break;
+                }
                 if let Err(e) = self.cache.reserve(&mut table, (have + 1) * bs) {
                     tracing::warn!(request = %seq.id, "no block for a KV pool hit: {e}");
                     break;
@@ -129,8 +110,18 @@ impl Batcher {
                         }
                     }
                 }
+                match block.tier {
+                    PoolTier::Host => host += 1,
+                    PoolTier::Ssd => ssd += 1,
+                }
                 have += 1;
             }
+            pool.release(lease);
+        }
+        if have > arena {
+            seq.stamp(Mark::KvLoadStart, load_start);
+            seq.stamp(Mark::KvLoadEnd, Instant::now());
+            self.stats.kv_pool_load_bytes += ((have - arena) * self.cache.block_bytes()) as u64;
         }
         if have == 0 {
             seq.table = table;
@@ -146,17 +137,23 @@ impl Batcher {
         }
         if seq.cached_tokens == 0 && !seq.prefill_started {
             seq.cached_tokens = seq.fed.min(seq.prompt_len);
-            seq.cached_tokens_ssd = seq.cached_tokens.saturating_sub(arena * bs);
+            // Loaded blocks are in key order, host and SSD hits interleaved; the split counts
+            // blocks (a prompt's last block is never cached, so every cached block is whole).
+            seq.cached_tokens_ssd = ssd * bs;
+            seq.cached_tokens_host = host * bs;
             self.stats.prompt_tokens_cached += seq.cached_tokens as u64;
             self.stats.prompt_tokens_cached_ssd += seq.cached_tokens_ssd as u64;
+            self.stats.prompt_tokens_cached_host += seq.cached_tokens_host as u64;
         }
     }
 
-    /// Registers a sequence's newly completed blocks in the prefix cache.
+    /// Registers a sequence's newly completed blocks in the prefix cache, and stores the ones
+    /// new to this worker in the host's pool (it skips those it holds already).
     pub(crate) fn register_prefix(&mut self, seq: &mut Seq) {
         let Some(prefix) = self.prefix.as_mut() else { return };
         let bs = self.cfg.block_size;
         let full = (seq.fed / bs).min(seq.table.blocks().len());
+        let mut fresh: Vec<(usize, BlockHash)> = Vec::new();
         while seq.hashes.len() < full {
             let i = seq.hashes.len();
             let parent = seq.hashes.last().copied();
@@ -168,17 +165,14 @@ impl Batcher {
                 if let Err(e) = self.cache.retain(b) {
                     tracing::error!("retaining a prefix block failed: {e}");
                 }
-            }
-            // Written through to the SSD tier (once per key): it survives this process.
-            if let Some(pool) = self.pool.as_mut() {
-                if !pool.contains(&h) {
-                    let bytes = self.cache.export_blocks(&seq.table, i, i + 1);
-                    if let Err(e) = pool.put(h, &bytes) {
-                        tracing::warn!("KV pool write failed: {e}");
-                    }
-                }
+                fresh.push((i, h));
             }
             seq.hashes.push(h);
+        }
+        if let Some(pool) = self.pool.as_mut().filter(|_| !fresh.is_empty()) {
+            let keys: Vec<BlockHash> = fresh.iter().map(|(_, h)| *h).collect();
+            let (cache, table) = (&self.cache, &seq.table);
+            pool.store(&keys, |j| cache.export_blocks(table, fresh[j].0, fresh[j].0 + 1));
         }
     }
 }
