@@ -197,7 +197,15 @@ pub(crate) struct BatchingArgs {
     /// Size of the pool's SSD tier file (`1GiB`, bytes; 0: RAM only).
     #[arg(long, env = "TOKENPATH_KV_POOL_SSD", value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     kv_pool_ssd: u64,
+    /// A Valkey/Redis server as the pool's remote tier, shared by the pools of several hosts
+    /// (`redis://[:password@]host:port/db`). Prefer the environment variable: a password on a
+    /// command line is readable by other users.
+    #[arg(long, env = KV_POOL_REMOTE_ENV, value_name = "URL", hide_env_values = true)]
+    kv_pool_remote: Option<String>,
 }
+
+/// The environment variable of `--kv-pool-remote` (also how worker children get it).
+const KV_POOL_REMOTE_ENV: &str = "TOKENPATH_KV_POOL_REMOTE";
 
 /// `1GiB`, `512MiB`, `64KiB`, `2G`, `100M` (binary multiples) or plain bytes.
 pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
@@ -229,6 +237,7 @@ impl BatchingArgs {
             kv_pool: self.kv_pool.clone().map(|dir| tokenpath_worker::KvPoolConfig {
                 ram_bytes: self.kv_pool_ram,
                 ssd_bytes: self.kv_pool_ssd,
+                remote: self.kv_pool_remote.clone(),
                 ..tokenpath_worker::KvPoolConfig::new(dir)
             }),
             ..WorkerConfig::default()
@@ -482,6 +491,9 @@ fn start_workers(
         );
     }
     let mut extra = ChildArgs { args: args.batching.to_args(), env: Vec::new() };
+    if let Some(url) = &args.batching.kv_pool_remote {
+        extra.env.push((KV_POOL_REMOTE_ENV, url.clone()));
+    }
     extra.args.extend(args.model.to_args());
     args.spans.export.to_child(&mut extra);
     for (role, n, cpus) in

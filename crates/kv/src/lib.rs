@@ -10,8 +10,10 @@
 
 pub mod pool;
 mod prefix;
+pub mod remote;
 pub mod shm;
 pub mod slab;
+pub mod store;
 
 pub use prefix::PrefixCache;
 pub use slab::{Slab, SlabGeometry};
@@ -35,6 +37,9 @@ pub enum KvError {
     /// A slab file of another shape, or a block that does not fit its slots.
     #[error("KV pool slab: {0}")]
     SlabGeometry(String),
+    /// The remote tier's server refused or could not be reached.
+    #[error("KV pool remote tier {0}")]
+    Remote(String),
 }
 
 /// Identity of one full KV block: BLAKE3 chained over a namespace and every token from the

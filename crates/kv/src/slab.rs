@@ -29,6 +29,8 @@ const SLOT_MAGIC: &[u8; 8] = b"TPKVSLT1";
 const VERSION: u32 = 1;
 /// Bytes of a slot header that its checksum covers (the checksum follows them).
 const HEADER_BODY: usize = 116;
+/// Bytes of an encoded header (its body and the body's BLAKE3).
+pub(crate) const HEADER_BYTES: usize = HEADER_BODY + 32;
 
 /// A slab's shape: how many slots, and the payload bytes each holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -361,16 +363,16 @@ fn file_header(g: &SlabGeometry) -> Vec<u8> {
 /// A slot header: `magic, seq, key, namespace, payload_len, checksum`, then the BLAKE3 of
 /// those bytes.
 #[derive(Debug, PartialEq)]
-struct Header {
-    seq: u64,
-    key: BlockHash,
-    namespace: BlockHash,
-    payload_len: u32,
-    checksum: [u8; 32],
+pub(crate) struct Header {
+    pub(crate) seq: u64,
+    pub(crate) key: BlockHash,
+    pub(crate) namespace: BlockHash,
+    pub(crate) payload_len: u32,
+    pub(crate) checksum: [u8; 32],
 }
 
 impl Header {
-    fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(HEADER_BODY + 32);
         b.extend_from_slice(SLOT_MAGIC);
         b.extend_from_slice(&self.seq.to_le_bytes());
@@ -385,7 +387,7 @@ impl Header {
     }
 
     /// `None` unless `b` starts with a whole, checksummed slot header.
-    fn decode(b: &[u8]) -> Option<Self> {
+    pub(crate) fn decode(b: &[u8]) -> Option<Self> {
         let b = b.get(..HEADER_BODY + 32)?;
         if &b[..8] != SLOT_MAGIC || blake3::hash(&b[..HEADER_BODY]).as_bytes() != &b[HEADER_BODY..] {
             return None;

@@ -57,7 +57,7 @@ fn a_block_stored_by_one_client_is_loaded_by_another_and_survives_its_host() {
     assert!(host.hosts() && host.connected());
     let mut other = PoolClient::new(config(&d), ns(), BLOCK);
     assert!(!other.hosts() && other.connected(), "the second process connects to the first's pool");
-    assert_eq!(host.store(&keys(0..4), |i| block(i)), 4);
+    assert_eq!(host.store(&keys(0..4), block), 4);
     assert_eq!(host.store(&keys(0..4), |_| unreachable!("held already: nothing to write")), 0);
     assert_eq!(load_all(&mut other, 0..6), 4);
     let s = other.stats().expect("stats");
@@ -102,7 +102,7 @@ fn a_client_killed_while_it_holds_a_lease_pins_nothing_afterwards() {
     }
     let d = dir("kill");
     let mut host = PoolClient::new(config(&d), ns(), BLOCK);
-    assert_eq!(host.store(&keys(0..3), |i| block(i)), 3);
+    assert_eq!(host.store(&keys(0..3), block), 3);
     let me = std::env::current_exe().expect("test binary");
     let mut child = Command::new(me)
         .args(["--exact", "a_client_killed_while_it_holds_a_lease_pins_nothing_afterwards", "--nocapture"])
@@ -141,7 +141,7 @@ fn a_client_killed_while_it_holds_a_lease_pins_nothing_afterwards() {
 fn a_client_of_another_block_size_is_refused_and_serves_without_the_pool() {
     let d = dir("hello");
     let mut host = PoolClient::new(config(&d), ns(), BLOCK);
-    assert_eq!(host.store(&keys(0..1), |i| block(i)), 1);
+    assert_eq!(host.store(&keys(0..1), block), 1);
     let mut other = PoolClient::new(config(&d), ns(), BLOCK + 1);
     assert!(!other.connected() && !other.hosts(), "refused, and the pool is hosted already");
     assert!(other.lookup(&keys(0..1)).blocks.is_empty());

@@ -46,6 +46,8 @@ pub enum PoolTier {
     Host,
     /// It was read up from the SSD tier for this lookup.
     Ssd,
+    /// It was read up from the remote tier (a Valkey/Redis server shared by hosts).
+    Remote,
 }
 
 /// A worker's request.
@@ -124,6 +126,15 @@ pub struct PoolStats {
     pub hits_ram: u64,
     /// Blocks read up from the SSD tier.
     pub hits_ssd: u64,
+    /// Blocks read up from the remote tier.
+    #[serde(default)]
+    pub hits_remote: u64,
+    /// A remote tier is configured.
+    #[serde(default)]
+    pub remote: bool,
+    /// Blocks written to the remote tier.
+    #[serde(default)]
+    pub written_remote: u64,
     /// Lookups' first keys not held.
     pub misses: u64,
     /// Blocks stored (committed and verified).

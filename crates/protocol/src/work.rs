@@ -228,6 +228,9 @@ pub struct WorkerStats {
     /// Of those, tokens loaded from the KV pool's host-RAM tier (verified).
     #[serde(default)]
     pub prompt_tokens_cached_host: u64,
+    /// Of those, tokens loaded from the KV pool's remote tier (verified).
+    #[serde(default)]
+    pub prompt_tokens_cached_remote: u64,
     /// Bytes of KV loaded from the KV pool into this worker's blocks.
     #[serde(default)]
     pub kv_pool_load_bytes: u64,
@@ -238,7 +241,7 @@ pub struct WorkerStats {
     /// The host's KV pool as it last answered this worker (one pool per host: a cluster's sum
     /// keeps one of its workers' views, not a sum).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kv_pool: Option<crate::pool::PoolStats>,
+    pub kv_pool: Option<Box<crate::pool::PoolStats>>,
     /// Blocks held only by the prefix cache (counted in `kv_blocks_free`: reclaimable).
     pub kv_blocks_cached: usize,
     /// KV transfers received intact (decode mode).
@@ -298,6 +301,7 @@ impl WorkerStats {
             &mut self.prompt_tokens_cached,
             &mut self.prompt_tokens_cached_ssd,
             &mut self.prompt_tokens_cached_host,
+            &mut self.prompt_tokens_cached_remote,
             &mut self.kv_pool_load_bytes,
             &mut self.kv_pool_failed_loads,
             &mut self.kv_imports,
@@ -330,6 +334,8 @@ impl WorkerStats {
             self.prompt_tokens_cached_ssd.saturating_add(o.prompt_tokens_cached_ssd);
         self.prompt_tokens_cached_host =
             self.prompt_tokens_cached_host.saturating_add(o.prompt_tokens_cached_host);
+        self.prompt_tokens_cached_remote =
+            self.prompt_tokens_cached_remote.saturating_add(o.prompt_tokens_cached_remote);
         self.kv_pool_load_bytes = self.kv_pool_load_bytes.saturating_add(o.kv_pool_load_bytes);
         self.kv_pool_failed_loads = self.kv_pool_failed_loads.saturating_add(o.kv_pool_failed_loads);
         if self.kv_pool.is_none() {

@@ -242,9 +242,12 @@ pub struct ServerTiming {
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cached_tokens_ssd: u64,
     /// Of those, the tokens loaded from the KV pool's host-RAM tier; absent when none were.
-    /// (`cached_tokens − cached_tokens_host − cached_tokens_ssd` were in the worker's arena.)
+    /// (`cached_tokens` less the three pool tiers' were in the worker's arena.)
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cached_tokens_host: u64,
+    /// Of those, the tokens loaded from the KV pool's remote tier; absent when none were.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cached_tokens_remote: u64,
     /// Bytes of KV moved between processes (PD only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_transfer_bytes: Option<u64>,
@@ -299,6 +302,7 @@ impl ServerTiming {
             self.cached_tokens = other.cached_tokens;
             self.cached_tokens_ssd = other.cached_tokens_ssd;
             self.cached_tokens_host = other.cached_tokens_host;
+            self.cached_tokens_remote = other.cached_tokens_remote;
         }
         if self.kv_transfer_bytes.is_none() {
             self.kv_transfer_bytes = other.kv_transfer_bytes;

@@ -593,7 +593,7 @@ impl Batcher {
         if let Some(pool) = self.pool.as_mut() {
             if self.pool_stats_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
                 self.pool_stats_at = Some(Instant::now());
-                self.stats.kv_pool = pool.stats();
+                self.stats.kv_pool = pool.stats().map(Box::new);
             }
         }
         self.stats.busy_seconds = self.busy.as_secs_f64();

@@ -72,6 +72,8 @@ pub(crate) struct Seq {
     pub(crate) cached_tokens_ssd: usize,
     /// Of those, tokens loaded from the KV pool's host-RAM tier.
     pub(crate) cached_tokens_host: usize,
+    /// Of those, tokens loaded from the KV pool's remote tier.
+    pub(crate) cached_tokens_remote: usize,
     /// Chained hashes of the blocks registered in the prefix cache so far.
     pub(crate) hashes: Vec<BlockHash>,
     /// Prefill mode: blocks already sent out.
@@ -123,6 +125,7 @@ impl Seq {
             cached_tokens: 0,
             cached_tokens_ssd: 0,
             cached_tokens_host: 0,
+            cached_tokens_remote: 0,
             hashes: Vec::new(),
             exported_blocks: 0,
             kv: KvState::Pending,
@@ -267,6 +270,7 @@ impl Seq {
                 timing.cached_tokens = self.cached_tokens as u64;
                 timing.cached_tokens_ssd = self.cached_tokens_ssd as u64;
                 timing.cached_tokens_host = self.cached_tokens_host as u64;
+                timing.cached_tokens_remote = self.cached_tokens_remote as u64;
                 timing.kv_recomputed = self.recomputed;
                 timing.workers.insert(self.mode.role_name().into(), worker.clone());
                 let usage = self.usage();
@@ -277,6 +281,7 @@ impl Seq {
                 timing.cached_tokens = self.cached_tokens as u64;
                 timing.cached_tokens_ssd = self.cached_tokens_ssd as u64;
                 timing.cached_tokens_host = self.cached_tokens_host as u64;
+                timing.cached_tokens_remote = self.cached_tokens_remote as u64;
                 timing.workers.insert("prefill".into(), worker.clone());
                 let first_token = self.tokens[self.prompt_len];
                 let sampler = self.sampler.state();

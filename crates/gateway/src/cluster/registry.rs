@@ -83,7 +83,7 @@ enum Cmd {
     },
     Polled {
         addr: String,
-        result: Result<StatsMsg, String>,
+        result: Box<Result<StatsMsg, String>>,
     },
     MarkDown {
         addr: String,
@@ -231,7 +231,7 @@ impl State {
             tokio::spawn(async move {
                 let result =
                     super::client::stats(&addr, &secret, POLL_TIMEOUT).await.map_err(|e| e.to_string());
-                let _ = tx.send(Cmd::Polled { addr, result });
+                let _ = tx.send(Cmd::Polled { addr, result: Box::new(result) });
             });
         }
     }
@@ -262,7 +262,7 @@ impl State {
             Cmd::Polled { addr, result } => {
                 self.polling.remove(&addr);
                 if let Some(w) = self.find(&addr) {
-                    match result {
+                    match *result {
                         Ok(s) => {
                             if !w.up {
                                 tracing::info!(addr = ?addr, role = %w.role, "worker up");
@@ -430,7 +430,7 @@ mod tests {
             assert_eq!(reg.register(a.into(), r).await.unwrap(), Registered::Added);
         }
         let polled = |addr: &str, s: StatsMsg| {
-            let _ = reg.tx.send(Cmd::Polled { addr: addr.into(), result: Ok(s) });
+            let _ = reg.tx.send(Cmd::Polled { addr: addr.into(), result: Box::new(Ok(s)) });
         };
         // Nothing listens at these addresses, so the registry's own polls mark them down now
         // and then; every route that finds them up must avoid the rogue.

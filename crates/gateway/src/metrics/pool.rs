@@ -25,6 +25,7 @@ struct TierLabel {
 
 const HOST: TierLabel = TierLabel { tier: "host" };
 const SSD: TierLabel = TierLabel { tier: "ssd" };
+const REMOTE: TierLabel = TierLabel { tier: "remote" };
 
 /// Handles to the pool's metrics, and the high-water marks its counters are mirrored through.
 #[derive(Debug, Default)]
@@ -42,8 +43,8 @@ pub(super) struct PoolMetrics {
     lease_age: Gauge<f64, AtomicU64>,
     degraded: Gauge,
     /// Marks, in the order of `MARKS`: host/ssd hits, host/ssd hit tokens, misses, load bytes,
-    /// failed loads (worker's + pool's), evictions.
-    seen: [AtomicU64; 8],
+    /// failed loads (worker's + pool's), evictions, remote hits, remote hit tokens.
+    seen: [AtomicU64; 10],
 }
 
 impl PoolMetrics {
@@ -85,6 +86,7 @@ impl PoolMetrics {
         };
         mirror(2, stats.prompt_tokens_cached_host, &self.hit_tokens.get_or_create(&HOST));
         mirror(3, stats.prompt_tokens_cached_ssd, &self.hit_tokens.get_or_create(&SSD));
+        mirror(9, stats.prompt_tokens_cached_remote, &self.hit_tokens.get_or_create(&REMOTE));
         mirror(5, stats.kv_pool_load_bytes, &self.load_bytes);
         let Some(p) = &stats.kv_pool else {
             mirror(6, stats.kv_pool_failed_loads, &self.failed);
@@ -97,6 +99,7 @@ impl PoolMetrics {
         self.slots.get_or_create(&SSD).set(g(p.ssd_slots));
         mirror(0, p.hits_ram, &self.hits.get_or_create(&HOST));
         mirror(1, p.hits_ssd, &self.hits.get_or_create(&SSD));
+        mirror(8, p.hits_remote, &self.hits.get_or_create(&REMOTE));
         mirror(4, p.misses, &self.misses);
         mirror(6, stats.kv_pool_failed_loads.saturating_add(p.failed), &self.failed);
         mirror(7, p.evictions_ram, &self.evictions);

@@ -29,7 +29,7 @@ use std::time::Duration;
 use crate::BlockHash;
 
 /// How a pool is set up (the hosting process's flags; clients need only `dir`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct PoolConfig {
     /// The pool's directory: its socket, lock and SSD slab (created if absent, mode 0700).
     pub dir: PathBuf,
@@ -39,12 +39,38 @@ pub struct PoolConfig {
     pub ssd_bytes: u64,
     /// How long a lease lives.
     pub lease: Duration,
+    /// A Valkey/Redis URL for the remote tier shared across hosts (none: no remote tier).
+    pub remote: Option<String>,
+    /// How long a block lives in the remote tier.
+    pub remote_ttl: Duration,
 }
 
 impl PoolConfig {
-    /// A pool in `dir` with the default sizes (512 MiB of RAM, 1 GiB of SSD, 10 s leases).
+    /// A pool in `dir` with the default sizes (512 MiB of RAM, 1 GiB of SSD, 10 s leases, no
+    /// remote tier; remote blocks kept a day).
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into(), ram_bytes: 512 << 20, ssd_bytes: 1 << 30, lease: Duration::from_secs(10) }
+        Self {
+            dir: dir.into(),
+            ram_bytes: 512 << 20,
+            ssd_bytes: 1 << 30,
+            lease: Duration::from_secs(10),
+            remote: None,
+            remote_ttl: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+impl std::fmt::Debug for PoolConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The remote tier's URL may hold a password: never printed.
+        f.debug_struct("PoolConfig")
+            .field("dir", &self.dir)
+            .field("ram_bytes", &self.ram_bytes)
+            .field("ssd_bytes", &self.ssd_bytes)
+            .field("lease", &self.lease)
+            .field("remote", &self.remote.as_ref().map(|_| "<set>"))
+            .field("remote_ttl", &self.remote_ttl)
+            .finish()
     }
 }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tokenpath_protocol::pool::{PoolStats, PoolTier};
 
 use crate::shm::SharedSlots;
-use crate::slab::Slab;
+use crate::store::BlockStore;
 use crate::BlockHash;
 
 /// A client connection's id (one per worker connection).
@@ -102,8 +102,8 @@ pub struct Owner {
     dirty: VecDeque<BlockHash>,
     next_lease: u64,
     tick: u64,
-    ssd: Option<Slab>,
-    ssd_slots: u32,
+    /// The stores below RAM, in the order a block is looked for (SSD, then remote).
+    lower: Vec<Box<dyn BlockStore>>,
     lease_for: Duration,
     stats: PoolStats,
     buf: Vec<u8>,
@@ -111,9 +111,13 @@ pub struct Owner {
 
 impl Owner {
     /// An owner of `ram` (blocks of `block_bytes` each) with an optional SSD tier behind it.
-    pub fn new(ram: SharedSlots, block_bytes: usize, ssd: Option<Slab>, lease_for: Duration) -> Self {
+    pub fn new(
+        ram: SharedSlots,
+        block_bytes: usize,
+        lower: Vec<Box<dyn BlockStore>>,
+        lease_for: Duration,
+    ) -> Self {
         let n = ram.slots();
-        let ssd_slots = ssd.as_ref().map_or(0, |s| s.capacity() as u32);
         Self {
             ram,
             block_bytes,
@@ -126,10 +130,13 @@ impl Owner {
             dirty: VecDeque::new(),
             next_lease: 1,
             tick: 0,
-            ssd,
-            ssd_slots,
+            stats: PoolStats {
+                ram_slots: n,
+                remote: lower.iter().any(|s| s.tier() == PoolTier::Remote),
+                ..PoolStats::default()
+            },
+            lower,
             lease_for,
-            stats: PoolStats { ram_slots: n, ..PoolStats::default() },
             buf: vec![0; block_bytes],
         }
     }
@@ -163,7 +170,7 @@ impl Owner {
         for key in keys {
             let found = match self.index.get(key).copied() {
                 Some(slot) => Some((slot, PoolTier::Host)),
-                None => self.read_up(key).map(|slot| (slot, PoolTier::Ssd)),
+                None => self.read_up(key),
             };
             let Some((slot, tier)) = found else { break };
             let Slot::Held { checksum, pins, tick, .. } = &mut self.slots[slot as usize] else { break };
@@ -174,6 +181,7 @@ impl Owner {
             match tier {
                 PoolTier::Host => self.stats.hits_ram += 1,
                 PoolTier::Ssd => self.stats.hits_ssd += 1,
+                PoolTier::Remote => self.stats.hits_remote += 1,
             }
             got.push(Leased { slot, checksum: *checksum, tier });
         }
@@ -185,37 +193,47 @@ impl Owner {
         Some((self.open_lease(client, now, LeaseKind::Read(slots)), got))
     }
 
-    /// `key` from the SSD tier into a RAM slot (verified by the slab), or `None`.
-    fn read_up(&mut self, key: &BlockHash) -> Option<u32> {
-        if !self.ssd.as_ref()?.contains(key) {
-            return None;
-        }
-        let slot = self.take_slot()?;
-        let ssd = self.ssd.as_mut()?;
-        let failed_before = ssd.stats().failed_loads;
-        let bytes = match ssd.get(key) {
-            Ok(Some(b)) => Some(b),
-            Ok(None) => None,
-            Err(e) => {
-                tracing::warn!("KV pool SSD read failed: {e}");
-                None
+    /// `key` from the first store below RAM that has it into a RAM slot (checked by the store),
+    /// or `None`.
+    fn read_up(&mut self, key: &BlockHash) -> Option<(u32, PoolTier)> {
+        let mut slot = None;
+        let mut found = None;
+        for i in 0..self.lower.len() {
+            if !self.lower[i].may_hold(key) {
+                continue;
             }
-        };
-        self.stats.failed += ssd.stats().failed_loads - failed_before;
-        let Some(bytes) = bytes.filter(|b| b.len() == self.block_bytes) else {
-            self.release_slot(slot);
-            return None;
-        };
-        if self.ram.copy_in(slot, &bytes).is_err() {
-            self.release_slot(slot);
-            return None;
+            if slot.is_none() {
+                slot = Some(self.take_slot()?);
+            }
+            let store = &mut self.lower[i];
+            let failed_before = store.failed_loads();
+            let got = store.get(key);
+            self.stats.failed += store.failed_loads().saturating_sub(failed_before);
+            match got {
+                Ok(Some(b)) if b.len() == self.block_bytes => {
+                    found = Some((b, store.tier()));
+                    break;
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!("KV pool {:?} read failed: {e}", store.tier()),
+            }
         }
+        let slot = slot?;
+        let Some((bytes, tier)) = found.filter(|(b, _)| self.ram.copy_in(slot, b).is_ok()) else {
+            self.release_slot(slot);
+            return None;
+        };
         let checksum = *blake3::hash(&bytes).as_bytes();
         let tick = self.next_tick();
-        self.slots[slot as usize] = Slot::Held { key: *key, checksum, pins: 0, dirty: false, tick };
+        // Read up from a remote tier: not on this host's SSD yet.
+        let dirty = tier == PoolTier::Remote && self.lower.iter().any(|s| s.tier() == PoolTier::Ssd);
+        self.slots[slot as usize] = Slot::Held { key: *key, checksum, pins: 0, dirty, tick };
         self.lru.insert(tick, slot);
         self.index.insert(*key, slot);
-        Some(slot)
+        if dirty {
+            self.dirty.push_back(*key);
+        }
+        Some((slot, tier))
     }
 
     fn release_slot(&mut self, slot: u32) {
@@ -240,24 +258,43 @@ impl Owner {
         Some(slot)
     }
 
-    /// Writes a held block to the SSD tier (after checking its bytes still are the block). An
-    /// SSD that fails takes the tier out: the pool runs on RAM alone and says so.
+    /// Writes a held block down to every store below RAM that lacks it (after checking its
+    /// bytes still are the block). An SSD that fails is taken out: the pool runs on what is left
+    /// and says so (a remote tier that fails skips itself for a while).
     fn write_down(&mut self, slot: u32, key: BlockHash, checksum: [u8; 32]) {
         if let Slot::Held { dirty, .. } = &mut self.slots[slot as usize] {
             *dirty = false;
         }
-        let Some(ssd) = self.ssd.as_mut() else { return };
+        if self.lower.iter().all(|s| s.holds(&key)) {
+            return;
+        }
         if self.ram.copy_out(slot, &mut self.buf).is_err() || *blake3::hash(&self.buf).as_bytes() != checksum
         {
             self.stats.failed += 1;
             return;
         }
-        match ssd.put(key, &self.buf) {
-            Ok(_) => self.stats.written_ssd += 1,
-            Err(e) => {
-                tracing::warn!("the KV pool's SSD tier failed ({e}); running on host RAM only");
-                self.ssd = None;
-                self.stats.ssd_degraded = true;
+        let mut i = 0;
+        while i < self.lower.len() {
+            let store = &mut self.lower[i];
+            if store.holds(&key) {
+                i += 1;
+                continue;
+            }
+            match store.put(key, &self.buf) {
+                Ok(()) => {
+                    match store.tier() {
+                        PoolTier::Remote => self.stats.written_remote += 1,
+                        _ => self.stats.written_ssd += 1,
+                    }
+                    i += 1;
+                }
+                Err(e) => {
+                    tracing::warn!("the KV pool's {:?} tier failed ({e}); running without it", store.tier());
+                    if store.tier() == PoolTier::Ssd {
+                        self.stats.ssd_degraded = true;
+                    }
+                    self.lower.remove(i);
+                }
             }
         }
     }
@@ -276,7 +313,7 @@ impl Owner {
             let held = self.index.contains_key(key)
                 || self.writing.contains_key(key)
                 || given.iter().any(|(_, k)| k == key)
-                || self.ssd.as_ref().is_some_and(|s| s.contains(key));
+                || self.lower.iter().any(|s| s.holds(key));
             let slot = if held { None } else { self.take_slot() };
             if let Some(s) = slot {
                 self.slots[s as usize] = Slot::Writing;
@@ -329,7 +366,7 @@ impl Owner {
                 continue;
             }
             let tick = self.next_tick();
-            let dirty = self.ssd.is_some();
+            let dirty = !self.lower.is_empty();
             self.slots[*slot as usize] = Slot::Held { key: *key, checksum: *want, pins: 0, dirty, tick };
             self.lru.insert(tick, *slot);
             self.index.insert(*key, *slot);
@@ -408,7 +445,7 @@ impl Owner {
     /// a crash loses only the last moments' blocks). Returns how many were written.
     pub fn flush(&mut self, max: usize) -> usize {
         let mut n = 0;
-        while n < max && self.ssd.is_some() {
+        while n < max && !self.lower.is_empty() {
             let Some(key) = self.dirty.pop_front() else { break };
             let Some(&slot) = self.index.get(&key) else { continue };
             if let Slot::Held { key, checksum, dirty: true, .. } = self.slots[slot as usize] {
@@ -416,13 +453,19 @@ impl Owner {
                 n += 1;
             }
         }
+        if self.lower.is_empty() {
+            // Nothing below RAM any more (a failed SSD): nothing to write down.
+            self.dirty.clear();
+        }
         n
     }
 
     /// Makes what was written down durable (`fsync`).
     pub fn sync(&self) {
-        if let Some(Err(e)) = self.ssd.as_ref().map(Slab::sync) {
-            tracing::warn!("KV pool SSD sync failed: {e}");
+        for s in &self.lower {
+            if let Err(e) = s.sync() {
+                tracing::warn!("KV pool {:?} sync failed: {e}", s.tier());
+            }
         }
     }
 
@@ -435,10 +478,11 @@ impl Owner {
     pub fn stats(&self, now: Instant) -> PoolStats {
         let pinned = self.slots.iter().filter(|s| matches!(s, Slot::Held { pins, .. } if *pins > 0)).count();
         let oldest = self.leases.values().map(|l| now.saturating_duration_since(l.started)).max();
+        let ssd = self.lower.iter().find(|s| s.tier() == PoolTier::Ssd);
         PoolStats {
             ram_blocks: self.index.len() as u32,
-            ssd_slots: if self.ssd.is_some() { self.ssd_slots } else { 0 },
-            ssd_blocks: self.ssd.as_ref().map_or(0, |s| s.len() as u32),
+            ssd_slots: ssd.map_or(0, |s| s.capacity() as u32),
+            ssd_blocks: ssd.map_or(0, |s| s.blocks() as u32),
             leases: self.leases.len() as u32,
             pinned: pinned as u32,
             oldest_lease_ms: oldest.map_or(0, |d| d.as_millis() as u64),

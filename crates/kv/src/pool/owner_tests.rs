@@ -17,9 +17,10 @@ fn owner(slots: u32, ssd: Option<&std::path::Path>) -> (Owner, SharedSlots) {
     let client_view = SharedSlots::open(&file, slots, 4096).expect("map");
     let ssd = ssd.map(|p| {
         let g = SlabGeometry { slots: 8, payload_bytes: BLOCK as u32 };
-        Slab::open(p, g, BlockHash::namespace(&[b"owner-tests"])).expect("slab").0
+        Box::new(crate::slab::Slab::open(p, g, BlockHash::namespace(&[b"owner-tests"])).expect("slab").0)
+            as Box<dyn BlockStore>
     });
-    (Owner::new(ram, BLOCK, ssd, Duration::from_secs(5)), client_view)
+    (Owner::new(ram, BLOCK, ssd.into_iter().collect(), Duration::from_secs(5)), client_view)
 }
 
 /// What a client does to store blocks: reserve, write, commit with its own checksums.
@@ -178,4 +179,57 @@ proptest! {
         prop_assert_eq!(o.free.len() + o.index.len(), 6, "every slot free or holding a block");
         prop_assert!(o.writing.is_empty());
     }
+}
+
+/// A store whose every write fails (a full or unwritable disk).
+#[derive(Debug)]
+struct Unwritable;
+
+impl BlockStore for Unwritable {
+    fn tier(&self) -> PoolTier {
+        PoolTier::Ssd
+    }
+    fn may_hold(&self, _: &BlockHash) -> bool {
+        false
+    }
+    fn holds(&self, _: &BlockHash) -> bool {
+        false
+    }
+    fn get(&mut self, _: &BlockHash) -> Result<Option<Vec<u8>>, crate::KvError> {
+        Ok(None)
+    }
+    fn put(&mut self, _: BlockHash, _: &[u8]) -> Result<(), crate::KvError> {
+        Err(crate::KvError::SlabGeometry("no space left on device".into()))
+    }
+    fn blocks(&self) -> usize {
+        0
+    }
+    fn capacity(&self) -> usize {
+        8
+    }
+    fn failed_loads(&self) -> u64 {
+        0
+    }
+    fn sync(&self) -> Result<(), crate::KvError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn an_ssd_that_cannot_be_written_is_taken_out_and_ram_keeps_serving() {
+    let (file, ram) = SharedSlots::create(2, 4096).expect("memfd");
+    let view = SharedSlots::open(&file, 2, 4096).expect("map");
+    let mut o = Owner::new(ram, BLOCK, vec![Box::new(Unwritable)], Duration::from_secs(5));
+    let (c, now) = (ClientId(1), Instant::now());
+    assert_eq!(store(&mut o, &view, c, &[0, 1], now), (2, 0));
+    assert_eq!(o.stats(now).ssd_slots, 8);
+    assert_eq!(o.flush(10), 1, "the first write fails and takes the tier out");
+    let s = o.stats(now);
+    assert!(s.ssd_degraded, "and says so");
+    assert_eq!((s.ssd_slots, s.written_ssd, o.dirty()), (0, 0, 0));
+    // Serving goes on from RAM; evictions now simply drop.
+    assert_eq!(load(&mut o, &view, c, &[0, 1], now).len(), 2);
+    assert_eq!(store(&mut o, &view, c, &[2, 3], now), (2, 0));
+    assert_eq!(load(&mut o, &view, c, &[2, 3], now).len(), 2);
+    assert_eq!(o.stats(now).evictions_ram, 2);
 }

@@ -23,8 +23,10 @@ use tokenpath_protocol::pool::{LeasedBlock, PoolReply, PoolRequest, WireKey, POO
 
 use super::owner::{ClientId, LeaseId, Owner};
 use super::{slot_bytes, socket_path, stem, PoolConfig};
+use crate::remote::RemoteStore;
 use crate::shm::SharedSlots;
 use crate::slab::{Slab, SlabGeometry, PAGE};
+use crate::store::BlockStore;
 use crate::{BlockHash, KvError};
 
 /// Most client connections at once (a host's workers, and a margin).
@@ -106,8 +108,22 @@ impl PoolHost {
             )));
         }
         let (memfd, ram) = SharedSlots::create(slots, slot).map_err(|e| io_err(&cfg.dir, e))?;
-        let ssd = open_ssd(cfg, namespace, block_bytes);
-        let owner = Owner::new(ram, block_bytes, ssd, cfg.lease);
+        let mut lower: Vec<Box<dyn BlockStore>> = Vec::new();
+        if let Some(ssd) = open_ssd(cfg, namespace, block_bytes) {
+            lower.push(Box::new(ssd));
+        }
+        if let Some(url) = &cfg.remote {
+            match RemoteStore::open(url, namespace, block_bytes, cfg.remote_ttl) {
+                Ok(r) => {
+                    tracing::info!(server = ?r, "KV pool remote tier connected");
+                    lower.push(Box::new(r));
+                }
+                Err(e) => {
+                    tracing::warn!("the KV pool's remote tier cannot be used ({e}); running without it")
+                }
+            }
+        }
+        let owner = Owner::new(ram, block_bytes, lower, cfg.lease);
         let socket = socket_path(&cfg.dir, &namespace);
         let _ = std::fs::remove_file(&socket); // a dead host's (we hold the lock)
         let listener = UnixListener::bind(&socket).map_err(|e| io_err(&socket, e))?;

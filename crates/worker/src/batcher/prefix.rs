@@ -76,7 +76,7 @@ impl Batcher {
         // rest is computed); the lease ends on every path.
         let arena = blocks.len();
         let mut have = arena;
-        let (mut host, mut ssd) = (0usize, 0usize);
+        let (mut host, mut ssd, mut remote) = (0usize, 0usize, 0usize);
         let load_start = Instant::now();
         if let Some(pool) = self.pool.as_mut().filter(|_| have < hashes.len() && self.cache.free_blocks() > 0)
         {
@@ -113,6 +113,7 @@ impl Batcher {
                 match block.tier {
                     PoolTier::Host => host += 1,
                     PoolTier::Ssd => ssd += 1,
+                    PoolTier::Remote => remote += 1,
                 }
                 have += 1;
             }
@@ -141,9 +142,11 @@ impl Batcher {
             // blocks (a prompt's last block is never cached, so every cached block is whole).
             seq.cached_tokens_ssd = ssd * bs;
             seq.cached_tokens_host = host * bs;
+            seq.cached_tokens_remote = remote * bs;
             self.stats.prompt_tokens_cached += seq.cached_tokens as u64;
             self.stats.prompt_tokens_cached_ssd += seq.cached_tokens_ssd as u64;
             self.stats.prompt_tokens_cached_host += seq.cached_tokens_host as u64;
+            self.stats.prompt_tokens_cached_remote += seq.cached_tokens_remote as u64;
         }
     }
 

@@ -1,0 +1,214 @@
+//! The KV pool's remote tier: blocks in a Valkey/Redis server that pools on several hosts share,
+//! so a prefix computed on one host is a hit on every other.
+//!
+//! Each value is the SSD slot's header (key, namespace, length, BLAKE3 of the payload, itself
+//! checksummed) followed by the payload; a value is read with `GETRANGE` bounded to one block, so
+//! a server that returns something huge cannot make us hold it, and it is served only after the
+//! header matches the key and namespace asked for and the payload its checksum — a server
+//! shared with other models, or one that lies, yields misses, never foreign KV. Blocks expire
+//! after a TTL; the server's own `maxmemory` policy bounds the tier. A server that does not
+//! answer costs a bounded wait (timeouts on connect, read and write), then the tier is skipped
+//! for a few seconds: the pool serves from RAM and SSD meanwhile.
+//!
+//! A Redis URL (`redis://[:password@]host:port/db`) names it; a password in it is never logged.
+
+use std::time::{Duration, Instant};
+
+use tokenpath_protocol::pool::PoolTier;
+
+use crate::slab::{Header, HEADER_BYTES};
+use crate::store::BlockStore;
+use crate::{BlockHash, KvError};
+
+/// Longest wait to connect, and for any one reply.
+const TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a server that failed is left alone.
+const BACKOFF: Duration = Duration::from_secs(5);
+
+/// Blocks in a Valkey/Redis server.
+pub struct RemoteStore {
+    client: redis::Client,
+    conn: Option<redis::Connection>,
+    /// Where the URL points, without credentials (for logs).
+    shown: String,
+    prefix: String,
+    namespace: BlockHash,
+    payload_bytes: usize,
+    ttl: Duration,
+    retry_at: Option<Instant>,
+    stored: usize,
+    failed: u64,
+}
+
+impl std::fmt::Debug for RemoteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteStore").field("server", &self.shown).field("prefix", &self.prefix).finish()
+    }
+}
+
+fn remote_err(shown: &str, e: impl std::fmt::Display) -> KvError {
+    KvError::Remote(format!("{shown}: {e}"))
+}
+
+impl RemoteStore {
+    /// Connects to the server at `url` for blocks of `payload_bytes` under `namespace`, kept for
+    /// `ttl`. Fails when the URL is bad or the server does not answer a PING.
+    pub fn open(
+        url: &str,
+        namespace: BlockHash,
+        payload_bytes: usize,
+        ttl: Duration,
+    ) -> Result<Self, KvError> {
+        let client =
+            redis::Client::open(url).map_err(|e| KvError::Remote(format!("bad remote tier URL: {e}")))?;
+        let info = client.get_connection_info();
+        let shown = format!("{}", info.addr());
+        let ns: String = namespace.0[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let mut me = Self {
+            client,
+            conn: None,
+            shown,
+            prefix: format!("tokenpath:kv:{ns}:"),
+            namespace,
+            payload_bytes,
+            ttl,
+            retry_at: None,
+            stored: 0,
+            failed: 0,
+        };
+        me.connect()?;
+        Ok(me)
+    }
+
+    fn connect(&mut self) -> Result<(), KvError> {
+        let mut conn =
+            self.client.get_connection_with_timeout(TIMEOUT).map_err(|e| remote_err(&self.shown, e))?;
+        conn.set_read_timeout(Some(TIMEOUT)).map_err(|e| remote_err(&self.shown, e))?;
+        conn.set_write_timeout(Some(TIMEOUT)).map_err(|e| remote_err(&self.shown, e))?;
+        redis::cmd("PING").query::<String>(&mut conn).map_err(|e| remote_err(&self.shown, e))?;
+        self.conn = Some(conn);
+        Ok(())
+    }
+
+    /// The connection, reconnecting after the backoff; `None` while the server is left alone.
+    fn conn(&mut self) -> Option<&mut redis::Connection> {
+        if self.conn.is_none() {
+            if self.retry_at.is_some_and(|t| Instant::now() < t) {
+                return None;
+            }
+            if let Err(e) = self.connect() {
+                tracing::warn!("KV pool remote tier unreachable, skipped for {BACKOFF:?}: {e}");
+                self.retry_at = Some(Instant::now() + BACKOFF);
+                return None;
+            }
+        }
+        self.conn.as_mut()
+    }
+
+    fn lost(&mut self, e: &redis::RedisError) {
+        tracing::warn!(server = %self.shown, "KV pool remote tier failed, skipped for {BACKOFF:?}: {e}");
+        self.conn = None;
+        self.retry_at = Some(Instant::now() + BACKOFF);
+    }
+
+    fn redis_key(&self, key: &BlockHash) -> String {
+        let hex: String = key.0.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{}{hex}", self.prefix)
+    }
+
+    /// The value stored for `key`: the header, then the payload.
+    fn value(&self, key: BlockHash, payload: &[u8]) -> Vec<u8> {
+        let header = Header {
+            seq: 0,
+            key,
+            namespace: self.namespace,
+            payload_len: payload.len() as u32,
+            checksum: *blake3::hash(payload).as_bytes(),
+        };
+        let mut v = header.encode();
+        v.extend_from_slice(payload);
+        v
+    }
+
+    /// The payload of `value` when it is `key`'s block of this namespace, intact.
+    fn check(&self, key: &BlockHash, value: &[u8]) -> Option<Vec<u8>> {
+        let h = Header::decode(value)?;
+        let payload = value.get(HEADER_BYTES..)?;
+        (h.key == *key
+            && h.namespace == self.namespace
+            && h.payload_len as usize == self.payload_bytes
+            && payload.len() == self.payload_bytes
+            && h.checksum == *blake3::hash(payload).as_bytes())
+        .then(|| payload.to_vec())
+    }
+}
+
+impl BlockStore for RemoteStore {
+    fn tier(&self) -> PoolTier {
+        PoolTier::Remote
+    }
+
+    fn may_hold(&self, _key: &BlockHash) -> bool {
+        // Only a round trip can tell; `get` asks.
+        self.retry_at.is_none_or(|t| Instant::now() >= t)
+    }
+
+    fn holds(&self, _key: &BlockHash) -> bool {
+        false
+    }
+
+    fn get(&mut self, key: &BlockHash) -> Result<Option<Vec<u8>>, KvError> {
+        let k = self.redis_key(key);
+        let last = (HEADER_BYTES + self.payload_bytes) as isize; // one byte past a block: caught
+        let Some(conn) = self.conn() else { return Ok(None) };
+        let got: Result<Vec<u8>, _> = redis::cmd("GETRANGE").arg(&k).arg(0).arg(last).query(conn);
+        let value = match got {
+            Ok(v) => v,
+            Err(e) => {
+                self.lost(&e);
+                return Ok(None);
+            }
+        };
+        if value.is_empty() {
+            return Ok(None);
+        }
+        match self.check(key, &value) {
+            Some(payload) => Ok(Some(payload)),
+            None => {
+                self.failed += 1;
+                tracing::warn!(server = %self.shown, "a remote KV block failed its check: dropped, recomputed");
+                if let Some(conn) = self.conn() {
+                    let _ = redis::cmd("DEL").arg(&k).query::<i64>(conn);
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    fn put(&mut self, key: BlockHash, payload: &[u8]) -> Result<(), KvError> {
+        let value = self.value(key, payload);
+        let (k, ttl) = (self.redis_key(&key), self.ttl.as_secs().max(1));
+        let Some(conn) = self.conn() else { return Ok(()) };
+        match redis::cmd("SET").arg(&k).arg(value).arg("EX").arg(ttl).query::<()>(conn) {
+            Ok(()) => self.stored += 1,
+            Err(e) => self.lost(&e),
+        }
+        Ok(())
+    }
+
+    fn blocks(&self) -> usize {
+        self.stored
+    }
+
+    fn capacity(&self) -> usize {
+        0
+    }
+
+    fn failed_loads(&self) -> u64 {
+        self.failed
+    }
+
+    fn sync(&self) -> Result<(), KvError> {
+        Ok(())
+    }
+}
