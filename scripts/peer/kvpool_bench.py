@@ -1,0 +1,317 @@
+#!/usr/bin/env python3
+"""The KV pool's benchmark (scripts/bench-kvpool runs it): the Mooncake conversation trace replayed
+against `tokenpath serve` without the pool, with its RAM tier, and with RAM + SSD, at the same
+offered rate; next to an ideal prefix-LRU of the same capacity computed from the same requests.
+Then the time to load a 4,096-token prefix from each tier, measured on the server's timeline.
+
+Mapping: each Mooncake `hash_id` (a 512-token block there) becomes one 16-token KV block of
+fixed synthetic token ids here (equal ids, equal tokens), so a shared run of ids is a shared
+prefix; each prompt ends with one token of its own (the last token is always computed), so
+every mapped block can be reused. Time is scaled so the first --requests requests arrive at
+--rate per second. Output is capped at --max-tokens (`ignore_eos`).
+
+Definitions (printed with the table): hit fraction = Σ cached_tokens / Σ prompt block tokens over
+every request (the server's own `usage.prompt_tokens_details.cached_tokens`); the ideal is a
+prefix LRU of C blocks (a request hits its longest run of held blocks from the first; then
+every block of it is touched), with C the pool's largest tier (RAM slots, or SSD slots) — the
+tiers are inclusive, so that is what the pool can hold. TTFT from the client's clock (first
+chunk with text).
+"""
+
+import argparse
+import collections
+import http.client
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+BS = 16
+BLOCK_BYTES = 368_640  # one 16-token block of the default model's KV (f16, 30 layers × 3 KV heads × 64 × 2)
+VOCAB_LO, VOCAB_SPAN = 1000, 40000
+
+
+def block_tokens(h):
+    return [VOCAB_LO + (h * 7919 + j * 104729) % VOCAB_SPAN for j in range(BS)]
+
+
+def load_trace(path, n):
+    reqs = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i >= n:
+                break
+            e = json.loads(line)
+            reqs.append((e["timestamp"], e["hash_ids"], e["output_length"]))
+    return reqs
+
+
+def ideal_hits(reqs, capacity):
+    cache = collections.OrderedDict()
+    hit = total = 0
+    for _, ids, _ in reqs:
+        run = 0
+        for h in ids:
+            if h in cache:
+                run += 1
+            else:
+                break
+        hit += run
+        total += len(ids)
+        for h in ids:
+            cache[h] = True
+            cache.move_to_end(h)
+            while len(cache) > capacity:
+                cache.popitem(last=False)
+    return hit / total if total else 0.0
+
+
+def pct(xs, p):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = max(0, min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1)))))
+    return xs[k]
+
+
+class Server:
+    def __init__(self, binary, model, port, extra, log_path):
+        self.port = port
+        self.log = open(log_path, "w")
+        args = [binary, "serve", "--model", model, "--port", str(port), "--served-model-name", "m"] + extra
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "info"})
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"tokenpath serve exited early; see {log_path}")
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                c.request("GET", "/ready")
+                if c.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit(f"tokenpath serve did not become ready; see {log_path}")
+
+    def metrics(self):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        c.request("GET", "/metrics")
+        return c.getresponse().read().decode()
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def complete(port, prompt, max_tokens):
+    """One streamed completion: (ttft_s, cached_tokens, timing, ok)."""
+    body = json.dumps({
+        "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    })
+    t0 = time.perf_counter()
+    ttft, cached, timing = None, 0, {}
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            return None, 0, {}, False
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if ttft is None and any(ch.get("text") for ch in chunk.get("choices", [])):
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+            if chunk.get("timing"):
+                timing = chunk["timing"]
+        return ttft, cached, timing, ttft is not None
+    except (OSError, ValueError):
+        return None, 0, {}, False
+
+
+def replay(port, reqs, rate, max_tokens):
+    t_first, t_last = reqs[0][0], reqs[-1][0]
+    span = max(1e-9, t_last - t_first)
+    wall = len(reqs) / rate
+    results = [None] * len(reqs)
+
+    def one(i, prompt, out):
+        results[i] = complete(port, prompt, out)
+
+    threads = []
+    start = time.perf_counter()
+    for i, (ts, ids, out) in enumerate(reqs):
+        due = start + (ts - t_first) / span * wall
+        delay = due - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        prompt = [t for h in ids for t in block_tokens(h)] + [VOCAB_LO + VOCAB_SPAN + (i % 5000)]
+        th = threading.Thread(target=one, args=(i, prompt, min(out, max_tokens)), daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    return results
+
+
+def summarize(name, reqs, results, ideal):
+    ok = [r for r in results if r and r[3]]
+    block_tokens_all = [len(ids) * BS for _, ids, _ in reqs]
+    cached = [r[1] if r else 0 for r in results]
+    hit = sum(cached) / sum(block_tokens_all)
+    half = len(reqs) // 2
+    h1 = sum(cached[:half]) / max(1, sum(block_tokens_all[:half]))
+    h2 = sum(cached[half:]) / max(1, sum(block_tokens_all[half:]))
+    ttfts = [r[0] * 1000 for r in ok]
+    tiers = collections.Counter()
+    loads = []
+    for r in ok:
+        t = r[2]
+        for k in ("cached_tokens_host", "cached_tokens_ssd", "cached_tokens_remote"):
+            tiers[k] += t.get(k, 0)
+        if "kv_load" in t.get("stages_ms", {}):
+            loads.append(t["stages_ms"]["kv_load"])
+    return {
+        "config": name, "requests": len(reqs), "ok": len(ok), "hit_fraction": hit, "ideal_hit_fraction": ideal,
+        "vs_ideal": (hit / ideal) if ideal else None, "hit_first_half": h1, "hit_second_half": h2,
+        "ttft_p50_ms": pct(ttfts, 50), "ttft_p99_ms": pct(ttfts, 99),
+        "tokens_from_host": tiers["cached_tokens_host"], "tokens_from_ssd": tiers["cached_tokens_ssd"],
+        "kv_load_p50_ms": pct(loads, 50), "kv_load_p99_ms": pct(loads, 99),
+    }
+
+
+def metric(text, name):
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            try:
+                return float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return None
+
+
+def tier_load_times(binary, model, base_port, out_dir, kv_tokens):
+    """A 4,096-token prefix computed by one server, then loaded by a second server on the same
+    pool (host-RAM tier), then — both stopped — by a third (SSD tier)."""
+    pool = os.path.join(out_dir, "pool-load")
+    shutil.rmtree(pool, ignore_errors=True)
+    flags = ["--kv-tokens", str(kv_tokens), "--kv-pool", pool, "--kv-pool-ram", "1GiB", "--kv-pool-ssd", "1GiB"]
+    prompt = [t for h in range(10_000_000, 10_000_256) for t in block_tokens(h)] + [VOCAB_LO]
+    x = Server(binary, model, base_port, flags, os.path.join(out_dir, "load-x.log"))
+    y = None
+    try:
+        _, c0, _, ok = complete(x.port, prompt, 1)
+        assert ok and c0 == 0, "the first computation"
+        y = Server(binary, model, base_port + 1, flags, os.path.join(out_dir, "load-y.log"))
+        _, c1, t1, ok = complete(y.port, prompt, 1)
+        assert ok, "host-tier request failed"
+        time.sleep(1.0)  # the owner writes the blocks down to SSD when idle
+    finally:
+        if y:
+            y.stop()
+        x.stop()
+    z = Server(binary, model, base_port + 2, flags, os.path.join(out_dir, "load-z.log"))
+    try:
+        _, c2, t2, ok = complete(z.port, prompt, 1)
+        assert ok, "SSD-tier request failed"
+    finally:
+        z.stop()
+    return {
+        "prefix_tokens": 4096,
+        "host": {"cached": c1, "from_host": t1.get("cached_tokens_host", 0), "kv_load_ms": t1.get("stages_ms", {}).get("kv_load")},
+        "ssd": {"cached": c2, "from_ssd": t2.get("cached_tokens_ssd", 0), "kv_load_ms": t2.get("stages_ms", {}).get("kv_load")},
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--binary", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--rate", type=float, default=2.0)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--kv-tokens", type=int, default=4096)
+    ap.add_argument("--ram", default="256MiB")
+    ap.add_argument("--ssd", default="4GiB")
+    ap.add_argument("--port", type=int, default=18400)
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--skip-replay", action="store_true")
+    a = ap.parse_args()
+    os.makedirs(a.out_dir, exist_ok=True)
+    size = lambda s: int(s[:-3]) << {"KiB": 10, "MiB": 20, "GiB": 30}[s[-3:]]
+    ram_slots = size(a.ram) // (((BLOCK_BYTES + 4095) // 4096) * 4096)
+    ssd_slots = (size(a.ssd) - 4096) // (4096 + ((BLOCK_BYTES + 4095) // 4096) * 4096)
+    arena_blocks = a.kv_tokens // BS
+    reqs = load_trace(a.trace, a.requests)
+    configs = [
+        ("no pool (arena only)", [], arena_blocks),
+        ("pool: RAM", ["--kv-pool-ram", a.ram, "--kv-pool-ssd", "0"], ram_slots),
+        ("pool: RAM + SSD", ["--kv-pool-ram", a.ram, "--kv-pool-ssd", a.ssd], max(ram_slots, ssd_slots)),
+    ]
+    rows = []
+    if not a.skip_replay:
+        for i, (name, flags, cap) in enumerate(configs):
+            pool = os.path.join(a.out_dir, f"pool-{i}")
+            shutil.rmtree(pool, ignore_errors=True)
+            extra = ["--kv-tokens", str(a.kv_tokens)] + (["--kv-pool", pool] + flags if flags else [])
+            print(f"[bench-kvpool] {name}: {len(reqs)} requests at {a.rate}/s", file=sys.stderr)
+            s = Server(a.binary, a.model, a.port + i, extra, os.path.join(a.out_dir, f"serve-{i}.log"))
+            try:
+                results = replay(s.port, reqs, a.rate, a.max_tokens)
+                time.sleep(0.5)
+                m = s.metrics()
+            finally:
+                s.stop()
+            row = summarize(name, reqs, results, ideal_hits(reqs, cap))
+            row["capacity_blocks"] = cap
+            row["leases_open_at_end"] = metric(m, "tokenpath_kv_pool_leases")
+            row["pinned_at_end"] = metric(m, "tokenpath_kv_pool_pinned_blocks")
+            rows.append(row)
+    loads = tier_load_times(a.binary, a.model, a.port + 10, a.out_dir, 8192)
+    report = {"replay": rows, "tier_load": loads, "kernel_note": "see serve-*.log for the kernels this CPU ran"}
+    with open(os.path.join(a.out_dir, "kvpool.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print_table(report, a)
+
+
+def print_table(r, a):
+    print(f"\nKV pool on the Mooncake conversation trace: first {a.requests} requests at {a.rate} req/s, "
+          f"hash_id -> one 16-token block, arena --kv-tokens {a.kv_tokens}, RAM {a.ram}, SSD {a.ssd}, max_tokens {a.max_tokens}")
+    hdr = f"{'config':24} {'hit':>7} {'ideal':>7} {'vs ideal':>8} {'1st/2nd half':>13} {'TTFT p50':>9} {'p99':>9} {'host tok':>9} {'ssd tok':>8} {'leases':>6}"
+    print(hdr)
+    base = None
+    for row in r["replay"]:
+        vs = f"{row['vs_ideal']:.2f}" if row["vs_ideal"] is not None else "-"
+        print(f"{row['config']:24} {row['hit_fraction']:7.3f} {row['ideal_hit_fraction']:7.3f} {vs:>8} "
+              f"{row['hit_first_half']:6.3f}/{row['hit_second_half']:.3f} {row['ttft_p50_ms']:8.0f}ms {row['ttft_p99_ms']:8.0f}ms "
+              f"{row['tokens_from_host']:9d} {row['tokens_from_ssd']:8d} {row['leases_open_at_end'] if row['leases_open_at_end'] is not None else '-':>6}")
+        base = base or row
+    for row in r["replay"][1:]:
+        print(f"  {row['config']} / no pool: TTFT p50 {row['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x, "
+              f"p99 {row['ttft_p99_ms'] / base['ttft_p99_ms']:.2f}x")
+    t = r["tier_load"]
+    print(f"4,096-token prefix loaded from host RAM: {t['host']['from_host']} tokens in {t['host']['kv_load_ms']} ms (target <= 20); "
+          f"from SSD: {t['ssd']['from_ssd']} tokens in {t['ssd']['kv_load_ms']} ms (target <= 100)")
+
+
+if __name__ == "__main__":
+    main()
