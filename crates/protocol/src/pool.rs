@@ -14,6 +14,8 @@ use crate::ProtocolError;
 
 /// The pool protocol's version; a client of another version is refused at `Hello`.
 pub const POOL_VERSION: u32 = 1;
+/// Longest pool id (a boot id and a socket path).
+pub const MAX_POOL_ID: usize = 512;
 /// The most keys one lookup or reservation names (64 Ki tokens of 16-token blocks): a prompt
 /// longer than that looks up its first blocks only.
 pub const MAX_POOL_KEYS: usize = 4096;
@@ -112,6 +114,10 @@ pub struct LeasedBlock {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolStats {
+    /// The pool's identity: this boot of its host and its socket. Workers that report the same
+    /// id share one RAM tier, so a router counts a prefix one of them stored as cheap for all.
+    #[serde(default)]
+    pub id: String,
     /// Slots of the RAM tier, and how many hold a block.
     pub ram_slots: u32,
     /// RAM slots holding a block.
@@ -289,7 +295,7 @@ mod tests {
         let many = PoolRequest::Lookup { keys: vec![key; MAX_POOL_KEYS + 1] };
         assert!(matches!(PoolRequest::decode(&many.encode()), Err(ProtocolError::TooLarge { .. })));
         assert!(PoolRequest::decode(br#"{"op":"lookup","keys":["zz"]}"#).is_err(), "not hex");
-        assert!(PoolRequest::decode(br#"{"op":"stats","extra":1}"#).is_err(), "unknown field");
+        assert!(PoolRequest::decode(br#"{"op":"release","lease":1,"extra":1}"#).is_err(), "unknown field");
     }
 
     proptest! {

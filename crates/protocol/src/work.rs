@@ -313,6 +313,12 @@ impl WorkerStats {
             *v = if v.is_finite() { v.clamp(0.0, 1e30) } else { 0.0 };
         }
         self.kv_usage_reported = self.kv_usage_reported.filter(|u| u.is_finite()).map(|u| u.clamp(0.0, 1.0));
+        if let Some(p) = self.kv_pool.as_mut() {
+            // A peer's pool id is a routing key: bounded like any other report.
+            if p.id.len() > crate::pool::MAX_POOL_ID {
+                p.id.clear();
+            }
+        }
     }
 
     /// Adds `other`'s counts and gauges to these (a cluster's sum over its workers).

@@ -323,6 +323,11 @@ impl State {
             Route::Disaggregated { prefill, decode } => (prefill.clone(), Some(decode.clone())),
         };
         self.prefixes.remember(&first, &hashes);
+        // What the first worker computes lands in its host's KV pool too: cheap for every worker
+        // that shares that pool.
+        if let Some(pool) = self.find(&first).and_then(|w| pool_key(w)) {
+            self.prefixes.remember(&pool, &hashes);
+        }
         for addr in std::iter::once(first).chain(second) {
             if let Some(w) = self.find(&addr) {
                 w.in_flight = w.in_flight.saturating_add(1);
@@ -340,10 +345,16 @@ impl State {
             .workers
             .iter()
             .filter(|w| ok(w))
-            .map(|w| Candidate {
-                key: &w.addr,
-                load: Self::load(w),
-                matched: self.prefixes.matched(&w.addr, hashes),
+            .map(|w| {
+                // A block in the worker's own arena counts twice a block it would load from its
+                // host's KV pool (a copy, not a computation, but not free either).
+                let arena = self.prefixes.matched(&w.addr, hashes);
+                let pool = pool_key(w).map_or(0, |k| self.prefixes.matched(&k, hashes));
+                Candidate {
+                    key: &w.addr,
+                    load: Self::load(w),
+                    matched: 2 * arena + pool.saturating_sub(arena),
+                }
             })
             .collect();
         cache_aware(&candidates).map(str::to_owned)
@@ -366,6 +377,12 @@ impl State {
             })
             .map(|w| w.addr.clone())
     }
+}
+
+/// The prefix index's key for the KV pool a worker reads (none without a pool).
+fn pool_key(w: &WorkerView) -> Option<String> {
+    let id = &w.stats.as_ref()?.stats.kv_pool.as_ref()?.id;
+    (!id.is_empty()).then(|| format!("pool:{id}"))
 }
 
 /// A worker's stats with every count clamped to [`STAT_CAP`] and every figure finite and
@@ -458,6 +475,52 @@ mod tests {
         assert_eq!(rogue.stats.running as u64, STAT_CAP);
         assert_eq!(rogue.stats.busy_seconds, 0.0);
         assert_eq!(rogue.stats.flops, 0.0);
+    }
+
+    /// A session's prompt whose first worker is too busy goes to a worker that shares its
+    /// host's KV pool (it loads the prefix instead of computing it), not to one on another pool.
+    #[tokio::test]
+    async fn a_busy_workers_session_moves_to_a_worker_on_the_same_kv_pool() {
+        let reg = Registry::start(Vec::new(), ClusterSecret::open());
+        // Worker 3 (another pool) registered before worker 2: without pool scoring a tie would
+        // go to it.
+        for a in ["127.0.0.1:1", "127.0.0.1:3", "127.0.0.1:2"] {
+            assert_eq!(reg.register(a.into(), Role::Both).await.unwrap(), Registered::Added);
+        }
+        let on_pool = |in_flight: u64, pool: &str| {
+            let mut s = stats(in_flight, 0, 1000, 16);
+            s.stats.kv_pool =
+                Some(Box::new(tokenpath_protocol::pool::PoolStats { id: pool.into(), ..Default::default() }));
+            s
+        };
+        let polled = |addr: &str, s: StatsMsg| {
+            let _ = reg.tx.send(Cmd::Polled { addr: addr.into(), result: Box::new(Ok(s)) });
+        };
+        let prompt: Vec<u32> = (0..64).collect();
+        let route = |busy: u64| {
+            // Nothing listens there, so the registry's own polls mark workers down now and then:
+            // poll and route until all three were up for one route.
+            let (reg, prompt, polled) = (&reg, &prompt, &polled);
+            async move {
+                for _ in 0..500 {
+                    polled("127.0.0.1:1", on_pool(busy, "boot:/pools/a"));
+                    polled("127.0.0.1:3", on_pool(0, "boot:/pools/b"));
+                    polled("127.0.0.1:2", on_pool(0, "boot:/pools/a"));
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    if reg.workers().iter().all(|w| w.up) {
+                        if let Ok(Route::Colocated(c)) = reg.route(prompt, None, Vec::new()).await {
+                            reg.done(&c);
+                            return c;
+                        }
+                    }
+                }
+                panic!("never routed");
+            }
+        };
+        assert_eq!(route(0).await, "127.0.0.1:1", "the first turn: ties go to the first");
+        assert_eq!(route(0).await, "127.0.0.1:1", "the next turn: its arena holds the prefix");
+        let moved = route(10).await;
+        assert_eq!(moved, "127.0.0.1:2", "too busy: the worker sharing its pool, not the one on another");
     }
 
     #[tokio::test]

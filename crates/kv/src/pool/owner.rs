@@ -141,6 +141,11 @@ impl Owner {
         }
     }
 
+    /// Names the pool (what [`PoolStats::id`] reports).
+    pub fn set_id(&mut self, id: String) {
+        self.stats.id = id;
+    }
+
     /// How long a lease lives.
     pub fn lease_for(&self) -> Duration {
         self.lease_for

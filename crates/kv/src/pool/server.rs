@@ -123,8 +123,9 @@ impl PoolHost {
                 }
             }
         }
-        let owner = Owner::new(ram, block_bytes, lower, cfg.lease);
+        let mut owner = Owner::new(ram, block_bytes, lower, cfg.lease);
         let socket = socket_path(&cfg.dir, &namespace);
+        owner.set_id(pool_id(&socket));
         let _ = std::fs::remove_file(&socket); // a dead host's (we hold the lock)
         let listener = UnixListener::bind(&socket).map_err(|e| io_err(&socket, e))?;
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
@@ -184,6 +185,16 @@ impl Drop for PoolHost {
         }
         let _ = std::fs::remove_file(&self.socket);
     }
+}
+
+/// The pool's identity: this boot of this host, and its socket's absolute path.
+fn pool_id(socket: &Path) -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let path = std::fs::canonicalize(socket.parent().unwrap_or(socket))
+        .map(|d| d.join(socket.file_name().unwrap_or_default()))
+        .unwrap_or_else(|_| socket.to_owned());
+    let id = format!("{}:{}", boot.trim(), path.display());
+    id.chars().take(tokenpath_protocol::pool::MAX_POOL_ID).collect()
 }
 
 fn open_ssd(cfg: &PoolConfig, namespace: BlockHash, block_bytes: usize) -> Option<Slab> {
