@@ -130,8 +130,8 @@ impl RemoteStore {
         v
     }
 
-    /// The payload of `value` when it is `key`'s block of this namespace, intact.
-    fn check(&self, key: &BlockHash, value: &[u8]) -> Option<Vec<u8>> {
+    /// The payload's BLAKE3 when `value` is `key`'s block of this namespace, intact.
+    fn check(&self, key: &BlockHash, value: &[u8]) -> Option<[u8; 32]> {
         let h = Header::decode(value)?;
         let payload = value.get(HEADER_BYTES..)?;
         (h.key == *key
@@ -139,7 +139,7 @@ impl RemoteStore {
             && h.payload_len as usize == self.payload_bytes
             && payload.len() == self.payload_bytes
             && h.checksum == *blake3::hash(payload).as_bytes())
-        .then(|| payload.to_vec())
+        .then_some(h.checksum)
     }
 }
 
@@ -157,7 +157,7 @@ impl BlockStore for RemoteStore {
         false
     }
 
-    fn get(&mut self, key: &BlockHash) -> Result<Option<Vec<u8>>, KvError> {
+    fn get_into(&mut self, key: &BlockHash, dst: &mut [u8]) -> Result<Option<[u8; 32]>, KvError> {
         let k = self.redis_key(key);
         let last = (HEADER_BYTES + self.payload_bytes) as isize; // one byte past a block: caught
         let Some(conn) = self.conn() else { return Ok(None) };
@@ -173,7 +173,11 @@ impl BlockStore for RemoteStore {
             return Ok(None);
         }
         match self.check(key, &value) {
-            Some(payload) => Ok(Some(payload)),
+            Some(sum) if dst.len() == self.payload_bytes => {
+                dst.copy_from_slice(&value[HEADER_BYTES..]);
+                Ok(Some(sum))
+            }
+            Some(_) => Ok(None),
             None => {
                 self.failed += 1;
                 tracing::warn!(server = %self.shown, "a remote KV block failed its check: dropped, recomputed");

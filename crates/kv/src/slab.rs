@@ -255,25 +255,35 @@ impl Slab {
     /// `key`'s block, verified against its header; `Ok(None)` when not held or when the slot
     /// fails verification (then dropped and counted in [`SlabStats::failed_loads`]).
     pub fn get(&mut self, key: &BlockHash) -> Result<Option<Vec<u8>>, KvError> {
+        let mut payload = vec![0u8; self.geometry.payload_bytes as usize];
+        Ok(self.get_into(key, &mut payload)?.map(|_| payload))
+    }
+
+    /// [`Slab::get`] into `dst` (one payload's bytes, reused by the caller: no allocation per
+    /// load), returning the payload's verified BLAKE3. `dst` holds garbage unless `Some`.
+    pub fn get_into(&mut self, key: &BlockHash, dst: &mut [u8]) -> Result<Option<[u8; 32]>, KvError> {
         let Some(e) = self.index.get(key).copied() else {
             self.stats.misses += 1;
             return Ok(None);
         };
+        if dst.len() != self.geometry.payload_bytes as usize {
+            return Err(KvError::SlabGeometry(format!(
+                "a {}-byte buffer for {}-byte blocks",
+                dst.len(),
+                self.geometry.payload_bytes
+            )));
+        }
         let at = self.geometry.offset(e.slot);
-        let mut page = vec![0u8; HEADER_BODY + 32];
-        let mut payload = vec![0u8; self.geometry.payload_bytes as usize];
-        let read = self
-            .file
-            .read_exact_at(&mut page, at)
-            .and_then(|()| self.file.read_exact_at(&mut payload, at + PAGE));
-        let ok = read.is_ok()
-            && Header::decode(&page).is_some_and(|h| {
-                h.key == *key
-                    && h.namespace == self.namespace
-                    && h.payload_len == self.geometry.payload_bytes
-                    && h.checksum == *blake3::hash(&payload).as_bytes()
-            });
-        if !ok {
+        let mut page = [0u8; HEADER_BODY + 32];
+        let read =
+            self.file.read_exact_at(&mut page, at).and_then(|()| self.file.read_exact_at(dst, at + PAGE));
+        let checksum = read.is_ok().then(|| Header::decode(&page)).flatten().filter(|h| {
+            h.key == *key
+                && h.namespace == self.namespace
+                && h.payload_len == self.geometry.payload_bytes
+                && h.checksum == *blake3::hash(dst).as_bytes()
+        });
+        let Some(header) = checksum else {
             // Cleared (best effort) so a reopen does not index it again; dropped either way.
             let _ = self.file.write_all_at(&[0u8; HEADER_BODY + 32], at);
             self.drop_entry(key);
@@ -282,12 +292,12 @@ impl Slab {
                 return Err(self.io(err));
             }
             return Ok(None);
-        }
+        };
         self.stats.hits += 1;
-        self.stats.bytes_read += payload.len() as u64;
+        self.stats.bytes_read += dst.len() as u64;
         self.order.remove(&e.tick);
         self.touch(*key, e.slot);
-        Ok(Some(payload))
+        Ok(Some(header.checksum))
     }
 
     /// Whether `key` is held (not verified: a load may still fail).

@@ -20,8 +20,9 @@ pub trait BlockStore: Send + std::fmt::Debug {
     fn may_hold(&self, key: &BlockHash) -> bool;
     /// Whether it surely holds `key` already (writing it down again would be wasted).
     fn holds(&self, key: &BlockHash) -> bool;
-    /// `key`'s block, checked; `Ok(None)` when absent or when it failed its check.
-    fn get(&mut self, key: &BlockHash) -> Result<Option<Vec<u8>>, KvError>;
+    /// `key`'s block, checked, copied into `dst` (one block's bytes); its BLAKE3 — verified —
+    /// when found, `Ok(None)` when absent or when it failed its check (`dst` is then garbage).
+    fn get_into(&mut self, key: &BlockHash, dst: &mut [u8]) -> Result<Option<[u8; 32]>, KvError>;
     /// Stores `payload` as `key`'s block (the store evicts what it must).
     fn put(&mut self, key: BlockHash, payload: &[u8]) -> Result<(), KvError>;
     /// Blocks held (as far as this process knows).
@@ -47,8 +48,8 @@ impl BlockStore for crate::slab::Slab {
         self.contains(key)
     }
 
-    fn get(&mut self, key: &BlockHash) -> Result<Option<Vec<u8>>, KvError> {
-        crate::slab::Slab::get(self, key)
+    fn get_into(&mut self, key: &BlockHash, dst: &mut [u8]) -> Result<Option<[u8; 32]>, KvError> {
+        crate::slab::Slab::get_into(self, key, dst)
     }
 
     fn put(&mut self, key: BlockHash, payload: &[u8]) -> Result<(), KvError> {

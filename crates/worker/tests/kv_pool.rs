@@ -132,6 +132,37 @@ fn a_block_computed_by_one_worker_is_served_to_another_from_host_ram_and_checked
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Regression: a worker whose arena is full of cached blocks (the steady state) still loads a
+/// prefix from the pool — cached-only blocks are given up for it — instead of loading nothing.
+#[test]
+fn a_worker_whose_arena_is_full_of_cached_blocks_still_loads_from_the_pool() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("tokenpath-kv-pool-full-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = |kv_tokens| WorkerConfig {
+        kv_pool: Some(pool_config(&dir, 0)),
+        kv_tokens,
+        ..WorkerConfig::default()
+    };
+    let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 37 % 200)).collect();
+    let a = Worker::spawn(engine(1), config(None)).expect("worker");
+    let (want, _) = run(&a, 1, &prompt);
+    // 256 tokens of arena (16 blocks); four prompts of 65 tokens leave every block cached.
+    let b = Worker::spawn(engine(1), config(Some(256))).expect("worker");
+    for i in 0..4u32 {
+        let other: Vec<u32> = (0..65).map(|j| 7 + ((j * 13 + i * 101) % 190)).collect();
+        run(&b, 10 + u64::from(i), &other);
+    }
+    let s = b.handle().stats();
+    assert!(s.kv_blocks_cached >= 12, "the arena is (nearly) all cached blocks: {s:?}");
+    let (text, cached, timing) = run_timed(&b, 2, &prompt);
+    assert_eq!((text, cached, timing.cached_tokens_host), (want, 64, 64), "all four blocks loaded");
+    for w in [a, b] {
+        w.join().expect("join");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_restarted_worker_serves_the_prefix_from_the_ssd_tier_and_other_weights_never_see_it() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());

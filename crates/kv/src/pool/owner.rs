@@ -89,7 +89,6 @@ impl std::fmt::Display for OwnerError {
 #[derive(Debug)]
 pub struct Owner {
     ram: SharedSlots,
-    block_bytes: usize,
     slots: Vec<Slot>,
     index: HashMap<BlockHash, u32>,
     /// Unpinned held slots by recency, oldest first.
@@ -120,7 +119,6 @@ impl Owner {
         let n = ram.slots();
         Self {
             ram,
-            block_bytes,
             slots: vec![Slot::Free; n as usize],
             index: HashMap::new(),
             lru: BTreeMap::new(),
@@ -212,23 +210,23 @@ impl Owner {
             }
             let store = &mut self.lower[i];
             let failed_before = store.failed_loads();
-            let got = store.get(key);
+            let got = store.get_into(key, &mut self.buf);
             self.stats.failed += store.failed_loads().saturating_sub(failed_before);
             match got {
-                Ok(Some(b)) if b.len() == self.block_bytes => {
-                    found = Some((b, store.tier()));
+                Ok(Some(sum)) => {
+                    found = Some((sum, store.tier()));
                     break;
                 }
-                Ok(_) => {}
+                Ok(None) => {}
                 Err(e) => tracing::warn!("KV pool {:?} read failed: {e}", store.tier()),
             }
         }
         let slot = slot?;
-        let Some((bytes, tier)) = found.filter(|(b, _)| self.ram.copy_in(slot, b).is_ok()) else {
+        // The store verified the bytes against `checksum`; they go into RAM as they are.
+        let Some((checksum, tier)) = found.filter(|_| self.ram.copy_in(slot, &self.buf).is_ok()) else {
             self.release_slot(slot);
             return None;
         };
-        let checksum = *blake3::hash(&bytes).as_bytes();
         let tick = self.next_tick();
         // Read up from a remote tier: not on this host's SSD yet.
         let dirty = tier == PoolTier::Remote && self.lower.iter().any(|s| s.tier() == PoolTier::Ssd);

@@ -195,7 +195,7 @@ impl BlockStore for Unwritable {
     fn holds(&self, _: &BlockHash) -> bool {
         false
     }
-    fn get(&mut self, _: &BlockHash) -> Result<Option<Vec<u8>>, crate::KvError> {
+    fn get_into(&mut self, _: &BlockHash, _: &mut [u8]) -> Result<Option<[u8; 32]>, crate::KvError> {
         Ok(None)
     }
     fn put(&mut self, _: BlockHash, _: &[u8]) -> Result<(), crate::KvError> {

@@ -6,9 +6,13 @@
 use super::Batcher;
 use crate::seq::Seq;
 use std::time::Instant;
+use tokenpath_kv::pool::ReadLease;
 use tokenpath_kv::{block_hashes, chain_hash, BlockHash};
 use tokenpath_protocol::pool::PoolTier;
 use tokenpath_timeline::Mark;
+
+/// Blocks loaded from the KV pool per parallel copy-and-check (12 MB of the default model's KV).
+const LOAD_GROUP: usize = 32;
 
 impl Batcher {
     /// Blocks held only by the prefix cache (reclaimable at any time).
@@ -78,45 +82,63 @@ impl Batcher {
         let mut have = arena;
         let (mut host, mut ssd, mut remote) = (0usize, 0usize, 0usize);
         let load_start = Instant::now();
-        if let Some(pool) = self.pool.as_mut().filter(|_| have < hashes.len() && self.cache.free_blocks() > 0)
-        {
-            let lease = pool.lookup(&hashes[have..]);
-            let mut bytes = vec![0u8; self.cache.block_bytes()];
-            for block in &lease.blocks {
-                if self.cache.free_blocks() == 0 {
-                    break;
-                }
-                if !pool.load(block, &mut bytes) {
-                    self.stats.kv_pool_failed_loads += 1;
-                    tracing::warn!(request = %seq.id, "a KV pool block failed its check: recomputed");
-                    break;
-                }
-                if let Err(e) = self.cache.reserve(&mut table, (have + 1) * bs) {
-                    tracing::warn!(request = %seq.id, "no block for a KV pool hit: {e}");
-                    break;
-                }
-                if let Err(e) = self.cache.write_blocks(&table, have, &bytes) {
-                    // The reserved block stays in the table as room for tokens to compute.
-                    tracing::error!(request = %seq.id, "loading a KV pool block failed: {e}");
-                    break;
-                }
-                let b = table.blocks()[have];
-                let parent = have.checked_sub(1).map(|i| hashes[i]);
-                if let Some(prefix) = self.prefix.as_mut() {
-                    if prefix.insert(parent, hashes[have], b) {
-                        self.prefix_tokens.insert(b, seq.tokens[have * bs..(have + 1) * bs].into());
-                        if let Err(e) = self.cache.retain(b) {
-                            tracing::error!("retaining a prefix block failed: {e}");
+        let lease = match self.pool.as_mut().filter(|_| have < hashes.len()) {
+            Some(pool) => pool.lookup(&hashes[have..]),
+            None => ReadLease::default(),
+        };
+        if !lease.blocks.is_empty() {
+            // Room for the loads: blocks only the prefix cache holds are given up for them (a
+            // full arena of cached blocks is the steady state, so free blocks alone would leave
+            // nothing to load into).
+            self.reclaim(lease.blocks.len().min(self.available()));
+        }
+        if let (false, Some(pool)) = (lease.blocks.is_empty(), self.pool.as_ref()) {
+            let block_bytes = self.cache.block_bytes();
+            if self.pool_bufs.len() < LOAD_GROUP {
+                self.pool_bufs.resize_with(LOAD_GROUP, || vec![0u8; block_bytes]);
+            }
+            // A group of blocks copied and checked on every core, then written into the
+            // arena one by one; the first block that fails ends the prefix.
+            'groups: for group in lease.blocks.chunks(LOAD_GROUP) {
+                let ok = pool.load_all(group, &mut self.pool_bufs[..group.len()]);
+                for (i, block) in group.iter().enumerate() {
+                    if self.cache.free_blocks() == 0 {
+                        break 'groups;
+                    }
+                    if !ok[i] {
+                        self.stats.kv_pool_failed_loads += 1;
+                        tracing::warn!(request = %seq.id, "a KV pool block failed its check: recomputed");
+                        break 'groups;
+                    }
+                    if let Err(e) = self.cache.reserve(&mut table, (have + 1) * bs) {
+                        tracing::warn!(request = %seq.id, "no block for a KV pool hit: {e}");
+                        break 'groups;
+                    }
+                    if let Err(e) = self.cache.write_blocks(&table, have, &self.pool_bufs[i]) {
+                        // The reserved block stays in the table as room for tokens to compute.
+                        tracing::error!(request = %seq.id, "loading a KV pool block failed: {e}");
+                        break 'groups;
+                    }
+                    let b = table.blocks()[have];
+                    let parent = have.checked_sub(1).map(|i| hashes[i]);
+                    if let Some(prefix) = self.prefix.as_mut() {
+                        if prefix.insert(parent, hashes[have], b) {
+                            self.prefix_tokens.insert(b, seq.tokens[have * bs..(have + 1) * bs].into());
+                            if let Err(e) = self.cache.retain(b) {
+                                tracing::error!("retaining a prefix block failed: {e}");
+                            }
                         }
                     }
+                    match block.tier {
+                        PoolTier::Host => host += 1,
+                        PoolTier::Ssd => ssd += 1,
+                        PoolTier::Remote => remote += 1,
+                    }
+                    have += 1;
                 }
-                match block.tier {
-                    PoolTier::Host => host += 1,
-                    PoolTier::Ssd => ssd += 1,
-                    PoolTier::Remote => remote += 1,
-                }
-                have += 1;
             }
+        }
+        if let Some(pool) = self.pool.as_mut() {
             pool.release(lease);
         }
         if have > arena {
