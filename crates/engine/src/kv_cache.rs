@@ -334,6 +334,42 @@ impl KvCache {
         Ok(())
     }
 
+    /// The memory of blocks `first..first + n` of `table` (reserved already), one byte slice of
+    /// [`KvCache::block_bytes`] per block in [`KvCache::export_blocks`]'s format, for a caller
+    /// that fills them straight from elsewhere (the KV pool copies its slots in, in parallel,
+    /// instead of staging every block in a buffer first). Their contents count for nothing until
+    /// [`KvCache::set_len`] covers them. Little-endian hosts only (an error elsewhere: use
+    /// [`KvCache::write_blocks`]).
+    pub fn blocks_bytes_mut(&mut self, table: &BlockTable, first: usize, n: usize) -> Result<Vec<&mut [u8]>> {
+        if cfg!(target_endian = "big") {
+            return Err(EngineError::InvalidArgument("raw KV block access needs a little-endian host".into()));
+        }
+        let Some(targets) = first.checked_add(n).and_then(|end| table.blocks.get(first..end)) else {
+            return Err(EngineError::InvalidArgument(format!(
+                "KV blocks {first}..{} are outside the sequence's {} blocks",
+                first.saturating_add(n),
+                table.blocks.len()
+            )));
+        };
+        if let Some(b) = targets.iter().find(|b| self.is_leased(**b)) {
+            return Err(EngineError::InvalidArgument(format!("block {} is leased", b.0)));
+        }
+        let mut seen = std::collections::HashSet::with_capacity(targets.len());
+        if !targets.iter().all(|b| seen.insert(b.0)) {
+            return Err(EngineError::InvalidArgument("a block twice in one table".into()));
+        }
+        let elems = self.layout.block_elems();
+        Ok(targets
+            .iter()
+            .map(|b| {
+                // SAFETY: `&mut self` for the slices' lifetime, every block distinct (checked:
+                // the slices never overlap) and none leased (checked above).
+                let dst = unsafe { self.data.slice_mut(b.0 as usize * elems, elems) };
+                bytemuck::cast_slice_mut::<f16, u8>(dst)
+            })
+            .collect())
+    }
+
     /// Declares that the first `n_tokens` tokens of `table` hold valid K/V (after
     /// [`KvCache::write_blocks`] filled them).
     pub fn set_len(&self, table: &mut BlockTable, n_tokens: usize) -> Result<()> {

@@ -23,6 +23,31 @@ pub fn sealed_against_shrinking(file: &File) -> io::Result<bool> {
     sys::sealed_against_shrinking(file)
 }
 
+/// `memcpy`, except when the destination sits just past the source modulo 4 KiB (a page-aligned
+/// ring into a heap buffer 16 bytes into its page, the common case): there `rep movsb`, which the
+/// C library uses for copies of a few KiB and more, runs at a fraction of memory speed on some
+/// x86 cores (4K aliasing: every store looks like it may feed the next load). Copies of 2 KiB
+/// take the C library's vector loop instead, at full speed: 11 ms for 94 MB here, against 52 ms.
+///
+/// # Safety
+/// As `ptr::copy_nonoverlapping(src, dst, len)`.
+pub unsafe fn copy_unaliased(dst: *mut u8, src: *const u8, len: usize) {
+    const SMALL: usize = 2048;
+    let distance = (dst as usize).wrapping_sub(src as usize) % 4096;
+    if distance == 0 || distance >= 64 {
+        // SAFETY: the caller's promise.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        return;
+    }
+    let mut done = 0;
+    while done < len {
+        let n = SMALL.min(len - done);
+        // SAFETY: `done + n <= len`, inside both ranges the caller vouched for.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), n) };
+        done += n;
+    }
+}
+
 /// A mapping of `slots` slots of `slot_bytes` each.
 #[derive(Debug)]
 pub struct SharedSlots {
@@ -85,7 +110,7 @@ impl SharedSlots {
         // count and size it was created or opened with), which lives as long as `self` and
         // cannot shrink (sealed). Another process may write it meanwhile: the copy is then
         // garbage, which the caller's checksum rejects.
-        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(start), dst.as_mut_ptr(), dst.len()) };
+        unsafe { copy_unaliased(dst.as_mut_ptr(), self.map.as_ptr().add(start), dst.len()) };
         Ok(())
     }
 
@@ -93,7 +118,7 @@ impl SharedSlots {
     pub fn copy_in(&self, slot: u32, src: &[u8]) -> Result<(), String> {
         let start = self.start(slot, src.len())?;
         // SAFETY: inside the mapping (checked), which cannot shrink; `src` is the caller's memory.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(start), src.len()) };
+        unsafe { copy_unaliased(self.map.as_mut_ptr().add(start), src.as_ptr(), src.len()) };
         Ok(())
     }
 }

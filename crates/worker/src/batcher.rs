@@ -117,9 +117,7 @@ pub(crate) struct Batcher {
     pool: Option<tokenpath_kv::pool::PoolClient>,
     /// When the pool's counters were last asked for (at most once a second).
     pool_stats_at: Option<Instant>,
-    /// Staging buffers for blocks loaded from the pool, a group at a time (kept: a fresh
-    /// 12 MB of buffers per load would be thousands of page faults on its critical path).
-    pool_bufs: Vec<Vec<u8>>,
+
 }
 
 impl Batcher {
@@ -167,7 +165,6 @@ impl Batcher {
             step_log,
             pool,
             pool_stats_at: None,
-            pool_bufs: Vec::new(),
         })
     }
 

@@ -150,11 +150,12 @@ impl PoolClient {
     }
 
     /// [`PoolClient::load`] of many blocks at once, spread over the machine's cores (copy and
-    /// check are memory-bound; a 4,096-token prefix is 94 MB): `bufs[i]` gets `blocks[i]`.
+    /// check are memory-bound; a 4,096-token prefix is 94 MB): `bufs[i]` gets `blocks[i]` —
+    /// straight into the worker's KV blocks, with no staging copy.
     /// Per block, whether it loaded and checked out.
-    pub fn load_all(&self, blocks: &[LeasedBlock], bufs: &mut [Vec<u8>]) -> Vec<bool> {
+    pub fn load_all<B: AsMut<[u8]> + Send>(&self, blocks: &[LeasedBlock], bufs: &mut [B]) -> Vec<bool> {
         use rayon::prelude::*;
-        blocks.par_iter().zip(bufs.par_iter_mut()).map(|(b, dst)| self.load(b, dst)).collect()
+        blocks.par_iter().zip(bufs.par_iter_mut()).map(|(b, dst)| self.load(b, dst.as_mut())).collect()
     }
 
     /// The RAM tier's mapping: every client can write any slot of it (which is why nothing is

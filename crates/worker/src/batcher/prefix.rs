@@ -11,8 +11,6 @@ use tokenpath_kv::{block_hashes, chain_hash, BlockHash};
 use tokenpath_protocol::pool::PoolTier;
 use tokenpath_timeline::Mark;
 
-/// Blocks loaded from the KV pool per parallel copy-and-check (12 MB of the default model's KV).
-const LOAD_GROUP: usize = 32;
 
 impl Batcher {
     /// Blocks held only by the prefix cache (reclaimable at any time).
@@ -93,49 +91,41 @@ impl Batcher {
             self.reclaim(lease.blocks.len().min(self.available()));
         }
         if let (false, Some(pool)) = (lease.blocks.is_empty(), self.pool.as_ref()) {
-            let block_bytes = self.cache.block_bytes();
-            if self.pool_bufs.len() < LOAD_GROUP {
-                self.pool_bufs.resize_with(LOAD_GROUP, || vec![0u8; block_bytes]);
+            // As many blocks as the arena has room for, reserved at once and filled straight
+            // from the pool's slots on every core, each checked after its copy; the prefix
+            // ends at the first that fails (the blocks after it stay reserved as room for
+            // the tokens to compute).
+            let n = lease.blocks.len().min(self.cache.free_blocks());
+            let filled = self.cache.reserve(&mut table, (have + n) * bs).map_err(|e| e.to_string()).and_then(|()| {
+                let mut dsts = self.cache.blocks_bytes_mut(&table, have, n).map_err(|e| e.to_string())?;
+                Ok(pool.load_all(&lease.blocks[..n], &mut dsts))
+            });
+            let ok = filled.unwrap_or_else(|e| {
+                tracing::warn!(request = %seq.id, "no room for a KV pool hit: {e}");
+                Vec::new()
+            });
+            let good = ok.iter().take_while(|&&b| b).count();
+            if good < ok.len() {
+                self.stats.kv_pool_failed_loads += 1;
+                tracing::warn!(request = %seq.id, "a KV pool block failed its check: recomputed");
             }
-            // A group of blocks copied and checked on every core, then written into the
-            // arena one by one; the first block that fails ends the prefix.
-            'groups: for group in lease.blocks.chunks(LOAD_GROUP) {
-                let ok = pool.load_all(group, &mut self.pool_bufs[..group.len()]);
-                for (i, block) in group.iter().enumerate() {
-                    if self.cache.free_blocks() == 0 {
-                        break 'groups;
-                    }
-                    if !ok[i] {
-                        self.stats.kv_pool_failed_loads += 1;
-                        tracing::warn!(request = %seq.id, "a KV pool block failed its check: recomputed");
-                        break 'groups;
-                    }
-                    if let Err(e) = self.cache.reserve(&mut table, (have + 1) * bs) {
-                        tracing::warn!(request = %seq.id, "no block for a KV pool hit: {e}");
-                        break 'groups;
-                    }
-                    if let Err(e) = self.cache.write_blocks(&table, have, &self.pool_bufs[i]) {
-                        // The reserved block stays in the table as room for tokens to compute.
-                        tracing::error!(request = %seq.id, "loading a KV pool block failed: {e}");
-                        break 'groups;
-                    }
-                    let b = table.blocks()[have];
-                    let parent = have.checked_sub(1).map(|i| hashes[i]);
-                    if let Some(prefix) = self.prefix.as_mut() {
-                        if prefix.insert(parent, hashes[have], b) {
-                            self.prefix_tokens.insert(b, seq.tokens[have * bs..(have + 1) * bs].into());
-                            if let Err(e) = self.cache.retain(b) {
-                                tracing::error!("retaining a prefix block failed: {e}");
-                            }
+            for block in &lease.blocks[..good] {
+                let b = table.blocks()[have];
+                let parent = have.checked_sub(1).map(|i| hashes[i]);
+                if let Some(prefix) = self.prefix.as_mut() {
+                    if prefix.insert(parent, hashes[have], b) {
+                        self.prefix_tokens.insert(b, seq.tokens[have * bs..(have + 1) * bs].into());
+                        if let Err(e) = self.cache.retain(b) {
+                            tracing::error!("retaining a prefix block failed: {e}");
                         }
                     }
-                    match block.tier {
-                        PoolTier::Host => host += 1,
-                        PoolTier::Ssd => ssd += 1,
-                        PoolTier::Remote => remote += 1,
-                    }
-                    have += 1;
                 }
+                match block.tier {
+                    PoolTier::Host => host += 1,
+                    PoolTier::Ssd => ssd += 1,
+                    PoolTier::Remote => remote += 1,
+                }
+                have += 1;
             }
         }
         if let Some(pool) = self.pool.as_mut() {

@@ -22,6 +22,8 @@
 
 use std::fs::File;
 use std::io;
+use tokenpath_kv::shm as sys;
+use tokenpath_kv::shm::copy_unaliased as copy;
 
 /// Ring size: a handful of in-flight chunks, small enough to stay cache-resident.
 pub(crate) const RING_BYTES: usize = 8 << 20;
@@ -311,31 +313,6 @@ impl RingPool {
     }
 }
 
-/// `memcpy`, except when the destination sits just past the source modulo 4 KiB (a page-aligned
-/// ring into a heap buffer 16 bytes into its page, the common case): there `rep movsb`, which the
-/// C library uses for copies of a few KiB and more, runs at a fraction of memory speed on some
-/// x86 cores (4K aliasing: every store looks like it may feed the next load). Copies of 2 KiB
-/// take the C library's vector loop instead, at full speed: 11 ms for 94 MB here, against 52 ms.
-///
-/// # Safety
-/// As `ptr::copy_nonoverlapping(src, dst, len)`.
-unsafe fn copy(dst: *mut u8, src: *const u8, len: usize) {
-    const SMALL: usize = 2048;
-    let distance = (dst as usize).wrapping_sub(src as usize) % 4096;
-    if distance == 0 || distance >= 64 {
-        // SAFETY: the caller's promise.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
-        return;
-    }
-    let mut done = 0;
-    while done < len {
-        let n = SMALL.min(len - done);
-        // SAFETY: `done + n <= len`, inside both ranges the caller vouched for.
-        unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), n) };
-        done += n;
-    }
-}
-
 /// Where the sender places chunks in a ring: in order, wrapping to the start when a chunk would
 /// not fit before the end, never over a chunk the receiver has not consumed yet.
 #[derive(Debug)]
@@ -375,8 +352,6 @@ impl RingSpace {
         Ok(())
     }
 }
-
-use tokenpath_kv::shm as sys;
 
 #[cfg(test)]
 mod tests {
