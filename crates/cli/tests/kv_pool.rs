@@ -62,6 +62,9 @@ fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() 
     assert_eq!(status, 200);
     assert!(metrics.contains(r#"tokenpath_kv_pool_hit_tokens_total{tier="ssd"} 64"#), "{metrics}");
     assert!(metrics.contains("tokenpath_kv_pool_failed_loads_total 0"), "{metrics}");
+    // Every lease ended: nothing pinned once the request is done.
+    assert!(metrics.contains("tokenpath_kv_pool_leases 0"), "{metrics}");
+    assert!(metrics.contains("tokenpath_kv_pool_pinned_blocks 0"), "{metrics}");
     let blocks: u64 = metrics
         .lines()
         .find_map(|l| l.strip_prefix(r#"tokenpath_kv_pool_blocks{tier="ssd"} "#))
@@ -72,6 +75,46 @@ fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() 
     second.child.wait().unwrap();
     let logs = second.logs();
     assert!(logs.contains("blocks=4") || logs.contains("blocks: 4"), "{logs}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&model);
+}
+
+/// Two `tokenpath serve` processes on one pool directory — the second disaggregated, its
+/// prefill and decode workers child processes — share the host-RAM tier: what the first
+/// computed, the second's prefill worker loads (the same answer), and the blocks are counted
+/// as `cached_tokens_host`.
+#[test]
+fn a_second_server_on_the_same_pool_loads_what_the_first_computed_from_host_ram() {
+    let id = std::process::id();
+    let model = std::env::temp_dir().join(format!("tp-cli-kvpool-ram-{id}.gguf"));
+    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
+    let dir = std::env::temp_dir().join(format!("tp-cli-kvpool-ram-{id}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_arg = dir.to_str().unwrap().to_owned();
+    let pool =
+        ["--served-model-name", "tiny", "--kv-tokens", "1024", "--kv-pool", &dir_arg, "--kv-pool-ssd", "0"];
+    let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 41 % 200)).collect();
+    let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+        "ignore_eos": true})
+    .to_string();
+    let mut first = support::serve(&model, &pool);
+    let (status, a) = http(first.port, "POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{a}");
+    let mut args = pool.to_vec();
+    args.extend(["--prefill", "1", "--decode", "1"]);
+    let mut second = support::serve(&model, &args);
+    let (status, b) = http(second.port, "POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{b}");
+    let (a, b): (serde_json::Value, serde_json::Value) =
+        (serde_json::from_str(&a).unwrap(), serde_json::from_str(&b).unwrap());
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"], "the same answer");
+    assert_eq!(b["usage"]["prompt_tokens_details"]["cached_tokens"], 64, "{b}");
+    assert_eq!(b["timing"]["cached_tokens_host"], 64, "from the first server's pool: {b}");
+    assert!(b["timing"]["stages_ms"]["kv_load"].as_f64().is_some(), "a kv_load stage: {b}");
+    for s in [&mut second, &mut first] {
+        s.child.kill().unwrap();
+        s.child.wait().unwrap();
+    }
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_file(&model);
 }

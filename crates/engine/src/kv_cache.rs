@@ -296,6 +296,21 @@ impl KvCache {
         self.export_blocks(table, 0, table.blocks.len())
     }
 
+    /// Blocks `first..first + n` of `table`, when they are all in it and none is lent out.
+    fn writable<'t>(&self, table: &'t BlockTable, first: usize, n: usize) -> Result<&'t [BlockId]> {
+        let Some(targets) = first.checked_add(n).and_then(|end| table.blocks.get(first..end)) else {
+            return Err(EngineError::InvalidArgument(format!(
+                "KV blocks {first}..{} are outside the sequence's {} blocks",
+                first.saturating_add(n),
+                table.blocks.len()
+            )));
+        };
+        if let Some(b) = targets.iter().find(|b| self.is_leased(**b)) {
+            return Err(EngineError::InvalidArgument(format!("block {} is leased", b.0)));
+        }
+        Ok(targets)
+    }
+
     /// Writes whole blocks received from another engine into blocks `first..` of `table`, which
     /// must already be reserved. The byte count must be a whole number of blocks within the
     /// table; nothing from the wire is trusted.
@@ -308,16 +323,7 @@ impl KvCache {
             )));
         }
         let n = bytes.len() / per_block;
-        let Some(targets) = first.checked_add(n).and_then(|end| table.blocks.get(first..end)) else {
-            return Err(EngineError::InvalidArgument(format!(
-                "KV blocks {first}..{} are outside the sequence's {} blocks",
-                first.saturating_add(n),
-                table.blocks.len()
-            )));
-        };
-        if let Some(b) = targets.iter().find(|b| self.is_leased(**b)) {
-            return Err(EngineError::InvalidArgument(format!("block {} is leased", b.0)));
-        }
+        let targets = self.writable(table, first, n)?;
         let elems = self.layout.block_elems();
         for (b, chunk) in targets.iter().zip(bytes.chunks_exact(per_block)) {
             let off = b.0 as usize * elems;
@@ -342,18 +348,11 @@ impl KvCache {
     /// [`KvCache::write_blocks`]).
     pub fn blocks_bytes_mut(&mut self, table: &BlockTable, first: usize, n: usize) -> Result<Vec<&mut [u8]>> {
         if cfg!(target_endian = "big") {
-            return Err(EngineError::InvalidArgument("raw KV block access needs a little-endian host".into()));
+            return Err(EngineError::InvalidArgument(
+                "raw KV block access needs a little-endian host".into(),
+            ));
         }
-        let Some(targets) = first.checked_add(n).and_then(|end| table.blocks.get(first..end)) else {
-            return Err(EngineError::InvalidArgument(format!(
-                "KV blocks {first}..{} are outside the sequence's {} blocks",
-                first.saturating_add(n),
-                table.blocks.len()
-            )));
-        };
-        if let Some(b) = targets.iter().find(|b| self.is_leased(**b)) {
-            return Err(EngineError::InvalidArgument(format!("block {} is leased", b.0)));
-        }
+        let targets = self.writable(table, first, n)?;
         let mut seen = std::collections::HashSet::with_capacity(targets.len());
         if !targets.iter().all(|b| seen.insert(b.0)) {
             return Err(EngineError::InvalidArgument("a block twice in one table".into()));

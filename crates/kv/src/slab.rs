@@ -321,6 +321,12 @@ impl Slab {
         self.file.sync_data().map_err(|e| self.io(e))
     }
 
+    /// A second descriptor of the file, for an `fsync` on another thread (an `fsync` of a slab
+    /// with many dirty pages takes tens of milliseconds; the pool's owner must not wait on it).
+    pub fn file_for_sync(&self) -> Option<File> {
+        self.file.try_clone().ok()
+    }
+
     /// Blocks held.
     pub fn len(&self) -> usize {
         self.index.len()

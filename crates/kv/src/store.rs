@@ -33,6 +33,10 @@ pub trait BlockStore: Send + std::fmt::Debug {
     fn failed_loads(&self) -> u64;
     /// Makes what was written durable, where that means something.
     fn sync(&self) -> Result<(), KvError>;
+    /// A file to `fsync` on another thread instead (none: nothing to sync, or `sync` is cheap).
+    fn file_for_sync(&self) -> Option<std::fs::File> {
+        None
+    }
 }
 
 impl BlockStore for crate::slab::Slab {
@@ -70,5 +74,9 @@ impl BlockStore for crate::slab::Slab {
 
     fn sync(&self) -> Result<(), KvError> {
         crate::slab::Slab::sync(self)
+    }
+
+    fn file_for_sync(&self) -> Option<std::fs::File> {
+        crate::slab::Slab::file_for_sync(self)
     }
 }

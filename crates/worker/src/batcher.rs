@@ -117,7 +117,6 @@ pub(crate) struct Batcher {
     pool: Option<tokenpath_kv::pool::PoolClient>,
     /// When the pool's counters were last asked for (at most once a second).
     pool_stats_at: Option<Instant>,
-
 }
 
 impl Batcher {

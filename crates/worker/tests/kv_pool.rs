@@ -132,6 +132,50 @@ fn a_block_computed_by_one_worker_is_served_to_another_from_host_ram_and_checked
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A session moves to another worker (its first is drained or busy): the next turn's prompt —
+/// the last prompt, the answer, and a new message — is served from the pool up to the end of the
+/// answer's last full block, because the first worker stored the blocks it generated too.
+#[test]
+fn a_sessions_next_turn_on_another_worker_loads_its_answer_from_the_pool() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("tokenpath-kv-pool-session-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = || WorkerConfig { kv_pool: Some(pool_config(&dir, 0)), ..WorkerConfig::default() };
+    let turn1: Vec<u32> = (0..60).map(|i| 3 + (i * 29 % 200)).collect();
+    // The answer's token ids, from the engine's reference loop (a worker's greedy output is the
+    // same, batched or not).
+    let e = engine(1);
+    let mut cache = e.new_cache(1024, 16).expect("cache");
+    let req = tokenpath_engine::GenerateRequest {
+        sampling: SamplingParams::greedy(),
+        max_tokens: 40,
+        ..Default::default()
+    };
+    let answer = e.generate(&mut cache, &turn1, &req, &mut |_| {}).expect("reference").tokens;
+    assert!(answer.len() >= 8, "the tiny model answers with at least a few tokens: {}", answer.len());
+    let a = Worker::spawn(engine(1), config()).expect("worker");
+    let mut r = request(1, turn1.clone());
+    (r.max_tokens, r.ignore_eos) = (Some(40), false);
+    let mut s = a.handle().submit(r).expect("submit");
+    while !matches!(s.blocking_next(), Some(WorkEvent::Finished { .. }) | None) {}
+    // Fed: the prompt and every answer token but the last.
+    let fed = turn1.len() + answer.len() - 1;
+    let turn2: Vec<u32> = turn1.iter().chain(&answer).copied().chain([5, 6, 7, 8, 9]).collect();
+    let want = (fed / 16).min((turn2.len() - 1) / 16) * 16;
+    assert!(want > turn1.len() / 16 * 16, "at least one block holds answer tokens");
+    let b = Worker::spawn(engine(1), config()).expect("worker");
+    let (_, cached, timing) = run_timed(&b, 2, &turn2);
+    assert_eq!(
+        (cached, timing.cached_tokens_host),
+        (want as u64, want as u64),
+        "prompt and answer from the pool"
+    );
+    for w in [a, b] {
+        w.join().expect("join");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Regression: a worker whose arena is full of cached blocks (the steady state) still loads a
 /// prefix from the pool — cached-only blocks are given up for it — instead of loading nothing.
 #[test]

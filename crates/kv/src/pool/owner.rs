@@ -472,6 +472,11 @@ impl Owner {
         }
     }
 
+    /// Files to `fsync` off the owner's thread (see [`BlockStore::file_for_sync`]).
+    pub fn files_for_sync(&self) -> Vec<std::fs::File> {
+        self.lower.iter().filter_map(|s| s.file_for_sync()).collect()
+    }
+
     /// Dirty blocks waiting to be written down.
     pub fn dirty(&self) -> usize {
         self.dirty.len()

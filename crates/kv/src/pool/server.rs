@@ -242,7 +242,17 @@ fn run_owner(mut owner: Owner, rx: mpsc::Receiver<Command>) {
                 // Durable against power loss too, once a burst is written (a killed process
                 // loses nothing the kernel already has).
                 if owner.dirty() == 0 && synced.elapsed() >= SYNC_EVERY {
-                    owner.sync();
+                    // On a thread of its own: a lookup must not wait behind an `fsync`.
+                    let files = owner.files_for_sync();
+                    if !files.is_empty() {
+                        let _ = std::thread::Builder::new().name("kv-pool-sync".into()).spawn(move || {
+                            for f in files {
+                                if let Err(e) = f.sync_data() {
+                                    tracing::warn!("KV pool SSD sync failed: {e}");
+                                }
+                            }
+                        });
+                    }
                     synced = Instant::now();
                 }
                 continue;

@@ -11,7 +11,6 @@ use tokenpath_kv::{block_hashes, chain_hash, BlockHash};
 use tokenpath_protocol::pool::PoolTier;
 use tokenpath_timeline::Mark;
 
-
 impl Batcher {
     /// Blocks held only by the prefix cache (reclaimable at any time).
     fn cached_only(&self) -> usize {
@@ -96,10 +95,11 @@ impl Batcher {
             // ends at the first that fails (the blocks after it stay reserved as room for
             // the tokens to compute).
             let n = lease.blocks.len().min(self.cache.free_blocks());
-            let filled = self.cache.reserve(&mut table, (have + n) * bs).map_err(|e| e.to_string()).and_then(|()| {
-                let mut dsts = self.cache.blocks_bytes_mut(&table, have, n).map_err(|e| e.to_string())?;
-                Ok(pool.load_all(&lease.blocks[..n], &mut dsts))
-            });
+            let filled =
+                self.cache.reserve(&mut table, (have + n) * bs).map_err(|e| e.to_string()).and_then(|()| {
+                    let mut dsts = self.cache.blocks_bytes_mut(&table, have, n).map_err(|e| e.to_string())?;
+                    Ok(pool.load_all(&lease.blocks[..n], &mut dsts))
+                });
             let ok = filled.unwrap_or_else(|e| {
                 tracing::warn!(request = %seq.id, "no room for a KV pool hit: {e}");
                 Vec::new()
