@@ -200,9 +200,16 @@ pub(crate) struct BatchingArgs {
     /// A Valkey/Redis server as the pool's remote tier, shared by the pools of several hosts
     /// (`redis://[:password@]host:port/db`). Prefer the environment variable: a password on a
     /// command line is readable by other users.
-    #[arg(long, env = KV_POOL_REMOTE_ENV, value_name = "URL", hide_env_values = true)]
+    #[arg(long, env = KV_POOL_REMOTE_ENV, value_name = "URL", hide_env_values = true, requires = "kv_pool_remote_key")]
     kv_pool_remote: Option<String>,
+    /// The secret every pool of the fleet authenticates remote-tier values with (at least 16
+    /// bytes; a value without its MAC is never served). Set it in the environment.
+    #[arg(long, env = KV_POOL_REMOTE_KEY_ENV, value_name = "SECRET", hide_env_values = true)]
+    kv_pool_remote_key: Option<String>,
 }
+
+/// The environment variable of `--kv-pool-remote-key`.
+const KV_POOL_REMOTE_KEY_ENV: &str = "TOKENPATH_KV_POOL_REMOTE_KEY";
 
 /// The environment variable of `--kv-pool-remote` (also how worker children get it).
 const KV_POOL_REMOTE_ENV: &str = "TOKENPATH_KV_POOL_REMOTE";
@@ -238,6 +245,7 @@ impl BatchingArgs {
                 ram_bytes: self.kv_pool_ram,
                 ssd_bytes: self.kv_pool_ssd,
                 remote: self.kv_pool_remote.clone(),
+                remote_key: self.kv_pool_remote_key.clone(),
                 ..tokenpath_worker::KvPoolConfig::new(dir)
             }),
             ..WorkerConfig::default()
@@ -493,6 +501,9 @@ fn start_workers(
     let mut extra = ChildArgs { args: args.batching.to_args(), env: Vec::new() };
     if let Some(url) = &args.batching.kv_pool_remote {
         extra.env.push((KV_POOL_REMOTE_ENV, url.clone()));
+    }
+    if let Some(key) = &args.batching.kv_pool_remote_key {
+        extra.env.push((KV_POOL_REMOTE_KEY_ENV, key.clone()));
     }
     extra.args.extend(args.model.to_args());
     args.spans.export.to_child(&mut extra);

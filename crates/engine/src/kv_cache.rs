@@ -357,6 +357,10 @@ impl KvCache {
         if !targets.iter().all(|b| seen.insert(b.0)) {
             return Err(EngineError::InvalidArgument("a block twice in one table".into()));
         }
+        // Only blocks this table alone holds: a shared block's bytes belong to others too.
+        if let Some(b) = targets.iter().find(|b| self.refcount(**b) != 1) {
+            return Err(EngineError::InvalidArgument(format!("block {} is shared", b.0)));
+        }
         let elems = self.layout.block_elems();
         Ok(targets
             .iter()

@@ -2,10 +2,13 @@
 //! so a prefix computed on one host is a hit on every other.
 //!
 //! Each value is the SSD slot's header (key, namespace, length, BLAKE3 of the payload, itself
-//! checksummed) followed by the payload; a value is read with `GETRANGE` bounded to one block, so
-//! a server that returns something huge cannot make us hold it, and it is served only after the
-//! header matches the key and namespace asked for and the payload its checksum — a server
-//! shared with other models, or one that lies, yields misses, never foreign KV. Blocks expire
+//! checksummed), the payload, and a BLAKE3 MAC of both under a key derived from the fleet's
+//! `--kv-pool-remote-key` secret. A value is served only after its MAC, its header (the key and
+//! namespace asked for) and its payload's checksum all check out — so whoever can write to the
+//! server without the secret (another tenant of a shared Redis, the server itself) can cause
+//! misses, never plant KV. Reads use `GETRANGE` bounded to one value; the redis crate still reads
+//! a reply as long as the server announces, so the server is trusted not to flood us (the
+//! timeouts bound each read). Blocks expire
 //! after a TTL; the server's own `maxmemory` policy bounds the tier. A server that does not
 //! answer costs a bounded wait (timeouts on connect, read and write), then the tier is skipped
 //! for a few seconds: the pool serves from RAM and SSD meanwhile.
@@ -35,6 +38,8 @@ pub struct RemoteStore {
     namespace: BlockHash,
     payload_bytes: usize,
     ttl: Duration,
+    /// The MAC key (derived from the fleet's secret).
+    mac_key: [u8; 32],
     retry_at: Option<Instant>,
     stored: usize,
     failed: u64,
@@ -52,13 +57,18 @@ fn remote_err(shown: &str, e: impl std::fmt::Display) -> KvError {
 
 impl RemoteStore {
     /// Connects to the server at `url` for blocks of `payload_bytes` under `namespace`, kept for
-    /// `ttl`. Fails when the URL is bad or the server does not answer a PING.
+    /// `ttl` and authenticated under `secret` (the fleet's, at least 16 bytes). Fails when the
+    /// secret is short, the URL is bad or the server does not answer a PING.
     pub fn open(
         url: &str,
+        secret: &str,
         namespace: BlockHash,
         payload_bytes: usize,
         ttl: Duration,
     ) -> Result<Self, KvError> {
+        if secret.len() < 16 {
+            return Err(KvError::Remote("needs a secret of at least 16 bytes (--kv-pool-remote-key)".into()));
+        }
         let client =
             redis::Client::open(url).map_err(|e| KvError::Remote(format!("bad remote tier URL: {e}")))?;
         let info = client.get_connection_info();
@@ -72,6 +82,7 @@ impl RemoteStore {
             namespace,
             payload_bytes,
             ttl,
+            mac_key: blake3::derive_key("tokenpath 2026-12-04 kv pool remote tier mac v1", secret.as_bytes()),
             retry_at: None,
             stored: 0,
             failed: 0,
@@ -127,13 +138,20 @@ impl RemoteStore {
         };
         let mut v = header.encode();
         v.extend_from_slice(payload);
+        let mac = blake3::keyed_hash(&self.mac_key, &v);
+        v.extend_from_slice(mac.as_bytes());
         v
     }
 
     /// The payload's BLAKE3 when `value` is `key`'s block of this namespace, intact.
     fn check(&self, key: &BlockHash, value: &[u8]) -> Option<[u8; 32]> {
-        let h = Header::decode(value)?;
-        let payload = value.get(HEADER_BYTES..)?;
+        let (signed, mac) = value.split_at_checked(value.len().checked_sub(32)?)?;
+        // Constant-time comparison (blake3's `Hash` equality).
+        if blake3::keyed_hash(&self.mac_key, signed) != blake3::Hash::from_bytes(mac.try_into().ok()?) {
+            return None;
+        }
+        let h = Header::decode(signed)?;
+        let payload = signed.get(HEADER_BYTES..)?;
         (h.key == *key
             && h.namespace == self.namespace
             && h.payload_len as usize == self.payload_bytes
@@ -159,7 +177,7 @@ impl BlockStore for RemoteStore {
 
     fn get_into(&mut self, key: &BlockHash, dst: &mut [u8]) -> Result<Option<[u8; 32]>, KvError> {
         let k = self.redis_key(key);
-        let last = (HEADER_BYTES + self.payload_bytes) as isize; // one byte past a block: caught
+        let last = (HEADER_BYTES + self.payload_bytes + 32) as isize; // one byte past a value: caught
         let Some(conn) = self.conn() else { return Ok(None) };
         let got: Result<Vec<u8>, _> = redis::cmd("GETRANGE").arg(&k).arg(0).arg(last).query(conn);
         let value = match got {
@@ -174,16 +192,15 @@ impl BlockStore for RemoteStore {
         }
         match self.check(key, &value) {
             Some(sum) if dst.len() == self.payload_bytes => {
-                dst.copy_from_slice(&value[HEADER_BYTES..]);
+                dst.copy_from_slice(&value[HEADER_BYTES..HEADER_BYTES + self.payload_bytes]);
                 Ok(Some(sum))
             }
             Some(_) => Ok(None),
             None => {
                 self.failed += 1;
-                tracing::warn!(server = %self.shown, "a remote KV block failed its check: dropped, recomputed");
-                if let Some(conn) = self.conn() {
-                    let _ = redis::cmd("DEL").arg(&k).query::<i64>(conn);
-                }
+                // Left on the server (its TTL ends it): a pool of another fleet secret must not
+                // delete the values of the pools it cannot read.
+                tracing::warn!(server = %self.shown, "a remote KV block failed its check: recomputed");
                 Ok(None)
             }
         }

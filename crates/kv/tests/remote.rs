@@ -1,7 +1,8 @@
 //! The KV pool's remote tier against a real Redis server on loopback (Debian's `redis-server`,
 //! installed by `scripts/setup --deps`): two hosts' pools (two directories, no SSD) share
-//! blocks through it; a value planted under a block's name that is not that block is a counted
-//! miss, never a hit; a server that dies costs misses, not hangs.
+//! blocks through it; a value planted under a block's name that is not that block, or written
+//! under another secret, is a counted miss, never a hit; a server that dies costs misses, not
+//! hangs.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -64,12 +65,17 @@ fn block(i: usize) -> Vec<u8> {
 }
 
 fn host(name: &str, port: u16) -> (PathBuf, PoolConfig) {
+    host_with_key(name, port, "the fleet's remote-tier secret")
+}
+
+fn host_with_key(name: &str, port: u16, key: &str) -> (PathBuf, PoolConfig) {
     let d = std::env::temp_dir().join(format!("tokenpath-remote-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     let cfg = PoolConfig {
         ram_bytes: 16 * 8192,
         ssd_bytes: 0,
         remote: Some(format!("redis://127.0.0.1:{port}/")),
+        remote_key: Some(key.into()),
         ..PoolConfig::new(&d)
     };
     (d, cfg)
@@ -123,8 +129,15 @@ fn two_hosts_share_blocks_through_the_remote_tier_and_a_planted_value_is_never_s
     assert!(b.lookup(&[key(6)]).blocks.is_empty(), "garbage: a miss");
     let s = b.stats().expect("stats");
     assert_eq!(s.failed, 2, "both counted as failed loads");
-    let exists: i64 = redis::cmd("EXISTS").arg(name(key(5))).query(&mut conn).expect("exists");
-    assert_eq!(exists, 0, "and dropped from the server");
+
+    // A pool with another secret (or none: it cannot open the tier) never takes these values:
+    // a writer without the fleet's secret cannot plant KV, however well it forges the rest.
+    let (dc, cc) = host_with_key("c", server.port, "some other secret, 16+ bytes");
+    let mut c = PoolClient::new(cc, ns(), BLOCK);
+    assert!(c.lookup(&[key(0)]).blocks.is_empty(), "another secret: a miss");
+    assert_eq!(c.stats().expect("stats").failed, 1, "counted as a failed load");
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dc);
 
     // The server dies: lookups miss within the bounded wait, RAM keeps serving.
     let _ = server.child.kill();

@@ -261,6 +261,7 @@ impl State {
             }
             Cmd::Polled { addr, result } => {
                 self.polling.remove(&addr);
+                let mut left_pool = None;
                 if let Some(w) = self.find(&addr) {
                     match *result {
                         Ok(s) => {
@@ -268,7 +269,9 @@ impl State {
                                 tracing::info!(addr = ?addr, role = %w.role, "worker up");
                             }
                             w.up = true;
+                            let before = pool_key(w);
                             w.stats = Some(clamped(s));
+                            left_pool = before.filter(|k| pool_key(w).as_ref() != Some(k));
                         }
                         Err(e) => {
                             if w.up {
@@ -276,6 +279,13 @@ impl State {
                             }
                             w.up = false;
                         }
+                    }
+                }
+                // A pool no worker reports any more is forgotten: the router holds one prefix
+                // index per pool in use, however often a worker's id changes.
+                if let Some(old) = left_pool {
+                    if !self.workers.iter().any(|o| pool_key(o).as_ref() == Some(&old)) {
+                        self.prefixes.forget(&old);
                     }
                 }
             }

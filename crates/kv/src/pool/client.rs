@@ -134,8 +134,13 @@ impl PoolClient {
         if keys.is_empty() {
             return ReadLease::default();
         }
+        let asked = keys.len();
         match self.call(&PoolRequest::Lookup { keys }) {
-            Some(PoolReply::Lease { lease, blocks }) if lease != 0 => ReadLease { id: lease, blocks },
+            Some(PoolReply::Lease { lease, mut blocks }) if lease != 0 => {
+                // Never more blocks than keys asked for, whatever the pool says.
+                blocks.truncate(asked);
+                ReadLease { id: lease, blocks }
+            }
             _ => ReadLease::default(),
         }
     }
@@ -185,8 +190,13 @@ impl PoolClient {
         if lease == 0 {
             return 0;
         }
+        if slots.len() != keys.len().min(MAX_POOL_KEYS) {
+            // Not an answer to this request: nothing is written.
+            let _ = self.call(&PoolRequest::Abandon { lease });
+            return 0;
+        }
         let mut checksums = Vec::new();
-        let mut ok = slots.len() <= keys.len();
+        let mut ok = true;
         for (i, slot) in slots.iter().enumerate() {
             let Some(slot) = slot else { continue };
             let bytes = block(i);

@@ -41,6 +41,8 @@ pub struct PoolConfig {
     pub lease: Duration,
     /// A Valkey/Redis URL for the remote tier shared across hosts (none: no remote tier).
     pub remote: Option<String>,
+    /// The secret the fleet's pools authenticate remote values with (needed with `remote`).
+    pub remote_key: Option<String>,
     /// How long a block lives in the remote tier.
     pub remote_ttl: Duration,
 }
@@ -55,6 +57,7 @@ impl PoolConfig {
             ssd_bytes: 1 << 30,
             lease: Duration::from_secs(10),
             remote: None,
+            remote_key: None,
             remote_ttl: Duration::from_secs(24 * 3600),
         }
     }
@@ -69,6 +72,7 @@ impl std::fmt::Debug for PoolConfig {
             .field("ssd_bytes", &self.ssd_bytes)
             .field("lease", &self.lease)
             .field("remote", &self.remote.as_ref().map(|_| "<set>"))
+            .field("remote_key", &self.remote_key.as_ref().map(|_| "<set>"))
             .field("remote_ttl", &self.remote_ttl)
             .finish()
     }

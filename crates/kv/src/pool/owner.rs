@@ -17,6 +17,9 @@ use crate::shm::SharedSlots;
 use crate::store::BlockStore;
 use crate::BlockHash;
 
+/// Most blocks one lookup reads up from the stores below RAM (4,096 tokens of 16-token blocks).
+pub const MAX_READ_UP: usize = 256;
+
 /// A client connection's id (one per worker connection).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ClientId(pub u64);
@@ -170,10 +173,17 @@ impl Owner {
         now: Instant,
     ) -> Option<(LeaseId, Vec<Leased>)> {
         let mut got: Vec<Leased> = Vec::new();
+        let mut read_up = 0;
         for key in keys {
             let found = match self.index.get(key).copied() {
                 Some(slot) => Some((slot, PoolTier::Host)),
-                None => self.read_up(key),
+                // One lookup reads at most MAX_READ_UP blocks up: the owner serves every client
+                // of the host, none may hold it for long.
+                None if read_up < MAX_READ_UP => {
+                    read_up += 1;
+                    self.read_up(key)
+                }
+                None => None,
             };
             let Some((slot, tier)) = found else { break };
             let Slot::Held { checksum, pins, tick, .. } = &mut self.slots[slot as usize] else { break };
@@ -199,14 +209,16 @@ impl Owner {
     /// `key` from the first store below RAM that has it into a RAM slot (checked by the store),
     /// or `None`.
     fn read_up(&mut self, key: &BlockHash) -> Option<(u32, PoolTier)> {
-        let mut slot = None;
+        if !self.lower.iter().any(|s| s.may_hold(key)) {
+            return None;
+        }
+        // Taking a slot may write a dirty block down and take a failed store out of `lower`:
+        // the stores are walked only after it.
+        let slot = self.take_slot()?;
         let mut found = None;
         for i in 0..self.lower.len() {
             if !self.lower[i].may_hold(key) {
                 continue;
-            }
-            if slot.is_none() {
-                slot = Some(self.take_slot()?);
             }
             let store = &mut self.lower[i];
             let failed_before = store.failed_loads();
@@ -221,7 +233,6 @@ impl Owner {
                 Err(e) => tracing::warn!("KV pool {:?} read failed: {e}", store.tier()),
             }
         }
-        let slot = slot?;
         // The store verified the bytes against `checksum`; they go into RAM as they are.
         let Some((checksum, tier)) = found.filter(|_| self.ram.copy_in(slot, &self.buf).is_ok()) else {
             self.release_slot(slot);
@@ -361,6 +372,12 @@ impl Owner {
         let (mut stored, mut failed) = (0, 0);
         for ((slot, key), want) in given.iter().zip(checksums) {
             self.writing.remove(key);
+            if self.index.contains_key(key) {
+                // Indexed meanwhile (read up from a remote tier for another client's lookup):
+                // one slot per key; this copy is given back.
+                self.release_slot(*slot);
+                continue;
+            }
             let ok =
                 self.ram.copy_out(*slot, &mut self.buf).is_ok() && blake3::hash(&self.buf).as_bytes() == want;
             if !ok {

@@ -38,6 +38,8 @@ const FLUSH_BATCH: usize = 4;
 /// Longest a written-down block waits for `fsync` (the owner syncs after a burst, at most this
 /// often, and when it stops).
 const SYNC_EVERY: Duration = Duration::from_secs(1);
+/// Longest wait for a new connection's hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// A client that stops reading its replies is cut off after this.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -113,7 +115,8 @@ impl PoolHost {
             lower.push(Box::new(ssd));
         }
         if let Some(url) = &cfg.remote {
-            match RemoteStore::open(url, namespace, block_bytes, cfg.remote_ttl) {
+            let secret = cfg.remote_key.as_deref().unwrap_or_default();
+            match RemoteStore::open(url, secret, namespace, block_bytes, cfg.remote_ttl) {
                 Ok(r) => {
                     tracing::info!(server = ?r, "KV pool remote tier connected");
                     lower.push(Box::new(r));
@@ -222,6 +225,8 @@ fn open_ssd(cfg: &PoolConfig, namespace: BlockHash, block_bytes: usize) -> Optio
 
 fn run_owner(mut owner: Owner, rx: mpsc::Receiver<Command>) {
     let mut synced = Instant::now();
+    let mut unsynced = false;
+    let syncing = Arc::new(AtomicBool::new(false));
     loop {
         // Dirty blocks are written down between requests, a few at a time, so a lookup never
         // waits behind more than a few block writes and a crash loses only the newest blocks.
@@ -238,22 +243,30 @@ fn run_owner(mut owner: Owner, rx: mpsc::Receiver<Command>) {
             Ok(c) => c,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 owner.expire(Instant::now());
-                owner.flush(FLUSH_BATCH);
+                unsynced |= owner.flush(FLUSH_BATCH) > 0;
                 // Durable against power loss too, once a burst is written (a killed process
                 // loses nothing the kernel already has).
-                if owner.dirty() == 0 && synced.elapsed() >= SYNC_EVERY {
-                    // On a thread of its own: a lookup must not wait behind an `fsync`.
+                if unsynced
+                    && owner.dirty() == 0
+                    && synced.elapsed() >= SYNC_EVERY
+                    && !syncing.swap(true, Ordering::SeqCst)
+                {
+                    // On a thread of its own (one at a time): a lookup must not wait behind an
+                    // `fsync`.
                     let files = owner.files_for_sync();
-                    if !files.is_empty() {
-                        let _ = std::thread::Builder::new().name("kv-pool-sync".into()).spawn(move || {
-                            for f in files {
-                                if let Err(e) = f.sync_data() {
-                                    tracing::warn!("KV pool SSD sync failed: {e}");
-                                }
+                    let done = syncing.clone();
+                    let spawned = std::thread::Builder::new().name("kv-pool-sync".into()).spawn(move || {
+                        for f in files {
+                            if let Err(e) = f.sync_data() {
+                                tracing::warn!("KV pool SSD sync failed: {e}");
                             }
-                        });
+                        }
+                        done.store(false, Ordering::SeqCst);
+                    });
+                    if spawned.is_err() {
+                        syncing.store(false, Ordering::SeqCst);
                     }
-                    synced = Instant::now();
+                    (synced, unsynced) = (Instant::now(), false);
                 }
                 continue;
             }
@@ -329,7 +342,15 @@ fn accept(listener: UnixListener, stop: Arc<AtomicBool>, tx: mpsc::Sender<Comman
         if stop.load(Ordering::SeqCst) {
             break;
         }
-        let Ok(stream) = stream else { continue };
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors, say: wait a moment rather than spin.
+                tracing::warn!("KV pool accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
         if let Err(e) = same_user(&stream) {
             tracing::warn!("KV pool refused a connection: {e}");
             continue;
@@ -340,7 +361,8 @@ fn accept(listener: UnixListener, stop: Arc<AtomicBool>, tx: mpsc::Sender<Comman
         }
         let client = ClientId(next);
         next += 1;
-        let (tx, hello, clients) = (tx.clone(), hello.clone(), clients.clone());
+        let (tx, hello, clients, clients_after) =
+            (tx.clone(), hello.clone(), clients.clone(), clients.clone());
         clients.fetch_add(1, Ordering::SeqCst);
         let spawned = std::thread::Builder::new().name("kv-pool-client".into()).spawn(move || {
             if let Err(e) = serve_client(stream, client, &tx, &hello) {
@@ -351,6 +373,7 @@ fn accept(listener: UnixListener, stop: Arc<AtomicBool>, tx: mpsc::Sender<Comman
         });
         if spawned.is_err() {
             tracing::warn!("KV pool could not start a client thread");
+            clients_after.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
@@ -371,7 +394,10 @@ fn serve_client(
     hello: &Hello,
 ) -> io::Result<()> {
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    // A connection that says nothing holds a client place for at most this long.
+    stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
     let first = read_control_frame_sync(&mut stream).map_err(io::Error::other)?;
+    stream.set_read_timeout(None)?;
     let first = first.ok_or_else(|| io::Error::other("closed before hello"))?;
     match PoolRequest::decode(&first).map_err(io::Error::other)? {
         PoolRequest::Hello { version, namespace, block_bytes }
