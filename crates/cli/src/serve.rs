@@ -197,6 +197,10 @@ pub(crate) struct BatchingArgs {
     /// Size of the pool's SSD tier file (`1GiB`, bytes; 0: RAM only).
     #[arg(long, env = "TOKENPATH_KV_POOL_SSD", value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     kv_pool_ssd: u64,
+    /// Write a block down from the pool's RAM tier only once it was seen a second time (a hit,
+    /// or computed again after it left RAM): blocks nobody reuses cost no SSD or remote write.
+    #[arg(long, env = "TOKENPATH_KV_POOL_SECOND_SIGHTING")]
+    kv_pool_second_sighting: bool,
     /// A Valkey/Redis server as the pool's remote tier, shared by the pools of several hosts
     /// (`redis://[:password@]host:port/db`). Prefer the environment variable: a password on a
     /// command line is readable by other users.
@@ -244,6 +248,7 @@ impl BatchingArgs {
             kv_pool: self.kv_pool.clone().map(|dir| tokenpath_worker::KvPoolConfig {
                 ram_bytes: self.kv_pool_ram,
                 ssd_bytes: self.kv_pool_ssd,
+                second_sighting: self.kv_pool_second_sighting,
                 remote: self.kv_pool_remote.clone(),
                 remote_key: self.kv_pool_remote_key.clone(),
                 ..tokenpath_worker::KvPoolConfig::new(dir)
@@ -280,6 +285,9 @@ impl BatchingArgs {
             a.push(format!("--kv-pool={}", d.display()));
             a.push(format!("--kv-pool-ram={}", self.kv_pool_ram));
             a.push(format!("--kv-pool-ssd={}", self.kv_pool_ssd));
+            if self.kv_pool_second_sighting {
+                a.push("--kv-pool-second-sighting".into());
+            }
         }
         a
     }

@@ -118,3 +118,48 @@ fn a_second_server_on_the_same_pool_loads_what_the_first_computed_from_host_ram(
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_file(&model);
 }
+
+/// `--kv-pool-second-sighting`: a prefix computed once is held in RAM but never written down,
+/// so a server restarted on the pool finds nothing on the SSD tier (without the flag the test
+/// above finds all four blocks there, with less time to write them).
+#[test]
+fn under_the_second_sighting_filter_a_prefix_seen_once_is_not_written_to_ssd() {
+    let id = std::process::id();
+    let model = std::env::temp_dir().join(format!("tp-cli-kvpool-2s-{id}.gguf"));
+    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
+    let dir = std::env::temp_dir().join(format!("tp-cli-kvpool-2s-{id}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_arg = dir.to_str().unwrap().to_owned();
+    let args = vec![
+        "--served-model-name",
+        "tiny",
+        "--kv-tokens",
+        "1024",
+        "--kv-pool",
+        &dir_arg,
+        "--kv-pool-ssd",
+        "16MiB",
+    ];
+    let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 43 % 200)).collect();
+    let mut first = {
+        let mut a = args.clone();
+        a.push("--kv-pool-second-sighting");
+        support::serve(&model, &a)
+    };
+    let (want, cached) = complete(first.port, &prompt);
+    assert_eq!(cached, 0);
+    // Time enough for the owner's idle write-down, had it anything to write.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let (_, metrics) = http(first.port, "GET", "/metrics", "");
+    assert!(metrics.contains(r#"tokenpath_kv_pool_blocks{tier="host"} 4"#), "held in RAM: {metrics}");
+    assert!(!metrics.contains(r#"tokenpath_kv_pool_written_total{tier="ssd"} 4"#), "{metrics}");
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+
+    let mut second = support::serve(&model, &args);
+    assert_eq!(complete(second.port, &prompt), (want, 0), "nothing was written down");
+    second.child.kill().unwrap();
+    second.child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&model);
+}

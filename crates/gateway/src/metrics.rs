@@ -109,6 +109,11 @@ pub const KV_POOL_LOAD_BYTES: &str = "tokenpath_kv_pool_load_bytes";
 pub const KV_POOL_FAILED_LOADS: &str = "tokenpath_kv_pool_failed_loads";
 /// Blocks pushed out of the pool's RAM tier (counter).
 pub const KV_POOL_EVICTIONS: &str = "tokenpath_kv_pool_evictions";
+/// Blocks written down from the pool's RAM tier, `tier` = `ssd` | `remote` (counter).
+pub const KV_POOL_WRITTEN: &str = "tokenpath_kv_pool_written";
+/// Blocks that left the pool's RAM tier unwritten, seen once under the second-sighting filter
+/// (counter).
+pub const KV_POOL_FILTERED: &str = "tokenpath_kv_pool_filtered";
 /// Pool leases open (gauge).
 pub const KV_POOL_LEASES: &str = "tokenpath_kv_pool_leases";
 /// Pool RAM blocks pinned by leases (gauge).

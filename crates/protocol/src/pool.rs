@@ -152,6 +152,12 @@ pub struct PoolStats {
     pub evictions_ram: u64,
     /// Blocks written down to the SSD tier.
     pub written_ssd: u64,
+    /// The second-sighting filter is on: a block is written down only once seen twice.
+    #[serde(default)]
+    pub second_sighting: bool,
+    /// Blocks that left RAM without being written down, seen only once (the filter's savings).
+    #[serde(default)]
+    pub filtered: u64,
     /// Leases open now (read and write), and RAM slots they pin.
     pub leases: u32,
     /// RAM slots pinned by leases.

@@ -12,9 +12,9 @@ use prometheus_client::registry::Registry;
 use tokenpath_protocol::work::WorkerStats;
 
 use super::{
-    raise, KV_POOL_BLOCKS, KV_POOL_EVICTIONS, KV_POOL_FAILED_LOADS, KV_POOL_HITS, KV_POOL_HIT_TOKENS,
-    KV_POOL_LEASES, KV_POOL_LEASE_AGE_SECONDS, KV_POOL_LOAD_BYTES, KV_POOL_MISSES, KV_POOL_PINNED_BLOCKS,
-    KV_POOL_SLOTS, KV_POOL_SSD_DEGRADED,
+    raise, KV_POOL_BLOCKS, KV_POOL_EVICTIONS, KV_POOL_FAILED_LOADS, KV_POOL_FILTERED, KV_POOL_HITS,
+    KV_POOL_HIT_TOKENS, KV_POOL_LEASES, KV_POOL_LEASE_AGE_SECONDS, KV_POOL_LOAD_BYTES, KV_POOL_MISSES,
+    KV_POOL_PINNED_BLOCKS, KV_POOL_SLOTS, KV_POOL_SSD_DEGRADED, KV_POOL_WRITTEN,
 };
 
 /// `tier` label: `host` (the host-RAM tier) or `ssd`.
@@ -38,13 +38,16 @@ pub(super) struct PoolMetrics {
     load_bytes: Counter,
     failed: Counter,
     evictions: Counter,
+    filtered: Counter,
+    written: Family<TierLabel, Counter>,
     leases: Gauge,
     pinned: Gauge,
     lease_age: Gauge<f64, AtomicU64>,
     degraded: Gauge,
     /// Marks, in the order of `MARKS`: host/ssd hits, host/ssd hit tokens, misses, load bytes,
-    /// failed loads (worker's + pool's), evictions, remote hits, remote hit tokens.
-    seen: [AtomicU64; 10],
+    /// failed loads (worker's + pool's), evictions, remote hits, remote hit tokens, filtered,
+    /// written to ssd / remote.
+    seen: [AtomicU64; 13],
 }
 
 impl PoolMetrics {
@@ -69,6 +72,16 @@ impl PoolMetrics {
             self.failed.clone(),
         );
         r.register(KV_POOL_EVICTIONS, "Blocks pushed out of the KV pool's RAM tier", self.evictions.clone());
+        r.register(
+            KV_POOL_WRITTEN,
+            "Blocks written down from the KV pool's RAM tier, by the tier written",
+            self.written.clone(),
+        );
+        r.register(
+            KV_POOL_FILTERED,
+            "Blocks that left the KV pool's RAM unwritten, seen once (--kv-pool-second-sighting)",
+            self.filtered.clone(),
+        );
         r.register(KV_POOL_LEASES, "KV pool leases open", self.leases.clone());
         r.register(KV_POOL_PINNED_BLOCKS, "KV pool RAM blocks pinned by leases", self.pinned.clone());
         r.register(KV_POOL_LEASE_AGE_SECONDS, "Age of the oldest open KV pool lease", self.lease_age.clone());
@@ -103,6 +116,9 @@ impl PoolMetrics {
         mirror(4, p.misses, &self.misses);
         mirror(6, stats.kv_pool_failed_loads.saturating_add(p.failed), &self.failed);
         mirror(7, p.evictions_ram, &self.evictions);
+        mirror(10, p.filtered, &self.filtered);
+        mirror(11, p.written_ssd, &self.written.get_or_create(&SSD));
+        mirror(12, p.written_remote, &self.written.get_or_create(&REMOTE));
         self.leases.set(g(p.leases));
         self.pinned.set(g(p.pinned));
         self.lease_age.set(p.oldest_lease_ms as f64 / 1e3);

@@ -39,6 +39,8 @@ pub struct PoolConfig {
     pub ssd_bytes: u64,
     /// How long a lease lives.
     pub lease: Duration,
+    /// Write a block down from RAM only once seen twice (see [`owner::Owner::with_second_sighting`]).
+    pub second_sighting: bool,
     /// A Valkey/Redis URL for the remote tier shared across hosts (none: no remote tier).
     pub remote: Option<String>,
     /// The secret the fleet's pools authenticate remote values with (needed with `remote`).
@@ -56,6 +58,7 @@ impl PoolConfig {
             ram_bytes: 512 << 20,
             ssd_bytes: 1 << 30,
             lease: Duration::from_secs(10),
+            second_sighting: false,
             remote: None,
             remote_key: None,
             remote_ttl: Duration::from_secs(24 * 3600),
@@ -71,6 +74,7 @@ impl std::fmt::Debug for PoolConfig {
             .field("ram_bytes", &self.ram_bytes)
             .field("ssd_bytes", &self.ssd_bytes)
             .field("lease", &self.lease)
+            .field("second_sighting", &self.second_sighting)
             .field("remote", &self.remote.as_ref().map(|_| "<set>"))
             .field("remote_key", &self.remote_key.as_ref().map(|_| "<set>"))
             .field("remote_ttl", &self.remote_ttl)

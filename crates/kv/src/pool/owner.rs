@@ -40,6 +40,9 @@ enum Slot {
         pins: u32,
         /// Not yet written down to the SSD tier.
         dirty: bool,
+        /// Worth writing down: always, or under the second-sighting filter once it was seen a
+        /// second time (a hit, or offered again after it left RAM).
+        sighted: bool,
         /// Recency (its key in `lru` while unpinned).
         tick: u64,
     },
@@ -107,8 +110,40 @@ pub struct Owner {
     /// The stores below RAM, in the order a block is looked for (SSD, then remote).
     lower: Vec<Box<dyn BlockStore>>,
     lease_for: Duration,
+    /// Under the second-sighting filter, the keys seen once (bounded, oldest forgotten first);
+    /// `None`: every block is written down.
+    seen_once: Option<SeenOnce>,
     stats: PoolStats,
     buf: Vec<u8>,
+}
+
+/// A bounded set of keys, forgetting the oldest first.
+#[derive(Debug)]
+struct SeenOnce {
+    keys: std::collections::HashSet<BlockHash>,
+    order: VecDeque<BlockHash>,
+    cap: usize,
+}
+
+impl SeenOnce {
+    fn new(cap: usize) -> Self {
+        Self { keys: Default::default(), order: VecDeque::new(), cap: cap.max(1) }
+    }
+
+    /// Remembers `key`; whether it was seen before (then it is forgotten: it is sighted now).
+    fn sight(&mut self, key: BlockHash) -> bool {
+        if self.keys.remove(&key) {
+            return true;
+        }
+        self.keys.insert(key);
+        self.order.push_back(key);
+        // `order` may hold keys already taken out by a second sighting; they are skipped here.
+        while self.keys.len() > self.cap || self.order.len() > 2 * self.cap {
+            let Some(old) = self.order.pop_front() else { break };
+            self.keys.remove(&old);
+        }
+        false
+    }
 }
 
 impl Owner {
@@ -138,8 +173,20 @@ impl Owner {
             },
             lower,
             lease_for,
+            seen_once: None,
             buf: vec![0; block_bytes],
         }
+    }
+
+    /// Turns the second-sighting filter on: a block offered for the first time is held in RAM
+    /// but written down only once it is seen again (a hit, or offered again after it left RAM),
+    /// so blocks nobody reuses never cost an SSD write. Remembers up to four times the pool's
+    /// slots (RAM and below) of keys seen once.
+    pub fn with_second_sighting(mut self) -> Self {
+        let below: usize = self.lower.iter().map(|s| s.capacity()).sum();
+        self.seen_once = Some(SeenOnce::new(4 * (self.slots.len() + below)));
+        self.stats.second_sighting = true;
+        self
     }
 
     /// Names the pool (what [`PoolStats::id`] reports).
@@ -186,6 +233,7 @@ impl Owner {
                 None => None,
             };
             let Some((slot, tier)) = found else { break };
+            self.sighted_again(slot);
             let Slot::Held { checksum, pins, tick, .. } = &mut self.slots[slot as usize] else { break };
             if *pins == 0 {
                 self.lru.remove(tick);
@@ -241,13 +289,25 @@ impl Owner {
         let tick = self.next_tick();
         // Read up from a remote tier: not on this host's SSD yet.
         let dirty = tier == PoolTier::Remote && self.lower.iter().any(|s| s.tier() == PoolTier::Ssd);
-        self.slots[slot as usize] = Slot::Held { key: *key, checksum, pins: 0, dirty, tick };
+        self.slots[slot as usize] = Slot::Held { key: *key, checksum, pins: 0, dirty, sighted: true, tick };
         self.lru.insert(tick, slot);
         self.index.insert(*key, slot);
         if dirty {
             self.dirty.push_back(*key);
         }
         Some((slot, tier))
+    }
+
+    /// A held block seen a second time (a hit, or offered again): worth writing down now.
+    fn sighted_again(&mut self, slot: u32) {
+        if let Slot::Held { key, dirty, sighted, .. } = &mut self.slots[slot as usize] {
+            if !*sighted {
+                *sighted = true;
+                if *dirty {
+                    self.dirty.push_back(*key);
+                }
+            }
+        }
     }
 
     fn release_slot(&mut self, slot: u32) {
@@ -262,9 +322,12 @@ impl Owner {
             return Some(s);
         }
         let (_, slot) = self.lru.pop_first()?;
-        let Slot::Held { key, checksum, dirty, .. } = self.slots[slot as usize] else { return None };
-        if dirty {
+        let Slot::Held { key, checksum, dirty, sighted, .. } = self.slots[slot as usize] else { return None };
+        if dirty && sighted {
             self.write_down(slot, key, checksum);
+        } else if dirty {
+            // Seen once and leaving RAM: remembered (already, at its commit), not written.
+            self.stats.filtered += 1;
         }
         self.index.remove(&key);
         self.stats.evictions_ram += 1;
@@ -324,6 +387,9 @@ impl Owner {
         let mut out = Vec::with_capacity(keys.len());
         let mut given = Vec::new();
         for key in keys {
+            if let Some(&slot) = self.index.get(key) {
+                self.sighted_again(slot);
+            }
             let held = self.index.contains_key(key)
                 || self.writing.contains_key(key)
                 || given.iter().any(|(_, k)| k == key)
@@ -387,10 +453,12 @@ impl Owner {
             }
             let tick = self.next_tick();
             let dirty = !self.lower.is_empty();
-            self.slots[*slot as usize] = Slot::Held { key: *key, checksum: *want, pins: 0, dirty, tick };
+            let sighted = !dirty || self.seen_once.as_mut().is_none_or(|s| s.sight(*key));
+            self.slots[*slot as usize] =
+                Slot::Held { key: *key, checksum: *want, pins: 0, dirty, sighted, tick };
             self.lru.insert(tick, *slot);
             self.index.insert(*key, *slot);
-            if dirty {
+            if dirty && sighted {
                 self.dirty.push_back(*key);
             }
             stored += 1;
@@ -468,7 +536,7 @@ impl Owner {
         while n < max && !self.lower.is_empty() {
             let Some(key) = self.dirty.pop_front() else { break };
             let Some(&slot) = self.index.get(&key) else { continue };
-            if let Slot::Held { key, checksum, dirty: true, .. } = self.slots[slot as usize] {
+            if let Slot::Held { key, checksum, dirty: true, sighted: true, .. } = self.slots[slot as usize] {
                 self.write_down(slot, key, checksum);
                 n += 1;
             }

@@ -285,3 +285,45 @@ fn a_store_that_fails_while_a_lookup_makes_room_is_taken_out_without_harm() {
     assert!(s.ssd_degraded && s.ssd_slots == 0, "{s:?}");
     assert_eq!(store(&mut o, &view, c, &[1], now), (1, 0), "serving goes on from RAM");
 }
+
+#[test]
+fn under_the_second_sighting_filter_only_blocks_seen_twice_are_written_down() {
+    let dir = std::env::temp_dir().join(format!("tokenpath-owner-sighting-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let (o, view) = owner(2, Some(&dir.join("t.slab")));
+    let mut o = o.with_second_sighting();
+    let (c, now) = (ClientId(1), Instant::now());
+    // 0 and 1 offered once; 0 is hit (a second sighting), 1 is not.
+    assert_eq!(store(&mut o, &view, c, &[0, 1], now), (2, 0));
+    assert_eq!(o.flush(10), 0, "nothing seen twice yet: nothing written down when idle");
+    assert_eq!(load(&mut o, &view, c, &[0], now).len(), 1);
+    // 2 and 3 push both out of RAM: 0 goes down to SSD, 1 is dropped unwritten.
+    assert_eq!(store(&mut o, &view, c, &[2, 3], now), (2, 0));
+    let s = o.stats(now);
+    assert!(s.second_sighting);
+    assert_eq!((s.written_ssd, s.filtered, s.evictions_ram), (1, 1, 2), "{s:?}");
+    assert_eq!(load(&mut o, &view, c, &[0], now), [(0, PoolTier::Ssd)], "the reused block survived RAM");
+    assert!(load(&mut o, &view, c, &[1], now).is_empty(), "the one-off block is gone");
+    // Offered again after it left RAM, 1 is seen twice: it is written down when idle.
+    assert_eq!(store(&mut o, &view, c, &[1], now), (1, 0));
+    assert_eq!(o.flush(10), 1);
+    assert_eq!(o.stats(now).written_ssd, 2);
+    // Offering a block RAM holds counts as a sighting too.
+    assert_eq!(store(&mut o, &view, c, &[4], now), (1, 0));
+    assert_eq!(o.flush(10), 0);
+    assert_eq!(store(&mut o, &view, c, &[4], now), (0, 0), "held: no second copy");
+    assert_eq!(o.flush(10), 1, "but now worth writing down");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_seen_once_set_stays_bounded() {
+    let mut s = SeenOnce::new(3);
+    for i in 0..100 {
+        assert!(!s.sight(key(i)));
+        assert!(s.keys.len() <= 3 && s.order.len() <= 6);
+    }
+    assert!(s.sight(key(99)), "the newest is remembered");
+    assert!(!s.sight(key(0)), "the oldest was forgotten");
+}

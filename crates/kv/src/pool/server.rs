@@ -127,6 +127,9 @@ impl PoolHost {
             }
         }
         let mut owner = Owner::new(ram, block_bytes, lower, cfg.lease);
+        if cfg.second_sighting {
+            owner = owner.with_second_sighting();
+        }
         let socket = socket_path(&cfg.dir, &namespace);
         owner.set_id(pool_id(&socket));
         let _ = std::fs::remove_file(&socket); // a dead host's (we hold the lock)
