@@ -272,6 +272,55 @@ def tier_load_times(binary, model, base_port, out_dir):
     }
 
 
+def bench_workloads(a, ram_slots, ssd_slots):
+    """The bench's own workloads (`tokenpath bench --workload ...`, chat requests through the
+    model's template) against the same three configurations at one offered rate each, and
+    against an arena too large to evict anything in the run: no cache of any capacity hits more
+    than that, so it bounds the ideal LRU from above (a ratio against it understates the pool's)."""
+    rows = []
+    for spec in a.bench_workload:
+        workload, rate, n = spec.split("@")
+        configs = [
+            ("no pool (arena only)", ["--kv-tokens", str(a.kv_tokens)]),
+            ("pool: RAM", ["--kv-tokens", str(a.kv_tokens), "--kv-pool-ram", a.ram, "--kv-pool-ssd", "0"]),
+            ("pool: RAM + SSD", ["--kv-tokens", str(a.kv_tokens), "--kv-pool-ram", a.ram, "--kv-pool-ssd", a.ssd]),
+            ("unbounded arena (bound)", ["--kv-tokens", str(a.bound_kv_tokens)]),
+        ]
+        for i, (name, flags) in enumerate(configs):
+            pool = os.path.join(a.out_dir, f"wl-pool-{i}")
+            shutil.rmtree(pool, ignore_errors=True)
+            extra = flags + (["--kv-pool", pool] if "--kv-pool-ram" in flags else [])
+            tag = workload.split(":")[0]
+            print(f"[bench-kvpool] {workload} at {rate}/s, {n} requests: {name}", file=sys.stderr)
+            srv = Server(a.binary, a.model, a.port + 20 + i, extra, os.path.join(a.out_dir, f"wl-{tag}-{i}.log"))
+            out = os.path.join(a.out_dir, f"wl-{tag}-{i}.json")
+            try:
+                subprocess.run([a.binary, "bench", "--url", f"http://127.0.0.1:{srv.port}", "--model", "m",
+                                "--workload", workload, "--rate", rate, "--num-requests", n, "--seed", "11",
+                                "--tokenizer", a.model, "--ignore-eos", "--no-progress", "--out", out],
+                               check=True, stdout=subprocess.DEVNULL, stderr=open(out + ".log", "w"))
+                time.sleep(0.5)
+                m = srv.metrics()
+            finally:
+                srv.stop()
+            with open(out) as f:
+                doc = json.load(f)
+            recs = doc["requests"]
+            prompt = sum((r.get("usage") or {}).get("prompt_tokens", 0) for r in recs)
+            cached = sum((r.get("usage") or {}).get("cached_tokens") or 0 for r in recs)
+            timing = [r.get("server") or {} for r in recs]
+            rows.append({
+                "workload": workload, "rate": float(rate), "config": name, "requests": len(recs),
+                "ok": sum(1 for r in recs if r.get("outcome") == "ok"),
+                "hit_fraction": cached / prompt if prompt else 0.0,
+                "ttft_p50_ms": doc["summary"]["ttft_ms"]["p50"], "ttft_p99_ms": doc["summary"]["ttft_ms"]["p99"],
+                "tokens_from_host": sum(t.get("cached_tokens_host", 0) for t in timing),
+                "tokens_from_ssd": sum(t.get("cached_tokens_ssd", 0) for t in timing),
+                "leases_open_at_end": metric(m, "tokenpath_kv_pool_leases"),
+            })
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--binary", required=True)
@@ -286,6 +335,12 @@ def main():
     ap.add_argument("--port", type=int, default=18400)
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--skip-replay", action="store_true")
+    ap.add_argument("--skip-workloads", action="store_true")
+    ap.add_argument("--skip-pool-replay", action="store_true")
+    ap.add_argument("--pool-replay", help="the pool_replay example binary")
+    ap.add_argument("--bound-kv-tokens", type=int, default=65536)
+    ap.add_argument("--bench-workload", action="append",
+                    help="WORKLOAD@RATE@REQUESTS of `tokenpath bench` (repeatable)")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
     size = lambda s: int(s[:-3]) << {"KiB": 10, "MiB": 20, "GiB": 30}[s[-3:]]
@@ -317,14 +372,33 @@ def main():
             row["leases_open_at_end"] = metric(m, "tokenpath_kv_pool_leases")
             row["pinned_at_end"] = metric(m, "tokenpath_kv_pool_pinned_blocks")
             rows.append(row)
+    a.bench_workload = a.bench_workload or [
+        "shared-prefix:48:512:16-64:4-8@1.5@90",
+        "multi-turn:5:192-320:8-16@0.3@60",
+    ]
+    wl = [] if a.skip_workloads else bench_workloads(a, ram_slots, ssd_slots)
     loads = tier_load_times(a.binary, a.model, a.port + 10, a.out_dir)
-    report = {"replay": rows, "tier_load": loads, "kernel_note": "see serve-*.log for the kernels this CPU ran"}
+    whole = None
+    if a.pool_replay and not a.skip_pool_replay:
+        # The whole trace, no model: RAM and SSD slots as in the runs above, blocks scaled down
+        # to 16 KiB (what is measured here is the pool's bookkeeping, not its memcpy).
+        print(f"[bench-kvpool] the whole trace through the pool ({ram_slots} RAM / {ssd_slots} SSD slots)", file=sys.stderr)
+        out = subprocess.run([a.pool_replay, a.trace, os.path.join(a.out_dir, "pool-replay"), str(ram_slots),
+                              str(ssd_slots), "16384", "2"], check=True, capture_output=True, text=True)
+        whole = json.loads(out.stdout.strip().splitlines()[-1])
+    report = {"replay": rows, "workloads": wl, "tier_load": loads, "whole_trace": whole, "kernel_note": "see serve-*.log for the kernels this CPU ran"}
     with open(os.path.join(a.out_dir, "kvpool.json"), "w") as f:
         json.dump(report, f, indent=2)
     print_table(report, a)
 
 
 def print_table(r, a):
+    if r["replay"]:
+        print_replay(r, a)
+    print_rest(r)
+
+
+def print_replay(r, a):
     print(f"\nKV pool on the Mooncake conversation trace: first {a.requests} requests at {a.rate} req/s, "
           f"hash_id -> one 16-token block, arena --kv-tokens {a.kv_tokens}, RAM {a.ram}, SSD {a.ssd}, max_tokens {a.max_tokens}")
     hdr = f"{'config':24} {'hit':>7} {'ideal':>7} {'vs ideal':>8} {'1st/2nd half':>13} {'TTFT p50':>9} {'p99':>9} {'host tok':>9} {'ssd tok':>8} {'leases':>6}"
@@ -339,6 +413,34 @@ def print_table(r, a):
     for row in r["replay"][1:]:
         print(f"  {row['config']} / no pool: TTFT p50 {row['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x, "
               f"p99 {row['ttft_p99_ms'] / base['ttft_p99_ms']:.2f}x")
+
+
+def print_rest(r):
+    if r["workloads"]:
+        print("\nThe bench's workloads (chat requests, `tokenpath bench --seed 11`), hit fraction = "
+              "Σ usage.cached_tokens / Σ usage.prompt_tokens; bound = an arena that evicts nothing in the run")
+        print(f"{'workload':38} {'config':24} {'hit':>6} {'vs bound':>8} {'TTFT p50':>9} {'p99':>9} {'host tok':>9} {'ssd tok':>8} {'leases':>6}")
+        for w in dict.fromkeys(x["workload"] for x in r["workloads"]):
+            rows = [x for x in r["workloads"] if x["workload"] == w]
+            bound = rows[-1]["hit_fraction"]
+            for x in rows:
+                vs = f"{x['hit_fraction'] / bound:.2f}" if bound else "-"
+                lo = x["leases_open_at_end"]
+                print(f"{w + ' @' + str(x['rate']):38} {x['config']:24} {x['hit_fraction']:6.3f} {vs:>8} "
+                      f"{x['ttft_p50_ms']:8.0f}ms {x['ttft_p99_ms']:8.0f}ms {x['tokens_from_host']:9d} "
+                      f"{x['tokens_from_ssd']:8d} {lo if lo is not None else '-':>6}")
+            for x in rows[1:3]:
+                print(f"  {x['config']} / no pool: TTFT p50 {x['ttft_p50_ms'] / rows[0]['ttft_p50_ms']:.2f}x, "
+                      f"p99 {x['ttft_p99_ms'] / rows[0]['ttft_p99_ms']:.2f}x")
+    w = r.get("whole_trace")
+    if w:
+        print(f"\nThe whole trace ({w['requests']} requests, {w['trace_seconds']:.0f} s of arrivals) straight through the pool, "
+              f"no model, {w['clients']} clients: {w['replay_seconds']:.1f} s ({w['trace_seconds'] / w['replay_seconds']:.0f}x compressed); "
+              f"{w['ram_slots']} RAM / {w['ssd_slots']} SSD slots of {w['block_bytes']} bytes")
+        print(f"  hit fraction {w['hit_fraction']:.3f}, ideal LRU {w['ideal_hit_fraction']:.3f} "
+              f"({w['hit_fraction'] / max(1e-9, w['ideal_hit_fraction']):.2f}); per tenth pool/ideal: "
+              + " ".join(f"{d['pool']:.3f}/{d['ideal']:.3f}" for d in w["deciles"]))
+        print(f"  at the end: leases open {w['leases_open']}, pinned {w['pinned']}, failed loads {w['failed_loads']}")
     t = r["tier_load"]
     ms = lambda v: ", ".join(f"{x:.1f}" for x in v)
     print(f"4,096-token prefix (three of them) loaded from host RAM: tokens {t['host']['from_host']}, kv_load {ms(t['host']['kv_load_ms'])} ms, "

@@ -7,6 +7,7 @@ mod bench_kv;
 mod compare;
 mod demo;
 mod generate;
+mod kv_pool;
 mod mock_engine;
 mod output;
 mod secret;
@@ -75,6 +76,9 @@ enum Command {
     /// A model-less OpenAI server that answers at once (or plays one half of a vLLM/SGLang PD
     /// pair), for measuring gateways and routers in front of it.
     MockEngine(mock_engine::MockEngineArgs),
+    /// Host the KV pool of a directory in a process of its own, so its RAM tier outlives every
+    /// server and worker that shares it (otherwise the first of them to open it hosts it).
+    KvPool(kv_pool::KvPoolHostArgs),
     /// Run one engine instance as a worker process (role prefill, decode or both) for a gateway
     /// started with --prefill/--decode, --cluster or --accept-workers.
     Worker(worker::WorkerArgs),
@@ -145,6 +149,7 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(args),
         Command::Serve(args) => serve::run(*args),
         Command::Worker(args) => worker::run(args),
+        Command::KvPool(args) => kv_pool::run(args),
         Command::MockEngine(args) => mock_engine::run(args),
     }
 }

@@ -184,39 +184,9 @@ pub(crate) struct BatchingArgs {
     /// step-time model is fitted to. `{worker}` in the path becomes each worker's name.
     #[arg(long, env = "TOKENPATH_STEP_LOG", value_name = "PATH")]
     step_log: Option<std::path::PathBuf>,
-    /// Share prefix KV blocks through the host's KV pool in this directory: a host-RAM tier every
-    /// worker on the host reads and writes, and an SSD tier behind it that outlives the process
-    /// (a restarted server serves prompt prefixes it computed before). The first process on the
-    /// host to open it hosts it. Blocks are bound to the model file's digest, KV layout,
-    /// numerics and tenant scope, and checked before use.
-    #[arg(long, env = "TOKENPATH_KV_POOL", value_name = "DIR")]
-    kv_pool: Option<std::path::PathBuf>,
-    /// Size of the pool's host-RAM tier (`512MiB`, `2GiB`, bytes).
-    #[arg(long, env = "TOKENPATH_KV_POOL_RAM", value_name = "SIZE", default_value = "512MiB", value_parser = parse_size)]
-    kv_pool_ram: u64,
-    /// Size of the pool's SSD tier file (`1GiB`, bytes; 0: RAM only).
-    #[arg(long, env = "TOKENPATH_KV_POOL_SSD", value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
-    kv_pool_ssd: u64,
-    /// Write a block down from the pool's RAM tier only once it was seen a second time (a hit,
-    /// or computed again after it left RAM): blocks nobody reuses cost no SSD or remote write.
-    #[arg(long, env = "TOKENPATH_KV_POOL_SECOND_SIGHTING")]
-    kv_pool_second_sighting: bool,
-    /// A Valkey/Redis server as the pool's remote tier, shared by the pools of several hosts
-    /// (`redis://[:password@]host:port/db`). Prefer the environment variable: a password on a
-    /// command line is readable by other users.
-    #[arg(long, env = KV_POOL_REMOTE_ENV, value_name = "URL", hide_env_values = true, requires = "kv_pool_remote_key")]
-    kv_pool_remote: Option<String>,
-    /// The secret every pool of the fleet authenticates remote-tier values with (at least 16
-    /// bytes; a value without its MAC is never served). Set it in the environment.
-    #[arg(long, env = KV_POOL_REMOTE_KEY_ENV, value_name = "SECRET", hide_env_values = true)]
-    kv_pool_remote_key: Option<String>,
+    #[command(flatten)]
+    pub(crate) kv_pool: crate::kv_pool::KvPoolArgs,
 }
-
-/// The environment variable of `--kv-pool-remote-key`.
-const KV_POOL_REMOTE_KEY_ENV: &str = "TOKENPATH_KV_POOL_REMOTE_KEY";
-
-/// The environment variable of `--kv-pool-remote` (also how worker children get it).
-const KV_POOL_REMOTE_ENV: &str = "TOKENPATH_KV_POOL_REMOTE";
 
 /// `1GiB`, `512MiB`, `64KiB`, `2G`, `100M` (binary multiples) or plain bytes.
 pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
@@ -245,14 +215,7 @@ impl BatchingArgs {
             kv_tokens: self.kv_tokens,
             prefix_cache: !self.no_prefix_cache,
             step_log: self.step_log.clone(),
-            kv_pool: self.kv_pool.clone().map(|dir| tokenpath_worker::KvPoolConfig {
-                ram_bytes: self.kv_pool_ram,
-                ssd_bytes: self.kv_pool_ssd,
-                second_sighting: self.kv_pool_second_sighting,
-                remote: self.kv_pool_remote.clone(),
-                remote_key: self.kv_pool_remote_key.clone(),
-                ..tokenpath_worker::KvPoolConfig::new(dir)
-            }),
+            kv_pool: self.kv_pool.config(),
             ..WorkerConfig::default()
         }
     }
@@ -280,15 +243,7 @@ impl BatchingArgs {
             };
             a.push(format!("--step-log={p}"));
         }
-        if let Some(d) = &self.kv_pool {
-            // One pool for every child: the first to start hosts it, the others join.
-            a.push(format!("--kv-pool={}", d.display()));
-            a.push(format!("--kv-pool-ram={}", self.kv_pool_ram));
-            a.push(format!("--kv-pool-ssd={}", self.kv_pool_ssd));
-            if self.kv_pool_second_sighting {
-                a.push("--kv-pool-second-sighting".into());
-            }
-        }
+        self.kv_pool.push_args(&mut a);
         a
     }
 }
@@ -507,12 +462,7 @@ fn start_workers(
         );
     }
     let mut extra = ChildArgs { args: args.batching.to_args(), env: Vec::new() };
-    if let Some(url) = &args.batching.kv_pool_remote {
-        extra.env.push((KV_POOL_REMOTE_ENV, url.clone()));
-    }
-    if let Some(key) = &args.batching.kv_pool_remote_key {
-        extra.env.push((KV_POOL_REMOTE_KEY_ENV, key.clone()));
-    }
+    extra.env.extend(args.batching.kv_pool.child_env());
     extra.args.extend(args.model.to_args());
     args.spans.export.to_child(&mut extra);
     for (role, n, cpus) in

@@ -163,3 +163,128 @@ fn under_the_second_sighting_filter_a_prefix_seen_once_is_not_written_to_ssd() {
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_file(&model);
 }
+
+/// An SSD tier that cannot be written (its slab is `/dev/full`): the pool runs on host RAM,
+/// says so in its log and in `tokenpath_kv_pool_ssd_degraded`, and serving goes on — a second
+/// server on the pool loads what the first computed from RAM.
+#[test]
+fn an_unwritable_ssd_tier_leaves_the_pool_on_ram_and_says_so() {
+    let id = std::process::id();
+    let model = std::env::temp_dir().join(format!("tp-cli-kvpool-full-{id}.gguf"));
+    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
+    let dir = std::env::temp_dir().join(format!("tp-cli-kvpool-full-{id}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_arg = dir.to_str().unwrap().to_owned();
+    let args = [
+        "--served-model-name",
+        "tiny",
+        "--kv-tokens",
+        "1024",
+        "--kv-pool",
+        &dir_arg,
+        "--kv-pool-ssd",
+        "16MiB",
+    ];
+    // A first start names the slab file; it is then replaced by a device that is always full.
+    let mut probe = support::serve(&model, &args);
+    probe.child.kill().unwrap();
+    probe.child.wait().unwrap();
+    let slab = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "slab"))
+        .expect("a slab file");
+    std::fs::remove_file(&slab).unwrap();
+    std::os::unix::fs::symlink("/dev/full", &slab).unwrap();
+
+    let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 47 % 200)).collect();
+    let mut first = support::serve(&model, &args);
+    let (want, cached) = complete(first.port, &prompt);
+    assert_eq!(cached, 0);
+    let (_, metrics) = http(first.port, "GET", "/metrics", "");
+    assert!(metrics.contains("tokenpath_kv_pool_ssd_degraded 1"), "{metrics}");
+    let mut second = support::serve(&model, &args);
+    let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+        "ignore_eos": true})
+    .to_string();
+    let (status, b) = http(second.port, "POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{b}");
+    let b: serde_json::Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(b["choices"][0]["text"], want.as_str(), "the same answer");
+    assert_eq!(b["timing"]["cached_tokens_host"], 64, "from host RAM: {b}");
+    for s in [&mut second, &mut first] {
+        s.child.kill().unwrap();
+        s.child.wait().unwrap();
+    }
+    let logs = first.logs();
+    assert!(logs.contains("SSD tier cannot be used"), "{logs}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&model);
+}
+
+/// `tokenpath kv-pool` hosts the pool in a process of its own: a server killed and started again
+/// finds what it computed in host RAM (no SSD tier here), a second `kv-pool` on the directory is
+/// refused, and SIGTERM stops it cleanly.
+#[test]
+fn a_standalone_pool_keeps_its_ram_tier_across_server_restarts() {
+    use std::io::BufRead as _;
+    let id = std::process::id();
+    let model = std::env::temp_dir().join(format!("tp-cli-kvpool-host-{id}.gguf"));
+    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
+    let dir = std::env::temp_dir().join(format!("tp-cli-kvpool-host-{id}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_arg = dir.to_str().unwrap().to_owned();
+    let pool_args = ["kv-pool", "--kv-pool", &dir_arg, "--kv-pool-ram", "8MiB", "--kv-pool-ssd", "0"];
+    let start = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+            .args(pool_args)
+            .arg("--model")
+            .arg(&model)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut host = start();
+    let mut first_line = String::new();
+    std::io::BufReader::new(host.stdout.take().unwrap()).read_line(&mut first_line).unwrap();
+    assert!(first_line.starts_with("tokenpath kv-pool hosting "), "{first_line:?}");
+    let second = start().wait_with_output().unwrap();
+    assert!(!second.status.success());
+    assert!(String::from_utf8_lossy(&second.stderr).contains("hosts the KV pool"), "{second:?}");
+
+    let args =
+        ["--served-model-name", "tiny", "--kv-tokens", "1024", "--kv-pool", &dir_arg, "--kv-pool-ssd", "0"];
+    let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 53 % 200)).collect();
+    let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+        "ignore_eos": true})
+    .to_string();
+    let mut a = support::serve(&model, &args);
+    let (status, first) = http(a.port, "POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{first}");
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    assert!(!a.logs().contains("KV pool hosted here"), "the server joined the standalone pool");
+    let mut b = support::serve(&model, &args);
+    let (status, again) = http(b.port, "POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{again}");
+    let (first, again): (serde_json::Value, serde_json::Value) =
+        (serde_json::from_str(&first).unwrap(), serde_json::from_str(&again).unwrap());
+    assert_eq!(first["choices"][0]["text"], again["choices"][0]["text"], "the same answer");
+    assert_eq!(again["timing"]["cached_tokens_host"], 64, "the RAM tier outlived the server: {again}");
+    b.child.kill().unwrap();
+    b.child.wait().unwrap();
+
+    let _ = std::process::Command::new("kill").args(["-TERM", &host.id().to_string()]).status();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = host.try_wait().unwrap() {
+            break s;
+        }
+        assert!(std::time::Instant::now() < deadline, "kv-pool did not stop on SIGTERM");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&model);
+}

@@ -94,9 +94,13 @@ impl Engine {
 
     /// A KV cache able to hold `tokens` tokens in blocks of `block_size`.
     pub fn new_cache(&self, tokens: usize, block_size: usize) -> Result<KvCache> {
+        KvCache::new(self.kv_layout(block_size), tokens.div_ceil(block_size.max(1)))
+    }
+
+    /// The shape of this model's KV in blocks of `block_size` tokens.
+    pub fn kv_layout(&self, block_size: usize) -> KvLayout {
         let c = self.model.config();
-        let layout = KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), block_size };
-        KvCache::new(layout, tokens.div_ceil(block_size.max(1)))
+        KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), block_size }
     }
 
     /// Renders chat messages with the model's template (generation prompt appended).

@@ -109,6 +109,21 @@ pub struct Slab {
     stats: SlabStats,
 }
 
+/// Reserves the file's blocks on the device up front (`fallocate`), so a full disk shows when
+/// the slab is made — the pool then runs on RAM and says so — never as a failed write later. A
+/// filesystem without `fallocate` gets a sparse file instead (and a failed write is handled as
+/// one: the tier is taken out).
+fn preallocate(file: &File, bytes: u64) -> std::io::Result<()> {
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, bytes) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::OPNOTSUPP) => {
+            tracing::warn!("this filesystem cannot preallocate the KV pool's slab: a sparse file instead");
+            file.set_len(bytes)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 impl Slab {
     /// Opens the slab at `path` for blocks of `namespace`, creating and preallocating it when
     /// absent; an existing file must have this geometry. The index is rebuilt from the slot
@@ -127,7 +142,7 @@ impl Slab {
         let len = file.metadata().map_err(io)?.len();
         let head = file_header(&geometry);
         if len == 0 {
-            file.set_len(geometry.file_bytes()).map_err(io)?;
+            preallocate(&file, geometry.file_bytes()).map_err(io)?;
             file.write_all_at(&head, 0).map_err(io)?;
         } else {
             let mut found = vec![0u8; head.len()];

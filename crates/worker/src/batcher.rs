@@ -130,19 +130,11 @@ impl Batcher {
     ) -> Result<Self, crate::WorkerError> {
         let flops_per_token = engine.model().config().flops_per_token() as f64;
         let prefix = cfg.prefix_cache.then(PrefixCache::new);
-        let model = format!("{:?}", engine.model().config());
-        let numerics = format!("{:?}", engine.model().numerics());
-        let layout = format!("{:?}", cache.layout());
-        let mut root =
-            BlockHash::namespace(&[model.as_bytes(), numerics.as_bytes(), layout.as_bytes(), b"f16"]);
-        let pool = match &cfg.kv_pool {
-            Some(p) => {
-                // Blocks that outlive the process bind the very weights, not just their shape.
-                root = BlockHash::namespace(&[&root.0, b"weights", &engine.model().weights_digest()]);
-                Some(tokenpath_kv::pool::PoolClient::new(p.clone(), root, cache.block_bytes()))
-            }
-            None => None,
-        };
+        let root = crate::prefix_namespace(&engine, cache.layout(), cfg.kv_pool.is_some());
+        let pool = cfg
+            .kv_pool
+            .as_ref()
+            .map(|p| tokenpath_kv::pool::PoolClient::new(p.clone(), root, cache.block_bytes()));
         Ok(Self {
             prefix_tokens: std::collections::HashMap::new(),
             root,

@@ -36,6 +36,30 @@ pub use tokenpath_protocol::work::{
 };
 use tokenpath_protocol::ProtocolError;
 
+/// What a worker's prefix blocks are keyed under: the model's shape and numerics and the KV
+/// layout; for blocks that outlive the process (`pooled`: the KV pool) the model file's digest
+/// too. One function, so a worker and a standalone pool (`tokenpath kv-pool`) agree.
+pub fn prefix_namespace(
+    engine: &tokenpath_engine::Engine,
+    layout: tokenpath_engine::kv_cache::KvLayout,
+    pooled: bool,
+) -> tokenpath_kv::BlockHash {
+    let model = format!("{:?}", engine.model().config());
+    let numerics = format!("{:?}", engine.model().numerics());
+    let layout = format!("{layout:?}");
+    let root = tokenpath_kv::BlockHash::namespace(&[
+        model.as_bytes(),
+        numerics.as_bytes(),
+        layout.as_bytes(),
+        b"f16",
+    ]);
+    if !pooled {
+        return root;
+    }
+    // Blocks that outlive the process bind the very weights, not just their shape.
+    tokenpath_kv::BlockHash::namespace(&[&root.0, b"weights", &engine.model().weights_digest()])
+}
+
 /// Errors of the worker layer.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {

@@ -189,6 +189,11 @@ impl Owner {
         self
     }
 
+    /// The SSD tier asked for could not be opened: the pool runs on RAM and its stats say so.
+    pub fn ssd_degraded(&mut self) {
+        self.stats.ssd_degraded = true;
+    }
+
     /// Names the pool (what [`PoolStats::id`] reports).
     pub fn set_id(&mut self, id: String) {
         self.stats.id = id;

@@ -111,7 +111,9 @@ impl PoolHost {
         }
         let (memfd, ram) = SharedSlots::create(slots, slot).map_err(|e| io_err(&cfg.dir, e))?;
         let mut lower: Vec<Box<dyn BlockStore>> = Vec::new();
-        if let Some(ssd) = open_ssd(cfg, namespace, block_bytes) {
+        let ssd = open_ssd(cfg, namespace, block_bytes);
+        let ssd_failed = ssd.is_err();
+        if let Ok(Some(ssd)) = ssd {
             lower.push(Box::new(ssd));
         }
         if let Some(url) = &cfg.remote {
@@ -127,6 +129,9 @@ impl PoolHost {
             }
         }
         let mut owner = Owner::new(ram, block_bytes, lower, cfg.lease);
+        if ssd_failed {
+            owner.ssd_degraded();
+        }
         if cfg.second_sighting {
             owner = owner.with_second_sighting();
         }
@@ -203,12 +208,14 @@ fn pool_id(socket: &Path) -> String {
     id.chars().take(tokenpath_protocol::pool::MAX_POOL_ID).collect()
 }
 
-fn open_ssd(cfg: &PoolConfig, namespace: BlockHash, block_bytes: usize) -> Option<Slab> {
-    let payload_bytes = u32::try_from(block_bytes).ok()?;
+/// The SSD tier (`Ok(None)`: none configured); `Err` when one was asked for and cannot be used
+/// (logged here: the pool runs on RAM and its stats say so).
+fn open_ssd(cfg: &PoolConfig, namespace: BlockHash, block_bytes: usize) -> Result<Option<Slab>, ()> {
+    let Ok(payload_bytes) = u32::try_from(block_bytes) else { return Ok(None) };
     let slot = SlabGeometry { slots: 1, payload_bytes }.slot_bytes();
     let slots = u32::try_from(cfg.ssd_bytes.saturating_sub(PAGE) / slot).unwrap_or(u32::MAX);
     if slots == 0 {
-        return None;
+        return Ok(None);
     }
     let path = cfg.dir.join(format!("{}.slab", stem(&namespace)));
     match Slab::open(&path, SlabGeometry { slots, payload_bytes }, namespace) {
@@ -217,11 +224,11 @@ fn open_ssd(cfg: &PoolConfig, namespace: BlockHash, block_bytes: usize) -> Optio
                 path = %path.display(), blocks = report.blocks, torn = report.torn, foreign = report.foreign,
                 "KV pool SSD tier opened"
             );
-            Some(slab)
+            Ok(Some(slab))
         }
         Err(e) => {
             tracing::warn!("the KV pool's SSD tier cannot be used ({e}); running on host RAM only");
-            None
+            Err(())
         }
     }
 }

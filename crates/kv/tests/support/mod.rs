@@ -1,0 +1,3 @@
+//! Helpers shared by the KV crate's integration tests.
+
+pub mod replay;
