@@ -10,12 +10,41 @@ mod support;
 use support::http;
 use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
 
+/// A tiny model file and an empty pool directory for one test, both removed when it ends.
+struct Setup {
+    model: std::path::PathBuf,
+    dir: std::path::PathBuf,
+    dir_arg: String,
+}
+
+impl Setup {
+    fn new(name: &str) -> Self {
+        let id = std::process::id();
+        let model = std::env::temp_dir().join(format!("tp-cli-{name}-{id}.gguf"));
+        std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
+        let dir = std::env::temp_dir().join(format!("tp-cli-{name}-{id}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let dir_arg = dir.to_str().unwrap().to_owned();
+        Self { model, dir, dir_arg }
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(&self.model);
+    }
+}
+
+/// A greedy completion of `prompt`, five tokens.
+fn body(prompt: &[u32]) -> String {
+    serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": true})
+        .to_string()
+}
+
 /// (generated text, cached prompt tokens) of a greedy completion of `prompt`.
 fn complete(port: u16, prompt: &[u32]) -> (String, u64) {
-    let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
-        "ignore_eos": true})
-    .to_string();
-    let (status, text) = http(port, "POST", "/v1/completions", &body);
+    let (status, text) = http(port, "POST", "/v1/completions", &body(prompt));
     assert_eq!(status, 200, "{text}");
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
@@ -30,12 +59,8 @@ fn complete(port: u16, prompt: &[u32]) -> (String, u64) {
 
 #[test]
 fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() {
-    let id = std::process::id();
-    let model = std::env::temp_dir().join(format!("tp-cli-kvpool-{id}.gguf"));
-    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
-    let dir = std::env::temp_dir().join(format!("tp-cli-kvpool-{id}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    let dir_arg = dir.to_str().unwrap().to_owned();
+    let t = Setup::new("kvpool");
+    let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
     let args = [
         "--served-model-name",
         "tiny",
@@ -48,7 +73,7 @@ fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() 
     ];
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 37 % 200)).collect();
 
-    let mut first = support::serve(&model, &args);
+    let mut first = support::serve(model, &args);
     let (want, cached) = complete(first.port, &prompt);
     assert_eq!(cached, 0);
     first.child.kill().unwrap();
@@ -56,7 +81,7 @@ fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() 
     let logs = first.logs();
     assert!(logs.contains("KV pool SSD tier opened"), "{logs}");
 
-    let mut second = support::serve(&model, &args);
+    let mut second = support::serve(model, &args);
     assert_eq!(complete(second.port, &prompt), (want, 64), "four 16-token blocks from the SSD tier");
     let (status, metrics) = http(second.port, "GET", "/metrics", "");
     assert_eq!(status, 200);
@@ -75,8 +100,6 @@ fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() 
     second.child.wait().unwrap();
     let logs = second.logs();
     assert!(logs.contains("blocks=4") || logs.contains("blocks: 4"), "{logs}");
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_file(&model);
 }
 
 /// Two `tokenpath serve` processes on one pool directory — the second disaggregated, its
@@ -85,24 +108,18 @@ fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() 
 /// as `cached_tokens_host`.
 #[test]
 fn a_second_server_on_the_same_pool_loads_what_the_first_computed_from_host_ram() {
-    let id = std::process::id();
-    let model = std::env::temp_dir().join(format!("tp-cli-kvpool-ram-{id}.gguf"));
-    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
-    let dir = std::env::temp_dir().join(format!("tp-cli-kvpool-ram-{id}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    let dir_arg = dir.to_str().unwrap().to_owned();
+    let t = Setup::new("kvpool-ram");
+    let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
     let pool =
         ["--served-model-name", "tiny", "--kv-tokens", "1024", "--kv-pool", &dir_arg, "--kv-pool-ssd", "0"];
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 41 % 200)).collect();
-    let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
-        "ignore_eos": true})
-    .to_string();
-    let mut first = support::serve(&model, &pool);
+    let body = body(&prompt);
+    let mut first = support::serve(model, &pool);
     let (status, a) = http(first.port, "POST", "/v1/completions", &body);
     assert_eq!(status, 200, "{a}");
     let mut args = pool.to_vec();
     args.extend(["--prefill", "1", "--decode", "1"]);
-    let mut second = support::serve(&model, &args);
+    let mut second = support::serve(model, &args);
     let (status, b) = http(second.port, "POST", "/v1/completions", &body);
     assert_eq!(status, 200, "{b}");
     let (a, b): (serde_json::Value, serde_json::Value) =
@@ -115,8 +132,6 @@ fn a_second_server_on_the_same_pool_loads_what_the_first_computed_from_host_ram(
         s.child.kill().unwrap();
         s.child.wait().unwrap();
     }
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_file(&model);
 }
 
 /// `--kv-pool-second-sighting`: a prefix computed once is held in RAM but never written down,
@@ -124,12 +139,8 @@ fn a_second_server_on_the_same_pool_loads_what_the_first_computed_from_host_ram(
 /// above finds all four blocks there, with less time to write them).
 #[test]
 fn under_the_second_sighting_filter_a_prefix_seen_once_is_not_written_to_ssd() {
-    let id = std::process::id();
-    let model = std::env::temp_dir().join(format!("tp-cli-kvpool-2s-{id}.gguf"));
-    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
-    let dir = std::env::temp_dir().join(format!("tp-cli-kvpool-2s-{id}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    let dir_arg = dir.to_str().unwrap().to_owned();
+    let t = Setup::new("kvpool-2s");
+    let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
     let args = vec![
         "--served-model-name",
         "tiny",
@@ -144,7 +155,7 @@ fn under_the_second_sighting_filter_a_prefix_seen_once_is_not_written_to_ssd() {
     let mut first = {
         let mut a = args.clone();
         a.push("--kv-pool-second-sighting");
-        support::serve(&model, &a)
+        support::serve(model, &a)
     };
     let (want, cached) = complete(first.port, &prompt);
     assert_eq!(cached, 0);
@@ -156,12 +167,10 @@ fn under_the_second_sighting_filter_a_prefix_seen_once_is_not_written_to_ssd() {
     first.child.kill().unwrap();
     first.child.wait().unwrap();
 
-    let mut second = support::serve(&model, &args);
+    let mut second = support::serve(model, &args);
     assert_eq!(complete(second.port, &prompt), (want, 0), "nothing was written down");
     second.child.kill().unwrap();
     second.child.wait().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_file(&model);
 }
 
 /// An SSD tier that cannot be written (its slab is `/dev/full`): the pool runs on host RAM,
@@ -169,12 +178,8 @@ fn under_the_second_sighting_filter_a_prefix_seen_once_is_not_written_to_ssd() {
 /// server on the pool loads what the first computed from RAM.
 #[test]
 fn an_unwritable_ssd_tier_leaves_the_pool_on_ram_and_says_so() {
-    let id = std::process::id();
-    let model = std::env::temp_dir().join(format!("tp-cli-kvpool-full-{id}.gguf"));
-    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
-    let dir = std::env::temp_dir().join(format!("tp-cli-kvpool-full-{id}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    let dir_arg = dir.to_str().unwrap().to_owned();
+    let t = Setup::new("kvpool-full");
+    let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
     let args = [
         "--served-model-name",
         "tiny",
@@ -186,10 +191,10 @@ fn an_unwritable_ssd_tier_leaves_the_pool_on_ram_and_says_so() {
         "16MiB",
     ];
     // A first start names the slab file; it is then replaced by a device that is always full.
-    let mut probe = support::serve(&model, &args);
+    let mut probe = support::serve(model, &args);
     probe.child.kill().unwrap();
     probe.child.wait().unwrap();
-    let slab = std::fs::read_dir(&dir)
+    let slab = std::fs::read_dir(&t.dir)
         .unwrap()
         .map(|e| e.unwrap().path())
         .find(|p| p.extension().is_some_and(|e| e == "slab"))
@@ -198,15 +203,13 @@ fn an_unwritable_ssd_tier_leaves_the_pool_on_ram_and_says_so() {
     std::os::unix::fs::symlink("/dev/full", &slab).unwrap();
 
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 47 % 200)).collect();
-    let mut first = support::serve(&model, &args);
+    let mut first = support::serve(model, &args);
     let (want, cached) = complete(first.port, &prompt);
     assert_eq!(cached, 0);
     let (_, metrics) = http(first.port, "GET", "/metrics", "");
     assert!(metrics.contains("tokenpath_kv_pool_ssd_degraded 1"), "{metrics}");
-    let mut second = support::serve(&model, &args);
-    let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
-        "ignore_eos": true})
-    .to_string();
+    let mut second = support::serve(model, &args);
+    let body = body(&prompt);
     let (status, b) = http(second.port, "POST", "/v1/completions", &body);
     assert_eq!(status, 200, "{b}");
     let b: serde_json::Value = serde_json::from_str(&b).unwrap();
@@ -218,8 +221,6 @@ fn an_unwritable_ssd_tier_leaves_the_pool_on_ram_and_says_so() {
     }
     let logs = first.logs();
     assert!(logs.contains("SSD tier cannot be used"), "{logs}");
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_file(&model);
 }
 
 /// `tokenpath kv-pool` hosts the pool in a process of its own: a server killed and started again
@@ -228,18 +229,14 @@ fn an_unwritable_ssd_tier_leaves_the_pool_on_ram_and_says_so() {
 #[test]
 fn a_standalone_pool_keeps_its_ram_tier_across_server_restarts() {
     use std::io::BufRead as _;
-    let id = std::process::id();
-    let model = std::env::temp_dir().join(format!("tp-cli-kvpool-host-{id}.gguf"));
-    std::fs::write(&model, tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
-    let dir = std::env::temp_dir().join(format!("tp-cli-kvpool-host-{id}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    let dir_arg = dir.to_str().unwrap().to_owned();
+    let t = Setup::new("kvpool-host");
+    let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
     let pool_args = ["kv-pool", "--kv-pool", &dir_arg, "--kv-pool-ram", "8MiB", "--kv-pool-ssd", "0"];
     let start = || {
         std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))
             .args(pool_args)
             .arg("--model")
-            .arg(&model)
+            .arg(model)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -256,16 +253,14 @@ fn a_standalone_pool_keeps_its_ram_tier_across_server_restarts() {
     let args =
         ["--served-model-name", "tiny", "--kv-tokens", "1024", "--kv-pool", &dir_arg, "--kv-pool-ssd", "0"];
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 53 % 200)).collect();
-    let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
-        "ignore_eos": true})
-    .to_string();
-    let mut a = support::serve(&model, &args);
+    let body = body(&prompt);
+    let mut a = support::serve(model, &args);
     let (status, first) = http(a.port, "POST", "/v1/completions", &body);
     assert_eq!(status, 200, "{first}");
     a.child.kill().unwrap();
     a.child.wait().unwrap();
     assert!(!a.logs().contains("KV pool hosted here"), "the server joined the standalone pool");
-    let mut b = support::serve(&model, &args);
+    let mut b = support::serve(model, &args);
     let (status, again) = http(b.port, "POST", "/v1/completions", &body);
     assert_eq!(status, 200, "{again}");
     let (first, again): (serde_json::Value, serde_json::Value) =
@@ -285,6 +280,4 @@ fn a_standalone_pool_keeps_its_ram_tier_across_server_restarts() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
     assert!(status.success(), "{status:?}");
-    let _ = std::fs::remove_dir_all(&dir);
-    let _ = std::fs::remove_file(&model);
 }

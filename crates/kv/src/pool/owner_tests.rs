@@ -181,28 +181,35 @@ proptest! {
     }
 }
 
-/// A store whose every write fails (a full or unwritable disk).
+/// A disk whose every write fails; `reads`: it still reads (it holds every key, each read gives
+/// one fixed block), else it holds nothing.
 #[derive(Debug)]
-struct Unwritable;
+struct FailingDisk {
+    reads: bool,
+}
 
-impl BlockStore for Unwritable {
+impl BlockStore for FailingDisk {
     fn tier(&self) -> PoolTier {
         PoolTier::Ssd
     }
     fn may_hold(&self, _: &BlockHash) -> bool {
-        false
+        self.reads
     }
     fn holds(&self, _: &BlockHash) -> bool {
         false
     }
-    fn get_into(&mut self, _: &BlockHash, _: &mut [u8]) -> Result<Option<[u8; 32]>, crate::KvError> {
-        Ok(None)
+    fn get_into(&mut self, _: &BlockHash, dst: &mut [u8]) -> Result<Option<[u8; 32]>, crate::KvError> {
+        if !self.reads {
+            return Ok(None);
+        }
+        dst.copy_from_slice(&block(99));
+        Ok(Some(*blake3::hash(dst).as_bytes()))
     }
     fn put(&mut self, _: BlockHash, _: &[u8]) -> Result<(), crate::KvError> {
         Err(crate::KvError::SlabGeometry("no space left on device".into()))
     }
     fn blocks(&self) -> usize {
-        0
+        usize::from(self.reads)
     }
     fn capacity(&self) -> usize {
         8
@@ -219,7 +226,7 @@ impl BlockStore for Unwritable {
 fn an_ssd_that_cannot_be_written_is_taken_out_and_ram_keeps_serving() {
     let (file, ram) = SharedSlots::create(2, 4096).expect("memfd");
     let view = SharedSlots::open(&file, 2, 4096).expect("map");
-    let mut o = Owner::new(ram, BLOCK, vec![Box::new(Unwritable)], Duration::from_secs(5));
+    let mut o = Owner::new(ram, BLOCK, vec![Box::new(FailingDisk { reads: false })], Duration::from_secs(5));
     let (c, now) = (ClientId(1), Instant::now());
     assert_eq!(store(&mut o, &view, c, &[0, 1], now), (2, 0));
     assert_eq!(o.stats(now).ssd_slots, 8);
@@ -234,49 +241,13 @@ fn an_ssd_that_cannot_be_written_is_taken_out_and_ram_keeps_serving() {
     assert_eq!(o.stats(now).evictions_ram, 2);
 }
 
-/// A store that holds every key (its reads give one fixed block) and fails every write: a disk
-/// that still reads but no longer writes.
-#[derive(Debug)]
-struct ReadOnlyDisk;
-
-impl BlockStore for ReadOnlyDisk {
-    fn tier(&self) -> PoolTier {
-        PoolTier::Ssd
-    }
-    fn may_hold(&self, _: &BlockHash) -> bool {
-        true
-    }
-    fn holds(&self, _: &BlockHash) -> bool {
-        false
-    }
-    fn get_into(&mut self, _: &BlockHash, dst: &mut [u8]) -> Result<Option<[u8; 32]>, crate::KvError> {
-        dst.copy_from_slice(&block(99));
-        Ok(Some(*blake3::hash(dst).as_bytes()))
-    }
-    fn put(&mut self, _: BlockHash, _: &[u8]) -> Result<(), crate::KvError> {
-        Err(crate::KvError::SlabGeometry("I/O error".into()))
-    }
-    fn blocks(&self) -> usize {
-        1
-    }
-    fn capacity(&self) -> usize {
-        8
-    }
-    fn failed_loads(&self) -> u64 {
-        0
-    }
-    fn sync(&self) -> Result<(), crate::KvError> {
-        Ok(())
-    }
-}
-
 /// Regression: a read-up that had to evict a dirty block whose write-down failed took the store
 /// out from under the loop walking the stores (an index out of bounds killed the owner).
 #[test]
 fn a_store_that_fails_while_a_lookup_makes_room_is_taken_out_without_harm() {
     let (file, ram) = SharedSlots::create(1, 4096).expect("memfd");
     let view = SharedSlots::open(&file, 1, 4096).expect("map");
-    let mut o = Owner::new(ram, BLOCK, vec![Box::new(ReadOnlyDisk)], Duration::from_secs(5));
+    let mut o = Owner::new(ram, BLOCK, vec![Box::new(FailingDisk { reads: true })], Duration::from_secs(5));
     let (c, now) = (ClientId(1), Instant::now());
     assert_eq!(store(&mut o, &view, c, &[0], now), (1, 0), "one dirty block fills RAM");
     // The lookup of another key must evict it; its write-down fails and the disk is taken out.
