@@ -97,7 +97,7 @@ pub const WORKER_FLOPS: &str = "tokenpath_worker_flops";
 pub const KV_POOL_BLOCKS: &str = "tokenpath_kv_pool_blocks";
 /// Blocks each tier can hold (gauge).
 pub const KV_POOL_SLOTS: &str = "tokenpath_kv_pool_slots";
-/// Blocks leased from the pool by the tier they were found in (counter).
+/// Blocks loaded from the pool and checked by their reader, by the tier they were found in (counter).
 pub const KV_POOL_HITS: &str = "tokenpath_kv_pool_hits";
 /// Prompt tokens served from the KV pool, by tier (counter).
 pub const KV_POOL_HIT_TOKENS: &str = "tokenpath_kv_pool_hit_tokens";

@@ -46,7 +46,7 @@ fn load_all(c: &mut PoolClient, ids: std::ops::Range<u32>) -> usize {
         assert!(c.load(b, &mut buf), "block {i} loads and checks");
         assert_eq!(buf, block(i as usize));
     }
-    c.release(lease);
+    c.release(lease, n);
     n
 }
 
@@ -69,7 +69,8 @@ fn a_block_stored_by_one_client_is_loaded_by_another_and_survives_its_host() {
     let mut buf = vec![0; BLOCK];
     scribble(&d, lease.blocks[0].slot);
     assert!(!other.load(&lease.blocks[0], &mut buf), "a scribbled slot is a failed load");
-    other.release(lease);
+    other.release(lease, 0);
+    assert_eq!(other.stats().expect("stats").hits_ram, 4, "and never a hit");
 
     // The host goes away (its blocks written down to SSD as it stops); the other client loses
     // the connection, and a second later hosts the pool itself, from the SSD tier.

@@ -108,7 +108,7 @@ fn two_hosts_share_blocks_through_the_remote_tier_and_a_planted_value_is_never_s
         assert!(b.load(blk, &mut buf));
         assert_eq!(buf, block(i));
     }
-    b.release(lease);
+    b.release(lease, 3);
     let s = b.stats().expect("stats");
     assert!(s.remote && s.hits_remote == 3 && s.failed == 0, "{s:?}");
 

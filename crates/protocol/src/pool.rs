@@ -75,6 +75,9 @@ pub enum PoolRequest {
     Release {
         /// The lease.
         lease: u64,
+        /// Its blocks the client copied and whose check passed, from the first: only these
+        /// count as hits (a block that failed its check is never one).
+        used: u32,
     },
     /// Asks for slots to write the blocks the pool does not hold yet.
     Reserve {
@@ -128,9 +131,9 @@ pub struct PoolStats {
     pub ssd_blocks: u32,
     /// The SSD tier failed and the pool runs on RAM only.
     pub ssd_degraded: bool,
-    /// Blocks leased from RAM / read up from SSD.
+    /// Blocks leased from RAM that their reader copied and checked (reported at release).
     pub hits_ram: u64,
-    /// Blocks read up from the SSD tier.
+    /// Blocks read up from the SSD tier that their reader copied and checked.
     pub hits_ssd: u64,
     /// Blocks read up from the remote tier.
     #[serde(default)]
@@ -285,7 +288,7 @@ mod tests {
         for req in [
             PoolRequest::Hello { version: POOL_VERSION, namespace: key, block_bytes: 368_640 },
             PoolRequest::Lookup { keys: vec![key; 3] },
-            PoolRequest::Release { lease: 9 },
+            PoolRequest::Release { lease: 9, used: 3 },
             PoolRequest::Reserve { keys: vec![key] },
             PoolRequest::Commit { lease: 2, checksums: vec![key] },
             PoolRequest::Abandon { lease: 2 },

@@ -56,7 +56,7 @@ impl PoolMetrics {
         r.register(KV_POOL_SLOTS, "Blocks each tier of the host's KV pool can hold", self.slots.clone());
         r.register(
             KV_POOL_HITS,
-            "Blocks leased from the KV pool, by the tier they were found in",
+            "Blocks loaded from the KV pool and checked by their reader, by the tier they were found in",
             self.hits.clone(),
         );
         r.register(

@@ -170,9 +170,12 @@ impl PoolClient {
     }
 
     /// Ends a read lease (a lease of a lost connection ended with it).
-    pub fn release(&mut self, lease: ReadLease) {
+    /// `used`: the lease's blocks this client copied and whose check passed, from the first
+    /// (what the pool counts as hits).
+    pub fn release(&mut self, lease: ReadLease, used: usize) {
         if lease.id != 0 && self.conn.is_some() {
-            let _ = self.call(&PoolRequest::Release { lease: lease.id });
+            let used = u32::try_from(used.min(lease.blocks.len())).unwrap_or(u32::MAX);
+            let _ = self.call(&PoolRequest::Release { lease: lease.id, used });
         }
     }
 

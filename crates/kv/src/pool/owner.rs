@@ -50,7 +50,9 @@ enum Slot {
 
 #[derive(Debug)]
 enum LeaseKind {
-    Read(Vec<u32>),
+    /// Slots, and the tier each block was found in (counted as a hit once the client says it
+    /// used it).
+    Read(Vec<(u32, PoolTier)>),
     Write(Vec<(u32, BlockHash)>),
 }
 
@@ -244,18 +246,13 @@ impl Owner {
                 self.lru.remove(tick);
             }
             *pins += 1;
-            match tier {
-                PoolTier::Host => self.stats.hits_ram += 1,
-                PoolTier::Ssd => self.stats.hits_ssd += 1,
-                PoolTier::Remote => self.stats.hits_remote += 1,
-            }
             got.push(Leased { slot, checksum: *checksum, tier });
         }
         if got.is_empty() {
             self.stats.misses += 1;
             return None;
         }
-        let slots = got.iter().map(|b| b.slot).collect();
+        let slots = got.iter().map(|b| (b.slot, b.tier)).collect();
         Some((self.open_lease(client, now, LeaseKind::Read(slots)), got))
     }
 
@@ -480,8 +477,8 @@ impl Owner {
         }
     }
 
-    fn end_read(&mut self, slots: &[u32]) {
-        for &slot in slots {
+    fn end_read(&mut self, slots: &[(u32, PoolTier)]) {
+        for &(slot, _) in slots {
             let tick = self.next_tick();
             if let Slot::Held { pins, tick: t, .. } = &mut self.slots[slot as usize] {
                 *pins = pins.saturating_sub(1);
@@ -500,13 +497,24 @@ impl Owner {
         }
     }
 
-    /// Ends a lease of this client's (a read lease's release, a write lease's abandon).
-    pub fn release(&mut self, client: ClientId, lease: LeaseId) -> Result<(), OwnerError> {
+    /// Ends a lease of this client's (a read lease's release, a write lease's abandon); `used`:
+    /// a read lease's blocks the client copied and checked, from the first — the hits. A lease
+    /// ended by its deadline or its client's going away counts none.
+    pub fn release(&mut self, client: ClientId, lease: LeaseId, used: u32) -> Result<(), OwnerError> {
         match self.leases.get(&lease) {
             Some(l) if l.client == client => {}
             _ => return Err(OwnerError::NoLease),
         }
         let l = self.leases.remove(&lease).ok_or(OwnerError::NoLease)?;
+        if let LeaseKind::Read(slots) = &l.kind {
+            for (_, tier) in slots.iter().take(used as usize) {
+                match tier {
+                    PoolTier::Host => self.stats.hits_ram += 1,
+                    PoolTier::Ssd => self.stats.hits_ssd += 1,
+                    PoolTier::Remote => self.stats.hits_remote += 1,
+                }
+            }
+        }
         self.end(l);
         Ok(())
     }

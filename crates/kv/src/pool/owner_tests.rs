@@ -49,7 +49,7 @@ fn load(o: &mut Owner, view: &SharedSlots, c: ClientId, ids: &[u32], now: Instan
         assert_eq!(buf, block(*i), "and it is the one stored under that key");
         out.push((*i, b.tier));
     }
-    o.release(c, lease).expect("release");
+    o.release(c, lease, got.len() as u32).expect("release");
     out
 }
 
@@ -79,8 +79,8 @@ fn a_commit_whose_bytes_do_not_match_is_not_indexed() {
     assert_eq!(o.commit(c, lease, &sums), Err(OwnerError::NoLease), "a lease commits once");
     // Another client cannot end a lease it does not hold.
     let (lease, _) = o.lookup(c, &[key(0)], now).expect("lease");
-    assert_eq!(o.release(ClientId(2), lease), Err(OwnerError::NoLease));
-    o.release(c, lease).expect("its own");
+    assert_eq!(o.release(ClientId(2), lease, 0), Err(OwnerError::NoLease));
+    o.release(c, lease, 0).expect("its own");
 }
 
 #[test]
@@ -104,7 +104,7 @@ fn pinned_blocks_are_never_evicted_and_leases_end_by_deadline_and_disconnect() {
     assert_eq!(o.stats(now).pinned, 0);
     // An abandoned write lease frees its slots.
     let (lease, _) = o.reserve(ClientId(1), &[key(3)], now).expect("slot");
-    o.release(ClientId(1), lease).expect("abandon");
+    o.release(ClientId(1), lease, 0).expect("abandon");
     assert_eq!(store(&mut o, &view, ClientId(1), &[3], now), (1, 0), "the key can be written again");
 }
 
@@ -172,7 +172,7 @@ proptest! {
                 _ => o.expire(now),
             }
         }
-        for (c, l) in held { let _ = o.release(c, l); }
+        for (c, l) in held { let _ = o.release(c, l, 0); }
         o.expire(start + Duration::from_secs(3600));
         let s = o.stats(start);
         prop_assert_eq!((s.leases, s.pinned), (0, 0));
@@ -297,4 +297,23 @@ fn the_seen_once_set_stays_bounded() {
     }
     assert!(s.sight(key(99)), "the newest is remembered");
     assert!(!s.sight(key(0)), "the oldest was forgotten");
+}
+
+/// A leased block counts as a hit only once its client says it copied and checked it: a block
+/// that failed the reader's check, and a lease that ran out or lost its client, count none.
+#[test]
+fn only_blocks_the_client_used_count_as_hits() {
+    let (mut o, view) = owner(4, None);
+    let (c, now) = (ClientId(1), Instant::now());
+    assert_eq!(store(&mut o, &view, c, &[0, 1, 2], now), (3, 0));
+    let (lease, got) = o.lookup(c, &[key(0), key(1), key(2)], now).expect("held");
+    assert_eq!(got.len(), 3);
+    o.release(c, lease, 1).expect("the second block failed the reader's check");
+    assert_eq!(o.stats(now).hits_ram, 1);
+    let _ = o.lookup(c, &[key(0)], now).expect("held");
+    o.drop_client(c);
+    let _ = o.lookup(ClientId(2), &[key(0)], now).expect("held");
+    o.expire(now + Duration::from_secs(60));
+    let s = o.stats(now);
+    assert_eq!((s.hits_ram, s.leases, s.pinned, s.leases_expired), (1, 0, 0, 2), "{s:?}");
 }

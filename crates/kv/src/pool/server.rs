@@ -327,12 +327,14 @@ fn answer(owner: &mut Owner, client: ClientId, req: PoolRequest, now: Instant) -
                 Err(e) => refuse(e),
             }
         }
-        PoolRequest::Release { lease } | PoolRequest::Abandon { lease } => {
-            match owner.release(client, LeaseId(lease)) {
-                Ok(()) => PoolReply::Done,
-                Err(e) => refuse(e),
-            }
-        }
+        PoolRequest::Release { lease, used } => match owner.release(client, LeaseId(lease), used) {
+            Ok(()) => PoolReply::Done,
+            Err(e) => refuse(e),
+        },
+        PoolRequest::Abandon { lease } => match owner.release(client, LeaseId(lease), 0) {
+            Ok(()) => PoolReply::Done,
+            Err(e) => refuse(e),
+        },
         PoolRequest::Stats => PoolReply::Stats(owner.stats(now)),
     }
 }

@@ -128,7 +128,7 @@ pub fn replay(
                     for (j, b) in bufs[..run].iter().enumerate() {
                         assert!(*b == block_bytes(&keys[j], block), "a loaded block is its key's");
                     }
-                    c.release(lease);
+                    c.release(lease, run);
                     hits.lock().expect("hits")[i] = run;
                     c.store(&keys[run..], |j| block_bytes(&keys[run + j], block));
                 }

@@ -129,7 +129,7 @@ impl Batcher {
             }
         }
         if let Some(pool) = self.pool.as_mut() {
-            pool.release(lease);
+            pool.release(lease, have - arena);
         }
         if have > arena {
             seq.stamp(Mark::KvLoadStart, load_start);
