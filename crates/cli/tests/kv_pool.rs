@@ -281,3 +281,60 @@ fn a_standalone_pool_keeps_its_ram_tier_across_server_restarts() {
     };
     assert!(status.success(), "{status:?}");
 }
+
+/// A pool host that dies between a block's payload and its header (a crash mid-write, made
+/// deterministic by the slab's test fault) loses only that write: the next host rebuilds its
+/// index from the slot headers, the two blocks written whole are served from SSD, the torn
+/// third and the fourth are computed, and the answer is the same.
+#[test]
+fn a_pool_killed_mid_write_loses_only_the_unfinished_write() {
+    use std::io::BufRead as _;
+    let t = Setup::new("kvpool-crash");
+    let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
+    let mut host = std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+        .args(["kv-pool", "--kv-pool", &dir_arg, "--kv-pool-ram", "8MiB", "--kv-pool-ssd", "16MiB"])
+        .arg("--model")
+        .arg(model)
+        .env("TOKENPATH_FAULT_SLAB_ABORT_AT", "3")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first_line = String::new();
+    std::io::BufReader::new(host.stdout.take().unwrap()).read_line(&mut first_line).unwrap();
+    assert!(first_line.starts_with("tokenpath kv-pool hosting "), "{first_line:?}");
+
+    let args = [
+        "--served-model-name",
+        "tiny",
+        "--kv-tokens",
+        "1024",
+        "--kv-pool",
+        &dir_arg,
+        "--kv-pool-ssd",
+        "16MiB",
+    ];
+    let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 59 % 200)).collect();
+    let mut a = support::serve(model, &args);
+    let (want, cached) = complete(a.port, &prompt);
+    assert_eq!(cached, 0);
+    // The host writes the four blocks down when idle, and dies writing the third.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = host.try_wait().unwrap() {
+            break s;
+        }
+        assert!(std::time::Instant::now() < deadline, "the fault never fired");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(!status.success(), "aborted: {status:?}");
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+
+    let mut b = support::serve(model, &args);
+    assert_eq!(complete(b.port, &prompt), (want, 32), "two whole blocks from SSD, the rest computed");
+    b.child.kill().unwrap();
+    b.child.wait().unwrap();
+    let logs = b.logs();
+    assert!(logs.contains("KV pool SSD tier opened") && logs.contains("blocks=2"), "{logs}");
+}

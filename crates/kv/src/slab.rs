@@ -109,6 +109,24 @@ pub struct Slab {
     stats: SlabStats,
 }
 
+/// The environment variable of the crash test's fault: `N` aborts the process after the `N`-th
+/// slot payload it writes and before that slot's header (a crash mid-write, at a known point).
+/// Testing only (`cli/tests/kv_pool.rs`); unset, it costs one load of a cached value per write.
+pub const FAULT_ABORT_AT_ENV: &str = "TOKENPATH_FAULT_SLAB_ABORT_AT";
+
+fn crash_point() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static AT: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    static WRITTEN: AtomicU64 = AtomicU64::new(0);
+    let at = AT.get_or_init(|| std::env::var(FAULT_ABORT_AT_ENV).ok().and_then(|v| v.parse().ok()));
+    if let Some(at) = *at {
+        if WRITTEN.fetch_add(1, Ordering::Relaxed) + 1 >= at {
+            tracing::error!("{FAULT_ABORT_AT_ENV}: aborting between a slot's payload and its header");
+            std::process::abort();
+        }
+    }
+}
+
 /// Reserves the file's blocks on the device up front (`fallocate`), so a full disk shows when
 /// the slab is made — the pool then runs on RAM and says so — never as a failed write later. A
 /// filesystem without `fallocate` gets a sparse file instead (and a failed write is handled as
@@ -253,11 +271,10 @@ impl Slab {
         };
         let at = self.geometry.offset(slot);
         // Payload first, then the header that vouches for it.
-        if let Err(e) = self
-            .file
-            .write_all_at(payload, at + PAGE)
-            .and_then(|()| self.file.write_all_at(&header.encode(), at))
-        {
+        if let Err(e) = self.file.write_all_at(payload, at + PAGE).and_then(|()| {
+            crash_point();
+            self.file.write_all_at(&header.encode(), at)
+        }) {
             // The slot's state is unknown: never indexed, and free for the next write.
             self.free.push(slot);
             return Err(self.io(e));
