@@ -279,7 +279,8 @@ def bench_workloads(a, ram_slots, ssd_slots):
     than that, so it bounds the ideal LRU from above (a ratio against it understates the pool's)."""
     rows = []
     for spec in a.bench_workload:
-        workload, rate, n = spec.split("@")
+        workload, rate, n, *topology = spec.split("@")
+        topology = topology[0].split() if topology else []
         configs = [
             ("no pool (arena only)", ["--kv-tokens", str(a.kv_tokens)]),
             ("pool: RAM", ["--kv-tokens", str(a.kv_tokens), "--kv-pool-ram", a.ram, "--kv-pool-ssd", "0"]),
@@ -289,8 +290,8 @@ def bench_workloads(a, ram_slots, ssd_slots):
         for i, (name, flags) in enumerate(configs):
             pool = os.path.join(a.out_dir, f"wl-pool-{i}")
             shutil.rmtree(pool, ignore_errors=True)
-            extra = flags + (["--kv-pool", pool] if "--kv-pool-ram" in flags else [])
-            tag = workload.split(":")[0]
+            extra = flags + (["--kv-pool", pool] if "--kv-pool-ram" in flags else []) + topology
+            tag = workload.split(":")[0] + ("-" + "".join(topology).replace("-", "") if topology else "")
             print(f"[bench-kvpool] {workload} at {rate}/s, {n} requests: {name}", file=sys.stderr)
             srv = Server(a.binary, a.model, a.port + 20 + i, extra, os.path.join(a.out_dir, f"wl-{tag}-{i}.log"))
             out = os.path.join(a.out_dir, f"wl-{tag}-{i}.json")
@@ -310,7 +311,7 @@ def bench_workloads(a, ram_slots, ssd_slots):
             cached = sum((r.get("usage") or {}).get("cached_tokens") or 0 for r in recs)
             timing = [r.get("server") or {} for r in recs]
             rows.append({
-                "workload": workload, "rate": float(rate), "config": name, "requests": len(recs),
+                "workload": workload + (" [" + " ".join(topology) + "]" if topology else ""), "rate": float(rate), "config": name, "requests": len(recs),
                 "ok": sum(1 for r in recs if r.get("outcome") == "ok"),
                 "hit_fraction": cached / prompt if prompt else 0.0,
                 "ttft_p50_ms": doc["summary"]["ttft_ms"]["p50"], "ttft_p99_ms": doc["summary"]["ttft_ms"]["p99"],
@@ -340,7 +341,7 @@ def main():
     ap.add_argument("--pool-replay", help="the pool_replay example binary")
     ap.add_argument("--bound-kv-tokens", type=int, default=65536)
     ap.add_argument("--bench-workload", action="append",
-                    help="WORKLOAD@RATE@REQUESTS of `tokenpath bench` (repeatable)")
+                    help="WORKLOAD@RATE@REQUESTS[@SERVE FLAGS] of `tokenpath bench` (repeatable)")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
     size = lambda s: int(s[:-3]) << {"KiB": 10, "MiB": 20, "GiB": 30}[s[-3:]]
@@ -419,14 +420,14 @@ def print_rest(r):
     if r["workloads"]:
         print("\nThe bench's workloads (chat requests, `tokenpath bench --seed 11`), hit fraction = "
               "Σ usage.cached_tokens / Σ usage.prompt_tokens; bound = an arena that evicts nothing in the run")
-        print(f"{'workload':38} {'config':24} {'hit':>6} {'vs bound':>8} {'TTFT p50':>9} {'p99':>9} {'host tok':>9} {'ssd tok':>8} {'leases':>6}")
+        print(f"{'workload':52} {'config':24} {'hit':>6} {'vs bound':>8} {'TTFT p50':>9} {'p99':>9} {'host tok':>9} {'ssd tok':>8} {'leases':>6}")
         for w in dict.fromkeys(x["workload"] for x in r["workloads"]):
             rows = [x for x in r["workloads"] if x["workload"] == w]
             bound = rows[-1]["hit_fraction"]
             for x in rows:
                 vs = f"{x['hit_fraction'] / bound:.2f}" if bound else "-"
                 lo = x["leases_open_at_end"]
-                print(f"{w + ' @' + str(x['rate']):38} {x['config']:24} {x['hit_fraction']:6.3f} {vs:>8} "
+                print(f"{w + ' @' + str(x['rate']):52} {x['config']:24} {x['hit_fraction']:6.3f} {vs:>8} "
                       f"{x['ttft_p50_ms']:8.0f}ms {x['ttft_p99_ms']:8.0f}ms {x['tokens_from_host']:9d} "
                       f"{x['tokens_from_ssd']:8d} {lo if lo is not None else '-':>6}")
             for x in rows[1:3]:
