@@ -272,7 +272,7 @@ def tier_load_times(binary, model, base_port, out_dir):
     }
 
 
-def bench_workloads(a, ram_slots, ssd_slots):
+def bench_workloads(a):
     """The bench's own workloads (`tokenpath bench --workload ...`, chat requests through the
     model's template) against the same three configurations at one offered rate each, and
     against an arena too large to evict anything in the run: no cache of any capacity hits more
@@ -377,7 +377,7 @@ def main():
         "shared-prefix:48:512:16-64:4-8@1.5@90",
         "multi-turn:5:192-320:8-16@0.3@60",
     ]
-    wl = [] if a.skip_workloads else bench_workloads(a, ram_slots, ssd_slots)
+    wl = [] if a.skip_workloads else bench_workloads(a)
     loads = tier_load_times(a.binary, a.model, a.port + 10, a.out_dir)
     whole = None
     if a.pool_replay and not a.skip_pool_replay:

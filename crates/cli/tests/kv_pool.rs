@@ -36,6 +36,11 @@ impl Drop for Setup {
     }
 }
 
+/// `serve`'s flags for the tiny model on the pool in `dir` with an SSD tier of `ssd`.
+fn pool_args<'a>(dir: &'a str, ssd: &'a str) -> [&'a str; 8] {
+    ["--served-model-name", "tiny", "--kv-tokens", "1024", "--kv-pool", dir, "--kv-pool-ssd", ssd]
+}
+
 /// A greedy completion of `prompt`, five tokens.
 fn body(prompt: &[u32]) -> String {
     serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": true})
@@ -61,16 +66,7 @@ fn complete(port: u16, prompt: &[u32]) -> (String, u64) {
 fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() {
     let t = Setup::new("kvpool");
     let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
-    let args = [
-        "--served-model-name",
-        "tiny",
-        "--kv-tokens",
-        "1024",
-        "--kv-pool",
-        &dir_arg,
-        "--kv-pool-ssd",
-        "16MiB",
-    ];
+    let args = pool_args(&dir_arg, "16MiB");
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 37 % 200)).collect();
 
     let mut first = support::serve(model, &args);
@@ -110,8 +106,7 @@ fn a_killed_server_restarted_on_its_pool_serves_the_prefix_it_computed_before() 
 fn a_second_server_on_the_same_pool_loads_what_the_first_computed_from_host_ram() {
     let t = Setup::new("kvpool-ram");
     let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
-    let pool =
-        ["--served-model-name", "tiny", "--kv-tokens", "1024", "--kv-pool", &dir_arg, "--kv-pool-ssd", "0"];
+    let pool = pool_args(&dir_arg, "0");
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 41 % 200)).collect();
     let body = body(&prompt);
     let mut first = support::serve(model, &pool);
@@ -141,16 +136,7 @@ fn a_second_server_on_the_same_pool_loads_what_the_first_computed_from_host_ram(
 fn under_the_second_sighting_filter_a_prefix_seen_once_is_not_written_to_ssd() {
     let t = Setup::new("kvpool-2s");
     let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
-    let args = vec![
-        "--served-model-name",
-        "tiny",
-        "--kv-tokens",
-        "1024",
-        "--kv-pool",
-        &dir_arg,
-        "--kv-pool-ssd",
-        "16MiB",
-    ];
+    let args = pool_args(&dir_arg, "16MiB").to_vec();
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 43 % 200)).collect();
     let mut first = {
         let mut a = args.clone();
@@ -180,16 +166,7 @@ fn under_the_second_sighting_filter_a_prefix_seen_once_is_not_written_to_ssd() {
 fn an_unwritable_ssd_tier_leaves_the_pool_on_ram_and_says_so() {
     let t = Setup::new("kvpool-full");
     let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
-    let args = [
-        "--served-model-name",
-        "tiny",
-        "--kv-tokens",
-        "1024",
-        "--kv-pool",
-        &dir_arg,
-        "--kv-pool-ssd",
-        "16MiB",
-    ];
+    let args = pool_args(&dir_arg, "16MiB");
     // A first start names the slab file; it is then replaced by a device that is always full.
     let mut probe = support::serve(model, &args);
     probe.child.kill().unwrap();
@@ -231,10 +208,10 @@ fn a_standalone_pool_keeps_its_ram_tier_across_server_restarts() {
     use std::io::BufRead as _;
     let t = Setup::new("kvpool-host");
     let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
-    let pool_args = ["kv-pool", "--kv-pool", &dir_arg, "--kv-pool-ram", "8MiB", "--kv-pool-ssd", "0"];
+    let host_args = ["kv-pool", "--kv-pool", &dir_arg, "--kv-pool-ram", "8MiB", "--kv-pool-ssd", "0"];
     let start = || {
         std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))
-            .args(pool_args)
+            .args(host_args)
             .arg("--model")
             .arg(model)
             .stdout(std::process::Stdio::piped())
@@ -250,8 +227,7 @@ fn a_standalone_pool_keeps_its_ram_tier_across_server_restarts() {
     assert!(!second.status.success());
     assert!(String::from_utf8_lossy(&second.stderr).contains("hosts the KV pool"), "{second:?}");
 
-    let args =
-        ["--served-model-name", "tiny", "--kv-tokens", "1024", "--kv-pool", &dir_arg, "--kv-pool-ssd", "0"];
+    let args = pool_args(&dir_arg, "0");
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 53 % 200)).collect();
     let body = body(&prompt);
     let mut a = support::serve(model, &args);
@@ -304,16 +280,7 @@ fn a_pool_killed_mid_write_loses_only_the_unfinished_write() {
     std::io::BufReader::new(host.stdout.take().unwrap()).read_line(&mut first_line).unwrap();
     assert!(first_line.starts_with("tokenpath kv-pool hosting "), "{first_line:?}");
 
-    let args = [
-        "--served-model-name",
-        "tiny",
-        "--kv-tokens",
-        "1024",
-        "--kv-pool",
-        &dir_arg,
-        "--kv-pool-ssd",
-        "16MiB",
-    ];
+    let args = pool_args(&dir_arg, "16MiB");
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 59 % 200)).collect();
     let mut a = support::serve(model, &args);
     let (want, cached) = complete(a.port, &prompt);

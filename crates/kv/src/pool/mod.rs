@@ -18,6 +18,7 @@
 
 pub mod client;
 pub mod owner;
+mod seen;
 mod server;
 
 pub use client::{PoolClient, ReadLease};

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use tokenpath_protocol::pool::{PoolStats, PoolTier};
 
+use super::seen::SeenOnce;
 use crate::shm::SharedSlots;
 use crate::store::BlockStore;
 use crate::BlockHash;
@@ -117,35 +118,6 @@ pub struct Owner {
     seen_once: Option<SeenOnce>,
     stats: PoolStats,
     buf: Vec<u8>,
-}
-
-/// A bounded set of keys, forgetting the oldest first.
-#[derive(Debug)]
-struct SeenOnce {
-    keys: std::collections::HashSet<BlockHash>,
-    order: VecDeque<BlockHash>,
-    cap: usize,
-}
-
-impl SeenOnce {
-    fn new(cap: usize) -> Self {
-        Self { keys: Default::default(), order: VecDeque::new(), cap: cap.max(1) }
-    }
-
-    /// Remembers `key`; whether it was seen before (then it is forgotten: it is sighted now).
-    fn sight(&mut self, key: BlockHash) -> bool {
-        if self.keys.remove(&key) {
-            return true;
-        }
-        self.keys.insert(key);
-        self.order.push_back(key);
-        // `order` may hold keys already taken out by a second sighting; they are skipped here.
-        while self.keys.len() > self.cap || self.order.len() > 2 * self.cap {
-            let Some(old) = self.order.pop_front() else { break };
-            self.keys.remove(&old);
-        }
-        false
-    }
 }
 
 impl Owner {

@@ -288,17 +288,6 @@ fn under_the_second_sighting_filter_only_blocks_seen_twice_are_written_down() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn the_seen_once_set_stays_bounded() {
-    let mut s = SeenOnce::new(3);
-    for i in 0..100 {
-        assert!(!s.sight(key(i)));
-        assert!(s.keys.len() <= 3 && s.order.len() <= 6);
-    }
-    assert!(s.sight(key(99)), "the newest is remembered");
-    assert!(!s.sight(key(0)), "the oldest was forgotten");
-}
-
 /// A leased block counts as a hit only once its client says it copied and checked it: a block
 /// that failed the reader's check, and a lease that ran out or lost its client, count none.
 #[test]
