@@ -29,18 +29,18 @@ use tokenpath_protocol::work::{Backlog, StepRecord};
 
 mod prefix;
 mod steplog;
-use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 pub(crate) use steplog::StepLog;
 pub use steplog::{step_log_path, WORKER_PLACEHOLDER};
-use tokenpath_engine::kv_cache::{BlockId, KvCache, KvLease};
+use tokenpath_engine::kv_cache::{KvCache, KvLease};
 use tokenpath_engine::model::BatchItem;
 use tokenpath_engine::sampling::{Sampler, SamplerState};
 
 use tokenpath_engine::Engine;
-use tokenpath_kv::{BlockHash, PrefixCache};
+use tokenpath_kv::BlockHash;
+use tokenpath_scheduler::{Policy, Scheduler, SeqCore, Sequence, Stuck};
 use tokenpath_timeline::Mark;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::{oneshot, watch, OwnedSemaphorePermit};
@@ -89,21 +89,14 @@ pub(crate) struct Submission {
 /// The thread's state.
 pub(crate) struct Batcher {
     pub(crate) engine: Arc<Engine>,
-    pub(crate) cache: KvCache,
+    /// The queues, the block accounting (the engine's cache) and the prefix index: every
+    /// scheduling decision (`tokenpath_scheduler`, shared with the simulator).
+    pub(crate) sched: Scheduler<Seq>,
     pub(crate) cfg: WorkerConfig,
     rx: mpsc::Receiver<Command>,
     stats_tx: watch::Sender<WorkerStats>,
-    pub(crate) waiting: VecDeque<Seq>,
-    running: Vec<Seq>,
     /// Decode mode: sequences waiting for their KV and first token.
     pub(crate) awaiting: Vec<Seq>,
-    /// Paused sequences whose KV was given up for waiting requests; they queue again once their
-    /// readers catch up.
-    parked: Vec<Seq>,
-    prefix: Option<PrefixCache<BlockId>>,
-    /// The token ids of every block in the prefix cache, checked on every hit (a hit is served
-    /// only for the very tokens it was computed from).
-    prefix_tokens: std::collections::HashMap<BlockId, Box<[u32]>>,
     /// The namespace every chain of this worker starts from: the model, its KV layout and
     /// numerics (sequences narrow it to their scope).
     root: BlockHash,
@@ -129,25 +122,26 @@ impl Batcher {
         step_log: Option<StepLog>,
     ) -> Result<Self, crate::WorkerError> {
         let flops_per_token = engine.model().config().flops_per_token() as f64;
-        let prefix = cfg.prefix_cache.then(PrefixCache::new);
         let root = crate::prefix_namespace(&engine, cache.layout(), cfg.kv_pool.is_some());
         let pool = cfg
             .kv_pool
             .as_ref()
             .map(|p| tokenpath_kv::pool::PoolClient::new(p.clone(), root, cache.block_bytes()));
+        let policy = Policy {
+            block_size: cfg.block_size,
+            prefill_chunk: cfg.prefill_chunk,
+            max_batch: cfg.max_batch,
+        };
+        let sched = Scheduler::new(cache, policy, cfg.prefix_cache)
+            .map_err(|e| crate::WorkerError::Config(e.to_string()))?;
         Ok(Self {
-            prefix_tokens: std::collections::HashMap::new(),
             root,
             engine,
-            cache,
+            sched,
             cfg,
             rx,
             stats_tx,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
             awaiting: Vec::new(),
-            parked: Vec::new(),
-            prefix,
             started: Instant::now(),
             busy: Duration::ZERO,
             stats: WorkerStats::default(),
@@ -163,10 +157,10 @@ impl Batcher {
     pub(crate) fn run(mut self) {
         tracing::info!(worker = %self.cfg.id, "worker started");
         loop {
-            self.resume_parked();
-            let paused = self.running.iter().any(Seq::paused) || !self.parked.is_empty();
-            if self.waiting.is_empty() && self.running.iter().all(Seq::paused) {
-                if self.closed && self.awaiting.is_empty() && self.running.is_empty() {
+            self.sched.resume_parked();
+            let paused = self.sched.running.iter().any(Seq::paused) || !self.sched.parked.is_empty();
+            if self.sched.waiting.is_empty() && self.sched.running.iter().all(Seq::paused) {
+                if self.closed && self.awaiting.is_empty() && self.sched.running.is_empty() {
                     break;
                 }
                 // Idle: block until there is work or every handle is gone. Requests waiting for
@@ -200,7 +194,7 @@ impl Batcher {
             }
             self.reap_cancelled();
             self.activate_ready();
-            if !self.waiting.is_empty() || self.running.iter().any(|s| !s.paused()) {
+            if !self.sched.waiting.is_empty() || self.sched.running.iter().any(|s| !s.paused()) {
                 self.step();
             }
             self.publish();
@@ -216,7 +210,7 @@ impl Batcher {
                 if let WorkMode::Decode(_) = seq.mode {
                     self.await_kv(seq);
                 } else {
-                    self.waiting.push_back(seq);
+                    self.sched.waiting.push_back(seq);
                 }
             }
             Command::KvChunk { transfer, first_block, bytes } => self.kv_chunk(transfer, first_block, &bytes),
@@ -240,34 +234,23 @@ impl Batcher {
     }
 
     pub(crate) fn free(&mut self, seq: &mut Seq) {
-        if let Err(e) = self.cache.free_table(&mut seq.table) {
-            tracing::error!(request = %seq.id, "freeing KV blocks failed: {e}");
-        }
-        seq.fed = 0;
+        self.sched.free(seq);
     }
 
     /// Drops sequences whose client went away, returning their blocks.
     fn reap_cancelled(&mut self) {
+        let mut n = self.sched.reap(|s| s.events.is_closed());
         let mut gone = Vec::new();
-        for list in [&mut self.running, &mut self.awaiting, &mut self.parked] {
-            list.retain_mut(|s| {
-                let closed = s.events.is_closed();
-                if closed {
-                    gone.push(std::mem::take(&mut s.table));
-                }
-                !closed
-            });
-        }
-        self.waiting.retain_mut(|s| {
+        self.awaiting.retain_mut(|s| {
             let closed = s.events.is_closed();
             if closed {
                 gone.push(std::mem::take(&mut s.table));
             }
             !closed
         });
-        let n = gone.len();
+        n += gone.len();
         for mut table in gone {
-            if let Err(e) = self.cache.free_table(&mut table) {
+            if let Err(e) = self.sched.cache.free_table(&mut table) {
                 tracing::error!("freeing KV blocks of a cancelled request failed: {e}");
             }
         }
@@ -277,163 +260,22 @@ impl Batcher {
         }
     }
 
-    /// Queues parked sequences whose readers caught up again (ahead of newer requests).
-    fn resume_parked(&mut self) {
-        let mut i = 0;
-        while i < self.parked.len() {
-            if self.parked[i].may_resume() {
-                let seq = self.parked.swap_remove(i);
-                self.waiting.push_front(seq);
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    /// With a request waiting for room, paused sequences give their KV up (they recompute it on
-    /// resuming): a client that stopped reading never holds blocks another request needs.
-    fn park_paused(&mut self) {
-        if self.waiting.is_empty() {
-            return;
-        }
-        let mut i = 0;
-        while i < self.running.len() {
-            if self.running[i].paused() {
-                let mut seq = self.running.remove(i);
-                self.free(&mut seq);
-                tracing::debug!(request = %seq.id, "parked: its reader is behind and a request waits");
-                self.stats.preempted += 1;
-                self.parked.push(seq);
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    /// Moves the youngest running sequence back to the front of the waiting queue.
-    fn preempt_youngest(&mut self) -> bool {
-        let Some(mut seq) = self.running.pop() else { return false };
-        self.free(&mut seq);
-        tracing::debug!(request = %seq.id, "preempted: KV cache full");
-        self.stats.preempted += 1;
-        self.waiting.push_front(seq);
-        true
-    }
-
-    fn blocks_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.cfg.block_size)
-    }
-
-    /// New blocks `s` needs to hold `n` more tokens.
-    fn new_blocks(&self, s: &Seq, n: usize) -> usize {
-        self.blocks_for(s.fed + n).saturating_sub(s.table.blocks().len())
-    }
-
-    /// Prompt tokens a sequence with `unfed` left feeds this step with `budget` left: the budget,
-    /// or the whole rest when what the budget would leave is at most an eighth of a chunk (a
-    /// 543-token prompt under a 512-token chunk takes one step, not a second one for 31 tokens —
-    /// a whole step of time to first token for ~6% more work in that step).
-    fn chunk_of(&self, unfed: usize, budget: usize) -> usize {
-        let n = unfed.min(budget);
-        if n > 0 && unfed - n <= self.cfg.prefill_chunk / 8 {
-            unfed
-        } else {
-            n
-        }
-    }
-
-    /// Decides how many tokens each running sequence feeds this step, admitting waiting ones.
-    /// `plan[i]` belongs to `running[i]`; 0 means "not this step".
+    /// Decides how many tokens each running sequence feeds this step (the shared scheduler,
+    /// with prefixes from the arena and then the host's KV pool).
     fn plan(&mut self) -> Vec<usize> {
-        self.park_paused();
-        // Decodes first: they may preempt the youngest sequences to get their next block.
-        loop {
-            let need: usize = self
-                .running
-                .iter()
-                .filter(|s| s.is_decoding() && !s.paused())
-                .map(|s| self.new_blocks(s, 1))
-                .sum();
-            if need <= self.available() || self.running.len() <= 1 {
-                break;
-            }
-            self.preempt_youngest();
-        }
-        let bs = self.cfg.block_size;
-        let mut planned = 0;
-        let mut free = self.available();
-        let mut budget = self.cfg.prefill_chunk;
-        let mut plan = vec![0; self.running.len()];
-        for (i, s) in self.running.iter().enumerate() {
-            if s.is_decoding() && !s.paused() {
-                let need = self.new_blocks(s, 1);
-                if need <= free {
-                    free -= need;
-                    planned += need;
-                    plan[i] = 1;
-                }
-            }
-        }
-        for (i, s) in self.running.iter().enumerate() {
-            if s.is_decoding() || budget == 0 {
-                continue;
-            }
-            let fits = ((s.table.blocks().len() + free) * bs).saturating_sub(s.fed);
-            let n = self.chunk_of(s.unfed(), budget).min(fits);
-            if n == 0 {
-                continue;
-            }
-            let need = self.new_blocks(s, n);
-            free -= need;
-            planned += need;
-            budget = budget.saturating_sub(n);
-            plan[i] = n;
-        }
-        // Admission: FIFO, whole prompt must fit, one block of headroom per decoding sequence.
-        let headroom = self.running.iter().filter(|s| s.is_decoding()).count();
-        while budget > 0 && self.running.len() < self.cfg.max_batch {
-            let Some(mut seq) = self.waiting.pop_front() else { break };
-            let attached = seq.table.blocks().is_empty();
-            self.attach_prefix(&mut seq);
-            // Sharing may have pinned blocks that were reclaimable: count again.
-            let free_now = self.available().saturating_sub(planned);
-            let need_all = self.blocks_for(seq.tokens.len()).saturating_sub(seq.table.blocks().len());
-            if need_all + headroom > free_now {
-                if attached {
-                    // A waiting sequence must not pin cached blocks others were planned on.
-                    self.free(&mut seq);
-                }
-                self.waiting.push_front(seq);
-                break;
-            }
-            seq.permit = None;
-            let n = self.chunk_of(seq.unfed(), budget);
-            let need = self.new_blocks(&seq, n);
-            planned += need;
-            budget = budget.saturating_sub(n);
-            self.running.push(seq);
-            plan.push(n);
-        }
-        self.reclaim(planned);
-        plan
+        let mut source = prefix::PoolSource {
+            pool: self.pool.as_mut(),
+            stats: &mut self.stats,
+        };
+        self.sched.plan(&mut source)
     }
 
     /// Runs one forward step over the planned batch and handles its outputs.
     fn step(&mut self) {
         let mut plan = self.plan();
-        if plan.iter().all(|&n| n == 0) && self.waiting.is_empty() && self.running.iter().any(Seq::paused) {
-            return; // only paused sequences: nothing to do until a reader catches up
-        }
         if plan.iter().all(|&n| n == 0) {
             // Nothing fits: make room, or fail a request that can never fit.
-            let total = self.cache.total_blocks();
-            if self.running.len() > 1 {
-                self.preempt_youngest();
-            } else if let Some(mut seq) = self.running.pop().or_else(|| {
-                self.waiting.front().filter(|_| self.running.is_empty() && self.available() == total)?;
-                self.waiting.pop_front()
-            }) {
-                self.free(&mut seq);
+            if let Stuck::Fail(mut seq) = self.sched.unstick() {
                 seq.end(
                     Ending::Failed("the KV cache cannot hold this request".into()),
                     Instant::now(),
@@ -443,7 +285,7 @@ impl Batcher {
             return;
         }
         let t0 = Instant::now();
-        for (s, &n) in self.running.iter_mut().zip(&plan) {
+        for (s, &n) in self.sched.running.iter_mut().zip(&plan) {
             if n == 0 {
                 continue;
             }
@@ -458,7 +300,7 @@ impl Batcher {
         let (mut prompt_tokens, mut decode_tokens, mut attn_pairs) = (0u64, 0u64, 0u64);
         let result = {
             let mut items = Vec::with_capacity(plan.len());
-            for (s, &n) in self.running.iter_mut().zip(&plan) {
+            for (s, &n) in self.sched.running.iter_mut().zip(&plan) {
                 if n == 0 {
                     continue;
                 }
@@ -468,10 +310,10 @@ impl Batcher {
                     prompt_tokens += n as u64;
                 }
                 attn_pairs += StepRecord::pairs(s.fed, n);
-                let Seq { table, tokens, fed, .. } = s;
+                let SeqCore { table, tokens, fed, .. } = &mut s.core;
                 items.push(BatchItem { table, tokens: &tokens[*fed..*fed + n], all_logits: false });
             }
-            self.engine.model().forward(&mut self.cache, &mut items)
+            self.engine.model().forward(&mut self.sched.cache, &mut items)
         };
         let now = Instant::now();
         self.busy += now - t0;
@@ -484,9 +326,9 @@ impl Batcher {
                 prefill_tokens: prompt_tokens as usize,
                 decode_tokens: decode_tokens as usize,
                 attn_pairs,
-                running: self.running.len(),
-                waiting: self.waiting.len(),
-                free_blocks: self.available(),
+                running: self.sched.running.len(),
+                waiting: self.sched.waiting.len(),
+                free_blocks: self.sched.available(),
                 ..StepRecord::default()
             };
             log.record(self.started, t0, now, rec);
@@ -499,7 +341,7 @@ impl Batcher {
                 tracing::error!("forward step failed: {e}");
                 let message = e.to_string();
                 let mut kept = Vec::new();
-                for (mut s, n) in std::mem::take(&mut self.running).into_iter().zip(plan) {
+                for (mut s, n) in std::mem::take(&mut self.sched.running).into_iter().zip(plan) {
                     if n == 0 {
                         kept.push(s);
                     } else {
@@ -507,13 +349,13 @@ impl Batcher {
                         s.end(Ending::Failed(message.clone()), now, &self.cfg.id);
                     }
                 }
-                self.running = kept;
+                self.sched.running = kept;
                 return;
             }
         };
         let n_ctx = self.engine.model().config().n_ctx;
         let mut endings: Vec<Option<Ending>> = Vec::with_capacity(plan.len());
-        for (s, n) in self.running.iter_mut().zip(plan.iter_mut()) {
+        for (s, n) in self.sched.running.iter_mut().zip(plan.iter_mut()) {
             if *n == 0 {
                 endings.push(None);
                 continue;
@@ -531,13 +373,13 @@ impl Batcher {
             endings.push(s.on_logits(&self.engine, &mut row, now, n_ctx));
             self.stats.generated_tokens += (s.generated - before) as u64;
         }
-        let running = std::mem::take(&mut self.running);
+        let running = std::mem::take(&mut self.sched.running);
         for (mut s, ending) in running.into_iter().zip(endings) {
             self.register_prefix(&mut s);
             match ending {
                 None => {
                     self.export_kv(&mut s, false);
-                    self.running.push(s);
+                    self.sched.running.push(s);
                 }
                 Some(ending) => {
                     if matches!(ending, Ending::Handoff) {
@@ -563,11 +405,11 @@ impl Batcher {
         }
         // One KV frame's blocks at a time, each hashed right after its copy while it is still in
         // cache (a whole export of tens of MB would be out of it again by then).
-        let bb = self.cache.block_bytes();
+        let bb = self.sched.cache.block_bytes();
         let per = crate::net::frame_blocks(bb);
         while s.exported_blocks < upto {
             let to = (s.exported_blocks + per).min(upto);
-            let bytes = self.cache.export_blocks(&s.table, s.exported_blocks, to);
+            let bytes = self.sched.cache.export_blocks(&s.table, s.exported_blocks, to);
             let first_block = u32::try_from(s.exported_blocks).unwrap_or(u32::MAX);
             s.exported_blocks = to;
             let sums = crate::FrameSums(crate::net::frame_sums(&bytes, bb));
@@ -576,12 +418,13 @@ impl Batcher {
     }
 
     fn publish(&mut self) {
-        let available = self.available();
-        self.stats.waiting = self.waiting.len() + self.awaiting.len() + self.parked.len();
-        self.stats.running = self.running.len();
-        self.stats.kv_blocks_used = self.cache.total_blocks() - available;
+        let available = self.sched.available();
+        self.stats.waiting = self.sched.waiting.len() + self.awaiting.len() + self.sched.parked.len();
+        self.stats.running = self.sched.running.len();
+        self.stats.kv_blocks_used = self.sched.cache.total_blocks() - available;
         self.stats.kv_blocks_free = available;
-        self.stats.kv_blocks_cached = self.prefix.as_ref().map_or(0, PrefixCache::len);
+        self.stats.kv_blocks_cached = self.sched.cached_blocks();
+        self.stats.preempted = self.sched.counters.preempted;
         if let Some(pool) = self.pool.as_mut() {
             if self.pool_stats_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
                 self.pool_stats_at = Some(Instant::now());

@@ -109,10 +109,11 @@ impl Batcher {
 
     /// A new decode-mode request: reserve blocks for its prompt's KV and wait.
     pub(crate) fn await_kv(&mut self, mut seq: Seq) {
-        let need = self.cache.layout().block_size;
+        let need = self.sched.cache.layout().block_size;
         let blocks = seq.prompt_len.div_ceil(need);
-        self.reclaim(blocks);
-        if let Err(e) = self.cache.reserve(&mut seq.table, seq.prompt_len) {
+        self.sched.reclaim(blocks);
+        let prompt_len = seq.prompt_len;
+        if let Err(e) = self.sched.cache.reserve(&mut seq.table, prompt_len) {
             seq.end(
                 Ending::Failed(format!("no room for the transferred KV: {e}")),
                 Instant::now(),
@@ -133,7 +134,7 @@ impl Batcher {
         if seq.kv != KvState::Pending {
             return;
         }
-        if let Err(e) = self.cache.write_blocks(&seq.table, first_block as usize, bytes) {
+        if let Err(e) = self.sched.cache.write_blocks(&seq.table, first_block as usize, bytes) {
             tracing::warn!(transfer = transfer.id, "bad KV chunk: {e}");
             self.awaiting[idx].kv = KvState::Failed(now);
         }
@@ -152,14 +153,14 @@ impl Batcher {
         if n_tokens != seq.prompt_len {
             return Err(format!("the transfer holds {n_tokens} tokens, the prompt has {}", seq.prompt_len));
         }
-        let lease = self.cache.lease(&mut seq.table).map_err(|e| e.to_string())?;
+        let lease = self.sched.cache.lease(&mut seq.table).map_err(|e| e.to_string())?;
         seq.kv_lent = true;
         Ok(lease)
     }
 
     /// Lent blocks come back: to their request if it still waits for them, else to the cache.
     pub(crate) fn return_lease(&mut self, transfer: u64, lease: KvLease) {
-        let mut table = match self.cache.end_lease(lease) {
+        let mut table = match self.sched.cache.end_lease(lease) {
             Ok(t) => t,
             Err(e) => {
                 tracing::error!(transfer, "taking back lent KV blocks: {e}");
@@ -173,7 +174,7 @@ impl Batcher {
             }
             // Cancelled, or given up on and recomputing with blocks of its own.
             None => {
-                if let Err(e) = self.cache.free_table(&mut table) {
+                if let Err(e) = self.sched.cache.free_table(&mut table) {
                     tracing::error!(transfer, "freeing returned KV blocks: {e}");
                 }
             }
@@ -205,7 +206,7 @@ impl Batcher {
         } else if n_tokens != seq.prompt_len {
             Err(format!("the transfer holds {n_tokens} tokens, the prompt has {}", seq.prompt_len))
         } else {
-            self.cache.set_len(&mut seq.table, n_tokens).map_err(|e| e.to_string())
+            self.sched.cache.set_len(&mut seq.table, n_tokens).map_err(|e| e.to_string())
         };
         match &result {
             Ok(()) => {
@@ -273,7 +274,7 @@ impl Batcher {
                 seq.stamp(Mark::KvTransferEnd, at_or_now(other));
                 seq.recomputed = true;
                 self.stats.kv_fallbacks += 1;
-                if let Err(e) = self.cache.set_len(&mut seq.table, 0) {
+                if let Err(e) = self.sched.cache.set_len(&mut seq.table, 0) {
                     tracing::error!("resetting a failed transfer's blocks: {e}");
                 }
                 seq.fed = 0;
@@ -284,7 +285,7 @@ impl Batcher {
             seq.end(Ending::Failed(e), Instant::now(), &self.cfg.id);
             return;
         }
-        self.waiting.push_front(seq);
+        self.sched.waiting.push_front(seq);
     }
 }
 

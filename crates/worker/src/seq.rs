@@ -9,12 +9,12 @@
 use crate::batcher::Submission;
 use crate::{TokenUsage, WorkEvent, WorkMode, WorkRequest};
 use std::time::Instant;
-use tokenpath_engine::kv_cache::BlockTable;
 use tokenpath_engine::sampling::{Sampler, SamplerState};
 use tokenpath_engine::stop::StopMatcher;
 use tokenpath_engine::tokenizer::StreamDecoder;
 use tokenpath_engine::Engine;
 use tokenpath_kv::BlockHash;
+use tokenpath_scheduler::{SeqCore, Sequence};
 use tokenpath_protocol::work::{Backlog, PAUSE_AT, RESUME_AT};
 use tokenpath_timeline::{FinishReason, Mark, Nanos, RequestId, ServerTimeline, WorkerId};
 use tokio::sync::mpsc::UnboundedSender;
@@ -41,12 +41,10 @@ pub(crate) enum KvState {
 
 /// One request's state on the worker.
 pub(crate) struct Seq {
+    /// What the scheduler reads and changes: tokens, what is fed, the block table.
+    pub(crate) core: SeqCore,
     pub(crate) id: RequestId,
     pub(crate) mode: WorkMode,
-    pub(crate) tokens: Vec<u32>,
-    pub(crate) prompt_len: usize,
-    pub(crate) fed: usize,
-    pub(crate) table: BlockTable,
     pub(crate) sampler: Sampler,
     decoder: StreamDecoder,
     stops: StopMatcher,
@@ -58,24 +56,18 @@ pub(crate) struct Seq {
     pub(crate) arrived: Instant,
     timeline: ServerTimeline,
     last_ns: Nanos,
-    pub(crate) prefill_started: bool,
-    pub(crate) first_token_done: bool,
     pub(crate) decode_started: bool,
     pub(crate) events: UnboundedSender<WorkEvent>,
     /// Text events sent and not yet read (what pauses this sequence).
     backlog: Backlog,
     /// The queue slot, held while waiting for the first prefill chunk.
     pub(crate) permit: Option<OwnedSemaphorePermit>,
-    /// Prompt tokens served from the prefix cache at first admission.
-    pub(crate) cached_tokens: usize,
     /// Of those, tokens loaded from the KV pool's SSD tier.
     pub(crate) cached_tokens_ssd: usize,
     /// Of those, tokens loaded from the KV pool's host-RAM tier.
     pub(crate) cached_tokens_host: usize,
     /// Of those, tokens loaded from the KV pool's remote tier.
     pub(crate) cached_tokens_remote: usize,
-    /// Chained hashes of the blocks registered in the prefix cache so far.
-    pub(crate) hashes: Vec<BlockHash>,
     /// Prefill mode: blocks already sent out.
     pub(crate) exported_blocks: usize,
     /// Decode mode: the KV transfer's progress and the handed-off first token.
@@ -90,8 +82,6 @@ pub(crate) struct Seq {
     meter: Option<std::sync::Arc<dyn crate::TokenMeter>>,
     /// Whose prefix-cache namespace the sequence's blocks belong to (a tenant), if scoped.
     pub(crate) cache_scope: Option<String>,
-    /// The root of the sequence's block-hash chain (the worker's namespace, scoped).
-    pub(crate) root: BlockHash,
 }
 
 impl Seq {
@@ -102,10 +92,7 @@ impl Seq {
         let mut seq = Seq {
             id,
             mode,
-            prompt_len: prompt.len(),
-            tokens: prompt,
-            fed: 0,
-            table: BlockTable::default(),
+            core: SeqCore::new(prompt, BlockHash::namespace(&[])),
             sampler,
             decoder: StreamDecoder::new(false),
             stops: StopMatcher::new(stop),
@@ -116,17 +103,13 @@ impl Seq {
             arrived,
             timeline: ServerTimeline::new(),
             last_ns: 0,
-            prefill_started: false,
-            first_token_done: false,
             decode_started: false,
             events,
             backlog,
             permit: Some(permit),
-            cached_tokens: 0,
             cached_tokens_ssd: 0,
             cached_tokens_host: 0,
             cached_tokens_remote: 0,
-            hashes: Vec::new(),
             exported_blocks: 0,
             kv: KvState::Pending,
             kv_lent: false,
@@ -134,7 +117,6 @@ impl Seq {
             recomputed: false,
             meter,
             cache_scope,
-            root: BlockHash::namespace(&[]),
         };
         seq.stamp(Mark::Admitted, admitted);
         seq
@@ -151,24 +133,7 @@ impl Seq {
         }
     }
 
-    pub(crate) fn unfed(&self) -> usize {
-        self.tokens.len() - self.fed
-    }
 
-    /// Its reader fell [`PAUSE_AT`] text events behind: not stepped until it catches up.
-    pub(crate) fn paused(&self) -> bool {
-        self.backlog.get() >= PAUSE_AT
-    }
-
-    /// A parked (paused, KV given up) sequence may queue again.
-    pub(crate) fn may_resume(&self) -> bool {
-        self.backlog.get() <= RESUME_AT
-    }
-
-    /// A decoding sequence feeds exactly its last sampled token.
-    pub(crate) fn is_decoding(&self) -> bool {
-        self.first_token_done && self.unfed() == 1
-    }
 
     fn send_text(&mut self, delta: String, at: Instant) {
         if delta.is_empty() || self.unsent_tokens == 0 {
@@ -294,5 +259,35 @@ impl Seq {
                 let _ = self.events.send(WorkEvent::Failed { message });
             }
         }
+    }
+}
+
+impl std::ops::Deref for Seq {
+    type Target = SeqCore;
+    fn deref(&self) -> &SeqCore {
+        &self.core
+    }
+}
+
+impl std::ops::DerefMut for Seq {
+    fn deref_mut(&mut self) -> &mut SeqCore {
+        &mut self.core
+    }
+}
+
+impl Sequence for Seq {
+    /// Its reader fell [`PAUSE_AT`] text events behind: not stepped until it catches up.
+    fn paused(&self) -> bool {
+        self.backlog.get() >= PAUSE_AT
+    }
+
+    /// A parked (paused, KV given up) sequence may queue again.
+    fn may_resume(&self) -> bool {
+        self.backlog.get() <= RESUME_AT
+    }
+
+    /// Admitted: the queue slot it held while waiting is given back.
+    fn admitted(&mut self) {
+        self.permit = None;
     }
 }
