@@ -18,7 +18,7 @@ mod guard;
 mod keyfile;
 pub mod metrics;
 mod ratelimit;
-mod route;
+pub mod route;
 mod server;
 mod spans;
 mod stream;

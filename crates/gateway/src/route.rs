@@ -21,25 +21,25 @@ const MAX_PREFIX_ENTRIES: usize = 65_536;
 
 /// Which prompt prefixes were sent to which target (by key: an address or a URL).
 #[derive(Debug, Default)]
-pub(crate) struct PrefixIndex {
+pub struct PrefixIndex {
     per_target: HashMap<String, PrefixCache<()>>,
 }
 
 impl PrefixIndex {
     /// The prompt's chained block hashes, scoped (a tenant's prompts never steer another
     /// tenant's routing).
-    pub(crate) fn hashes(prompt: &[u32], scope: Option<&str>) -> Vec<BlockHash> {
+    pub fn hashes(prompt: &[u32], scope: Option<&str>) -> Vec<BlockHash> {
         let root = BlockHash::namespace(&[b"router"]).scoped(scope);
         block_hashes(root, prompt, ROUTER_BLOCK).unwrap_or_default()
     }
 
     /// How many leading blocks of `hashes` were sent to `key`.
-    pub(crate) fn matched(&self, key: &str, hashes: &[BlockHash]) -> usize {
+    pub fn matched(&self, key: &str, hashes: &[BlockHash]) -> usize {
         self.per_target.get(key).map_or(0, |p| p.matched(hashes))
     }
 
     /// `hashes` went to `key` (oldest entries forgotten past the bound).
-    pub(crate) fn remember(&mut self, key: &str, hashes: &[BlockHash]) {
+    pub fn remember(&mut self, key: &str, hashes: &[BlockHash]) {
         let p = self.per_target.entry(key.to_owned()).or_default();
         let mut parent = None;
         for h in hashes {
@@ -54,7 +54,7 @@ impl PrefixIndex {
     }
 
     /// `key` lost its cache (it died, or left).
-    pub(crate) fn forget(&mut self, key: &str) {
+    pub fn forget(&mut self, key: &str) {
         self.per_target.remove(key);
     }
 }
@@ -62,14 +62,14 @@ impl PrefixIndex {
 /// One routing candidate: its key, its load (in-flight requests) and how many prompt blocks it
 /// is remembered to hold.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Candidate<'a> {
-    pub(crate) key: &'a str,
-    pub(crate) load: u64,
-    pub(crate) matched: usize,
+pub struct Candidate<'a> {
+    pub key: &'a str,
+    pub load: u64,
+    pub matched: usize,
 }
 
 /// The cache-aware pick within the balance bound (ties: the less loaded, then the first).
-pub(crate) fn cache_aware<'a>(candidates: &[Candidate<'a>]) -> Option<&'a str> {
+pub fn cache_aware<'a>(candidates: &[Candidate<'a>]) -> Option<&'a str> {
     let least = candidates.iter().map(|c| c.load).min()?;
     let bound = least.saturating_add(BALANCE_THRESHOLD as u64);
     candidates

@@ -297,19 +297,21 @@ impl Batcher {
                 s.stamp(Mark::DecodeStart, t0);
             }
         }
-        let (mut prompt_tokens, mut decode_tokens, mut attn_pairs) = (0u64, 0u64, 0u64);
+        let (mut prompt_tokens, mut decode_tokens, mut attn_pairs, mut decode_pairs) = (0u64, 0u64, 0u64, 0u64);
         let result = {
             let mut items = Vec::with_capacity(plan.len());
             for (s, &n) in self.sched.running.iter_mut().zip(&plan) {
                 if n == 0 {
                     continue;
                 }
+                let pairs = StepRecord::pairs(s.fed, n);
                 if s.is_decoding() {
                     decode_tokens += 1;
+                    decode_pairs += pairs;
                 } else {
                     prompt_tokens += n as u64;
                 }
-                attn_pairs += StepRecord::pairs(s.fed, n);
+                attn_pairs += pairs;
                 let SeqCore { table, tokens, fed, .. } = &mut s.core;
                 items.push(BatchItem { table, tokens: &tokens[*fed..*fed + n], all_logits: false });
             }
@@ -326,6 +328,7 @@ impl Batcher {
                 prefill_tokens: prompt_tokens as usize,
                 decode_tokens: decode_tokens as usize,
                 attn_pairs,
+                decode_pairs,
                 running: self.sched.running.len(),
                 waiting: self.sched.waiting.len(),
                 free_blocks: self.sched.available(),

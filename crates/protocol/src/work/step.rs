@@ -24,6 +24,9 @@ pub struct StepRecord {
     pub decode_tokens: usize,
     /// Attention work: Σ over fed tokens of the context each attends to (query × key pairs).
     pub attn_pairs: u64,
+    /// Of those, the pairs of decoding sequences (one query each); the rest are prompt tokens'.
+    #[serde(default)]
+    pub decode_pairs: u64,
     /// Sequences in the running batch after planning.
     pub running: usize,
     /// Requests waiting for admission after planning.
@@ -64,6 +67,7 @@ mod tests {
             prefill_tokens: 64,
             decode_tokens: 2,
             attn_pairs: 100,
+            decode_pairs: 30,
             running: 3,
             waiting: 1,
             free_blocks: 40,
@@ -71,5 +75,8 @@ mod tests {
         let line = serde_json::to_string(&r).unwrap();
         assert!(!line.contains('\n'));
         assert_eq!(serde_json::from_str::<StepRecord>(&line).unwrap(), r);
+        // A log written before `decode_pairs` existed still reads.
+        let old = line.replace(",\"decode_pairs\":30", "");
+        assert_eq!(serde_json::from_str::<StepRecord>(&old).unwrap().decode_pairs, 0);
     }
 }

@@ -1,0 +1,387 @@
+//! The calibration: how long a step takes on one machine, model file and numerics, fitted from a
+//! real worker's step log (`--step-log`), and what happens between steps.
+//!
+//! A step's time is a few roofline-shaped terms — a constant (the weights read once per step),
+//! per row, per prompt token, per decode token, per attention pair of prefill and of decode —
+//! fitted with non-negative least squares on relative error (a 5 ms decode step counts as much
+//! as a 900 ms prefill). The model's point prediction is then multiplied by a residual drawn
+//! from the fit's own residuals (per kind of step), so a simulated P99 comes from the measured
+//! spread rather than from an assumption. The gap between two busy steps (sampling, streaming,
+//! planning: what simulators forget) is fitted and sampled the same way.
+
+use crate::nnls::nnls;
+use crate::SimError;
+use rand_chacha::rand_core::RngCore;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use tokenpath_protocol::work::StepRecord;
+
+/// The step terms, in coefficient order.
+pub const STEP_TERMS: [&str; 6] =
+    ["constant", "rows", "prefill_tokens", "decode_tokens", "prefill_pairs", "decode_pairs"];
+/// The gap terms, in coefficient order.
+pub const GAP_TERMS: [&str; 2] = ["constant", "rows"];
+/// Quantiles kept of each residual distribution.
+const QUANTILES: usize = 101;
+/// The calibration format's version.
+pub const VERSION: u32 = 1;
+
+/// What one step does: the model's inputs.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepShape {
+    /// Sequences fed.
+    pub rows: usize,
+    /// Prompt tokens fed.
+    pub prefill_tokens: usize,
+    /// Decoding sequences fed.
+    pub decode_tokens: usize,
+    /// Attention pairs of the prompt tokens.
+    pub prefill_pairs: u64,
+    /// Attention pairs of the decode tokens.
+    pub decode_pairs: u64,
+}
+
+impl StepShape {
+    fn terms(&self) -> Vec<f64> {
+        vec![
+            1.0,
+            self.rows as f64,
+            self.prefill_tokens as f64,
+            self.decode_tokens as f64,
+            self.prefill_pairs as f64,
+            self.decode_pairs as f64,
+        ]
+    }
+
+    /// The residual bin: steps with prompt tokens, and decode-only steps.
+    fn bin(&self) -> usize {
+        usize::from(self.prefill_tokens == 0)
+    }
+
+    /// The shape a logged step had.
+    pub fn of(r: &StepRecord) -> Self {
+        let decode_pairs = r.decode_pairs.min(r.attn_pairs);
+        Self {
+            rows: r.rows,
+            prefill_tokens: r.prefill_tokens,
+            decode_tokens: r.decode_tokens,
+            prefill_pairs: r.attn_pairs - decode_pairs,
+            decode_pairs,
+        }
+    }
+}
+
+/// A linear model in µs with its residual ratios (measured / predicted) per bin.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Linear {
+    /// Term names.
+    pub terms: Vec<String>,
+    /// µs per unit of each term.
+    pub coef_us: Vec<f64>,
+    /// Residual ratio quantiles (p0..p100) per bin; an empty bin predicts the point value.
+    pub residuals: Vec<Vec<f64>>,
+}
+
+impl Linear {
+    fn point(&self, x: &[f64]) -> f64 {
+        self.coef_us.iter().zip(x).map(|(c, v)| c * v).sum::<f64>().max(0.0)
+    }
+
+    fn sample(&self, x: &[f64], bin: usize, rng: &mut ChaCha8Rng) -> f64 {
+        let p = self.point(x);
+        match self.residuals.get(bin).filter(|q| q.len() >= 2) {
+            Some(q) => p * draw(q, rng),
+            None => p,
+        }
+    }
+}
+
+/// A quantile table sampled by inverse transform (linear between quantiles).
+fn draw(q: &[f64], rng: &mut ChaCha8Rng) -> f64 {
+    let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+    let pos = u * (q.len() - 1) as f64;
+    let i = (pos.floor() as usize).min(q.len() - 2);
+    let f = pos - i as f64;
+    q[i] + (q[i + 1] - q[i]) * f
+}
+
+fn quantiles(mut v: Vec<f64>) -> Vec<f64> {
+    if v.is_empty() {
+        return Vec::new();
+    }
+    v.sort_by(f64::total_cmp);
+    (0..QUANTILES)
+        .map(|k| {
+            let pos = k as f64 / (QUANTILES - 1) as f64 * (v.len() - 1) as f64;
+            let i = pos.floor() as usize;
+            let j = (i + 1).min(v.len() - 1);
+            v[i] + (v[j] - v[i]) * (pos - i as f64)
+        })
+        .collect()
+}
+
+/// The KV transfer between a prefill and a decode worker: a latency plus bytes over a link that
+/// transfers to one decode worker share.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinkModel {
+    /// Fixed cost of a transfer's last chunk, µs.
+    pub latency_us: f64,
+    /// Bytes per second of the link into a decode worker.
+    pub bytes_per_s: f64,
+}
+
+/// Where a calibration came from: it is valid for this machine, model file and numerics only.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Provenance {
+    /// The CPU (or accelerator) it was measured on.
+    pub machine: String,
+    /// The model file.
+    pub model: String,
+    /// Anything else the reader should know (kernel path, numerics, threads).
+    pub notes: Vec<String>,
+}
+
+/// How well the step model fits the steps it was fitted on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct FitQuality {
+    /// Steps fitted.
+    pub steps: usize,
+    /// Busy gaps fitted.
+    pub gaps: usize,
+    /// Median absolute percentage error of the point prediction, %.
+    pub median_ape: f64,
+    /// 90th percentile of it, %.
+    pub p90_ape: f64,
+}
+
+/// A machine's calibration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    /// Format version ([`VERSION`]).
+    pub version: u32,
+    /// What it is valid for.
+    pub provenance: Provenance,
+    /// Step duration.
+    pub step: Linear,
+    /// Gap between busy steps, by the rows of the step before.
+    pub gap: Linear,
+    /// Time from a request's arrival to its admission (gateway: parse, tokenize), µs.
+    pub gateway_us: f64,
+    /// KV bytes per token (all layers, K and V).
+    pub kv_bytes_per_token: u64,
+    /// The KV transfer.
+    pub link: LinkModel,
+    /// The fit's quality on its own steps.
+    pub fit: FitQuality,
+}
+
+impl Calibration {
+    /// Fits a calibration to the steps of one or more step logs (each log's steps in order).
+    pub fn fit(logs: &[Vec<StepRecord>], provenance: Provenance, kv_bytes_per_token: u64, link: LinkModel) -> Result<Self, SimError> {
+        let steps: Vec<&StepRecord> = logs.iter().flatten().filter(|r| r.rows > 0).collect();
+        if steps.len() < STEP_TERMS.len() * 4 {
+            return Err(SimError::Calibration(format!(
+                "{} steps are too few to fit {} terms (run more load with --step-log)",
+                steps.len(),
+                STEP_TERMS.len()
+            )));
+        }
+        let shapes: Vec<StepShape> = steps.iter().map(|r| StepShape::of(r)).collect();
+        let x: Vec<Vec<f64>> = shapes.iter().map(StepShape::terms).collect();
+        let y: Vec<f64> = steps.iter().map(|r| r.dur_us as f64).collect();
+        let w: Vec<f64> = y.iter().map(|v| 1.0 / v.max(100.0).powi(2)).collect();
+        let coef = nnls(&x, &y, &w).ok_or_else(|| SimError::Calibration("the step fit failed".into()))?;
+        let mut step = Linear { terms: names(&STEP_TERMS), coef_us: coef, residuals: Vec::new() };
+        let mut bins = vec![Vec::new(), Vec::new()];
+        let mut ape = Vec::with_capacity(y.len());
+        for ((xi, yi), s) in x.iter().zip(&y).zip(&shapes) {
+            let p = step.point(xi);
+            if p > 0.0 {
+                bins[s.bin()].push(yi / p);
+            }
+            ape.push(100.0 * (p - yi).abs() / yi.max(1.0));
+        }
+        step.residuals = bins.into_iter().map(quantiles).collect();
+        let ape = quantiles(ape);
+        // Busy gaps: the previous step left sequences running, and the gap is not idle time.
+        let mut gx = Vec::new();
+        let mut gy = Vec::new();
+        for log in logs {
+            for pair in log.windows(2) {
+                let (prev, cur) = (&pair[0], &pair[1]);
+                if let Some(g) = cur.gap_us.filter(|_| prev.running > 0 && prev.rows > 0 && cur.rows > 0) {
+                    gx.push(vec![1.0, prev.rows as f64]);
+                    gy.push(g as f64);
+                }
+            }
+        }
+        // Gaps far past the typical one are idle waits (every sequence paused or finished).
+        let median = quantiles(gy.clone()).get(QUANTILES / 2).copied().unwrap_or(0.0);
+        let keep: Vec<usize> = (0..gy.len()).filter(|&i| gy[i] <= (median * 20.0).max(20_000.0)).collect();
+        let gx: Vec<Vec<f64>> = keep.iter().map(|&i| gx[i].clone()).collect();
+        let gy: Vec<f64> = keep.iter().map(|&i| gy[i]).collect();
+        let mut gap = Linear { terms: names(&GAP_TERMS), coef_us: vec![0.0; GAP_TERMS.len()], residuals: Vec::new() };
+        if gx.len() >= 8 {
+            let gw: Vec<f64> = gy.iter().map(|v| 1.0 / v.max(10.0).powi(2)).collect();
+            gap.coef_us = nnls(&gx, &gy, &gw).unwrap_or(gap.coef_us);
+            let ratios: Vec<f64> =
+                gx.iter().zip(&gy).filter_map(|(x, y)| Some(y / Some(gap.point(x)).filter(|p| *p > 0.0)?)).collect();
+            gap.residuals = vec![quantiles(ratios)];
+        }
+        Ok(Self {
+            version: VERSION,
+            provenance,
+            step,
+            gap,
+            gateway_us: 300.0,
+            kv_bytes_per_token,
+            link,
+            fit: FitQuality {
+                steps: steps.len(),
+                gaps: gy.len(),
+                median_ape: ape.get(QUANTILES / 2).copied().unwrap_or(0.0),
+                p90_ape: ape.get(QUANTILES * 9 / 10).copied().unwrap_or(0.0),
+            },
+        })
+    }
+
+    /// Reads and checks a calibration file.
+    pub fn load(path: &std::path::Path) -> Result<Self, SimError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| SimError::Calibration(format!("cannot read {}: {e}", path.display())))?;
+        let c: Calibration = serde_json::from_str(&text)
+            .map_err(|e| SimError::Calibration(format!("{}: {e}", path.display())))?;
+        c.check()?;
+        Ok(c)
+    }
+
+    /// Refuses a calibration the simulator cannot use.
+    pub fn check(&self) -> Result<(), SimError> {
+        let bad = |m: String| Err(SimError::Calibration(m));
+        if self.version != VERSION {
+            return bad(format!("calibration version {} (this build reads {VERSION})", self.version));
+        }
+        if self.step.coef_us.len() != STEP_TERMS.len() || self.gap.coef_us.len() != GAP_TERMS.len() {
+            return bad("calibration terms do not match this build's step model".into());
+        }
+        let all = self.step.coef_us.iter().chain(&self.gap.coef_us).chain(self.step.residuals.iter().flatten());
+        if all.chain(self.gap.residuals.iter().flatten()).any(|v| !v.is_finite() || *v < 0.0) {
+            return bad("calibration has a negative or non-finite coefficient".into());
+        }
+        if !(self.link.bytes_per_s.is_finite() && self.link.bytes_per_s > 0.0 && self.link.latency_us >= 0.0) {
+            return bad("calibration link needs a positive bandwidth".into());
+        }
+        if !(self.gateway_us.is_finite() && self.gateway_us >= 0.0) {
+            return bad("calibration gateway time must be non-negative".into());
+        }
+        Ok(())
+    }
+
+    /// A step's point prediction, µs.
+    pub fn step_point_us(&self, s: &StepShape) -> f64 {
+        self.step.point(&s.terms())
+    }
+
+    /// A step's duration drawn with its residual, µs.
+    pub fn step_us(&self, s: &StepShape, rng: &mut ChaCha8Rng) -> f64 {
+        self.step.sample(&s.terms(), s.bin(), rng)
+    }
+
+    /// The gap after a busy step of `rows` rows, µs.
+    pub fn gap_us(&self, rows: usize, rng: &mut ChaCha8Rng) -> f64 {
+        self.gap.sample(&[1.0, rows as f64], 0, rng)
+    }
+
+    /// A digest of the model's numbers (a changed calibration is a changed simulator).
+    pub fn digest(&self) -> String {
+        let mut h = blake3::Hasher::new();
+        let nums = self.step.coef_us.iter().chain(&self.gap.coef_us).chain(self.step.residuals.iter().flatten());
+        for v in nums.chain(self.gap.residuals.iter().flatten()) {
+            h.update(&v.to_le_bytes());
+        }
+        for v in [self.gateway_us, self.link.latency_us, self.link.bytes_per_s] {
+            h.update(&v.to_le_bytes());
+        }
+        h.update(&self.kv_bytes_per_token.to_le_bytes());
+        h.finalize().to_hex()[..16].to_owned()
+    }
+}
+
+fn names(terms: &[&str]) -> Vec<String> {
+    terms.iter().map(|s| (*s).to_owned()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand_chacha::rand_core::SeedableRng;
+
+    fn link() -> LinkModel {
+        LinkModel { latency_us: 200.0, bytes_per_s: 1e9 }
+    }
+
+    /// Steps of a known machine: 4 ms + 60 µs per prompt token + 0.2 µs per decode pair, ±5%.
+    fn synthetic(n: usize) -> Vec<StepRecord> {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut t = 0;
+        (0..n)
+            .map(|i| {
+                let prefill = if i % 5 == 0 { 64 * (1 + i % 8) } else { 0 };
+                let decode = 1 + i % 12;
+                let decode_pairs = (decode * (200 + 37 * (i % 11))) as u64;
+                let attn = decode_pairs + (prefill * prefill / 2) as u64;
+                let truth = 4000.0 + 60.0 * prefill as f64 + 0.2 * decode_pairs as f64;
+                let noise = 0.95 + 0.1 * ((rng.next_u64() % 1000) as f64 / 1000.0);
+                let dur = (truth * noise) as u64;
+                t += dur + 300;
+                StepRecord {
+                    start_us: t,
+                    dur_us: dur,
+                    gap_us: Some(300 + 20 * (decode as u64 + u64::from(prefill > 0))),
+                    rows: decode + usize::from(prefill > 0),
+                    prefill_tokens: prefill,
+                    decode_tokens: decode,
+                    attn_pairs: attn,
+                    decode_pairs,
+                    running: decode + 1,
+                    waiting: 0,
+                    free_blocks: 100,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_known_machine_is_recovered_within_its_noise() {
+        let c = Calibration::fit(&[synthetic(600)], Provenance::default(), 23_040, link()).unwrap();
+        c.check().unwrap();
+        assert!(c.fit.median_ape < 5.0, "{:?}", c.fit);
+        let decode_only = StepShape { rows: 4, decode_tokens: 4, decode_pairs: 2000, ..StepShape::default() };
+        let p = c.step_point_us(&decode_only);
+        assert!((p - 4400.0).abs() / 4400.0 < 0.06, "{p}");
+        let prefill = StepShape { rows: 1, prefill_tokens: 512, prefill_pairs: 131_328, ..StepShape::default() };
+        let want = 4000.0 + 60.0 * 512.0;
+        assert!((c.step_point_us(&prefill) - want).abs() / want < 0.06);
+        // Residuals reproduce the ±5% spread, sampled deterministically.
+        let mut a = ChaCha8Rng::seed_from_u64(1);
+        let mut b = ChaCha8Rng::seed_from_u64(1);
+        let draws: Vec<f64> = (0..200).map(|_| c.step_us(&decode_only, &mut a)).collect();
+        assert_eq!(draws, (0..200).map(|_| c.step_us(&decode_only, &mut b)).collect::<Vec<_>>());
+        let (lo, hi) = draws.iter().fold((f64::MAX, 0.0f64), |(l, h), v| (l.min(*v), h.max(*v)));
+        assert!(lo < p && hi > p && hi / lo < 1.3, "{lo} {hi}");
+        assert!(c.gap_us(4, &mut a) > 300.0);
+    }
+
+    #[test]
+    fn too_few_steps_or_a_bad_file_is_refused() {
+        assert!(Calibration::fit(&[synthetic(5)], Provenance::default(), 1, link()).is_err());
+        let mut c = Calibration::fit(&[synthetic(100)], Provenance::default(), 1, link()).unwrap();
+        let d = c.digest();
+        c.step.coef_us[0] = -1.0;
+        assert!(c.check().is_err());
+        assert_ne!(c.digest(), d);
+        c.step.coef_us[0] = 1.0;
+        c.version = 99;
+        assert!(c.check().is_err());
+    }
+}
