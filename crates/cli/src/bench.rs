@@ -61,41 +61,41 @@ pub struct LoadArgs {
     /// `shared-prefix[:GROUPS:PREFIX:S_LO-S_HI:O_LO-O_HI]`, `multi-turn[:TURNS:I_LO-I_HI:O_LO-O_HI]`
     /// (--rate then starts sessions) or `trace:FILE.jsonl` (its timestamps are the schedule).
     #[arg(long, default_value = "agent-longtail")]
-    workload: Workload,
+    pub(crate) workload: Workload,
     /// The model's tokenizer: a GGUF file (only its metadata is read), or a Hugging Face
     /// `tokenizer.json` or its directory (chat template, `bos_token`, `add_bos_token` from the
     /// `tokenizer_config.json` beside it). Gives exact prompt lengths, and client token counts
     /// checked against the server's `usage` (prompt counts only with a chat template), and
     /// splits a streamed event's tokens by its text when the server does not say how many.
     #[arg(long, value_name = "FILE|DIR")]
-    tokenizer: Option<PathBuf>,
+    pub(crate) tokenizer: Option<PathBuf>,
     /// Offered rate, requests/s.
     #[arg(long, default_value_t = 1.0)]
-    rate: f64,
+    pub(crate) rate: f64,
     /// Arrival process.
     #[arg(long, value_enum, default_value_t = ArrivalKind::Poisson)]
-    arrival: ArrivalKind,
+    pub(crate) arrival: ArrivalKind,
     /// Gaps' coefficient of variation for `--arrival gamma` (1 = Poisson, >1 = bursty).
     #[arg(long, default_value_t = 1.0)]
-    burstiness: f64,
+    pub(crate) burstiness: f64,
     /// Closed loop: this many clients, each sending its next request when the previous ends
     /// (replaces --rate/--arrival).
     #[arg(long)]
-    concurrency: Option<usize>,
+    pub(crate) concurrency: Option<usize>,
     /// Requests to send at most (default 50; 100000 when --duration, --ramp or a trace bounds
     /// the run).
     #[arg(long)]
-    num_requests: Option<usize>,
+    pub(crate) num_requests: Option<usize>,
     /// Schedule no send at or after this many seconds.
     #[arg(long)]
-    duration: Option<f64>,
+    pub(crate) duration: Option<f64>,
     /// Linear rate ramp `FROM:TO:SECONDS` (requests/s), warping the --arrival process; the ramp's
     /// end ends the run.
     #[arg(long)]
-    ramp: Option<Ramp>,
+    pub(crate) ramp: Option<Ramp>,
     /// Seed of the workload and arrivals.
     #[arg(long, default_value_t = 0)]
-    seed: u64,
+    pub(crate) seed: u64,
 }
 
 #[derive(Debug, Args)]
@@ -154,12 +154,62 @@ struct OtlpArgs {
     otlp_token: Option<String>,
 }
 
+impl LoadArgs {
+    /// The arrival process the flags ask for.
+    pub(crate) fn arrival(&self) -> Arrival {
+        match self.arrival {
+            ArrivalKind::Poisson => Arrival::Poisson { rate: self.rate },
+            ArrivalKind::Constant => Arrival::Constant { rate: self.rate },
+            ArrivalKind::Gamma => Arrival::Gamma { rate: self.rate, cv: self.burstiness },
+        }
+    }
+
+    /// Requests to send at most: the flag, else 50, or 100000 when a duration, ramp or trace
+    /// bounds the run.
+    pub(crate) fn num_requests(&self) -> usize {
+        self.num_requests.unwrap_or(
+            if self.duration.is_some() || self.ramp.is_some() || self.workload.schedule().is_some() {
+                100_000
+            } else {
+                50
+            },
+        )
+    }
+
+    /// The `--tokenizer` file, opened.
+    pub(crate) fn open_tokenizer(&self, who: &str) -> anyhow::Result<Option<std::sync::Arc<FileTokenizer>>> {
+        let Some(p) = &self.tokenizer else { return Ok(None) };
+        let tok = FileTokenizer::open(p)?;
+        eprintln!("{who}: --tokenizer {}: {}", p.display(), tok.describe());
+        if !tok.has_chat_template() {
+            eprintln!(
+                "{who}: without a chat template the prompt token counts are not checked \
+                 against `usage` (exact prompt lengths and output counts still are)"
+            );
+        }
+        Ok(Some(std::sync::Arc::new(tok)))
+    }
+}
+
+/// Writes a run's report, its configuration and every record as the bench's JSON.
+pub(crate) fn write_run_json(
+    path: &std::path::Path,
+    report: &Report,
+    config: serde_json::Value,
+    records: &[tokenpath_timeline::ClientRecord],
+) -> anyhow::Result<()> {
+    let mut doc = serde_json::to_value(report)?;
+    if let Some(obj) = doc.as_object_mut() {
+        obj.insert("config".into(), config);
+        obj.insert("requests".into(), serde_json::to_value(records)?);
+    }
+    std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
-    let arrival = match args.load.arrival {
-        ArrivalKind::Poisson => Arrival::Poisson { rate: args.load.rate },
-        ArrivalKind::Constant => Arrival::Constant { rate: args.load.rate },
-        ArrivalKind::Gamma => Arrival::Gamma { rate: args.load.rate, cv: args.load.burstiness },
-    };
+    let arrival = args.load.arrival();
     let t = &args.target;
     let mut cfg = RunConfig {
         target: Target {
@@ -174,33 +224,11 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         workload: args.load.workload.clone(),
         arrival,
         concurrency: args.load.concurrency,
-        num_requests: args.load.num_requests.unwrap_or(
-            if args.load.duration.is_some()
-                || args.load.ramp.is_some()
-                || args.load.workload.schedule().is_some()
-            {
-                100_000
-            } else {
-                50
-            },
-        ),
+        num_requests: args.load.num_requests(),
         seed: args.load.seed,
         duration: args.load.duration.map(|d| Duration::from_secs_f64(d.max(0.0))),
         ramp: args.load.ramp,
-        tokenizer: match &args.load.tokenizer {
-            Some(p) => {
-                let tok = FileTokenizer::open(p)?;
-                eprintln!("bench: --tokenizer {}: {}", p.display(), tok.describe());
-                if !tok.has_chat_template() {
-                    eprintln!(
-                        "bench: without a chat template the prompt token counts are not checked \
-                         against `usage` (exact prompt lengths and output counts still are)"
-                    );
-                }
-                Some(std::sync::Arc::new(tok))
-            }
-            None => None,
-        },
+        tokenizer: args.load.open_tokenizer("bench")?.map(|t| t as std::sync::Arc<dyn tokenpath_bench::tokens::PromptTokenizer>),
         send_counter: None,
         traces: None,
     };
@@ -255,22 +283,14 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let report = Report::build(&records, &opts)?;
     print!("{}", report.render_table());
     if let Some(path) = &args.out {
-        let mut doc = serde_json::to_value(&report)?;
-        if let Some(obj) = doc.as_object_mut() {
-            obj.insert(
-                "config".into(),
-                serde_json::json!({
+        let config = serde_json::json!({
                     "url": t.url, "model": t.model, "workload": cfg.workload.to_string(),
                     "rate": args.load.rate, "arrival": format!("{:?}", args.load.arrival),
                     "num_requests": cfg.num_requests, "seed": cfg.seed, "stream": cfg.target.stream,
                     "duration_s": args.load.duration, "ramp": args.load.ramp.map(|r| format!("{}:{}:{}", r.from, r.to, r.duration_s)),
                     "tokenizer": args.load.tokenizer.as_ref().map(|p| p.display().to_string()),
-                }),
-            );
-            obj.insert("requests".into(), serde_json::to_value(&records)?);
-        }
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
-        eprintln!("wrote {}", path.display());
+        });
+        write_run_json(path, &report, config, &records)?;
     }
     crate::output::write_bench_html(&args.output, args.out.as_deref(), &report, &records)?;
     Ok(())

@@ -12,6 +12,7 @@ mod mock_engine;
 mod output;
 mod secret;
 mod serve;
+mod sim;
 mod topology;
 mod upstream;
 mod worker;
@@ -79,6 +80,13 @@ enum Command {
     /// Host the KV pool of a directory in a process of its own, so its RAM tier outlives every
     /// server and worker that shares it (otherwise the first of them to open it hosts it).
     KvPool(kv_pool::KvPoolHostArgs),
+    /// Simulate serving on a virtual clock — the real scheduler and router, a calibrated step
+    /// time — for topologies, loads and contexts this machine cannot run; writes the bench's
+    /// JSON, so `report` and `compare` read it like a measured run.
+    Sim(Box<sim::SimArgs>),
+    /// Fit a machine's step-time calibration for `sim` from real workers' step logs
+    /// (`serve --step-log`).
+    Calibrate(sim::CalibrateArgs),
     /// Run one engine instance as a worker process (role prefill, decode or both) for a gateway
     /// started with --prefill/--decode, --cluster or --accept-workers.
     Worker(worker::WorkerArgs),
@@ -151,6 +159,8 @@ fn main() -> anyhow::Result<()> {
         Command::Worker(args) => worker::run(args),
         Command::KvPool(args) => kv_pool::run(args),
         Command::MockEngine(args) => mock_engine::run(args),
+        Command::Sim(args) => sim::run(*args),
+        Command::Calibrate(args) => sim::calibrate(args),
     }
 }
 

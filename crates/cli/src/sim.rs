@@ -1,0 +1,262 @@
+//! `tokenpath sim` and `tokenpath calibrate`: the simulator's flags and files. Thin: the
+//! simulation and the fit live in `tokenpath-sim`; the report is the bench's.
+
+use crate::bench::{write_run_json, LoadArgs};
+use crate::WindowArgs;
+use anyhow::Context as _;
+use clap::Args;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokenpath_bench::report::{Report, ReportOptions};
+use tokenpath_bench::tokens::PromptTokenizer;
+use tokenpath_protocol::work::StepRecord;
+use tokenpath_sim::{Calibration, LinkModel, Provenance, SimConfig, Topology, WorkerShape};
+use tokenpath_timeline::SloSpec;
+
+/// Who serves, and each worker's limits (`tokenpath serve`'s flags of the same names).
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Simulated server")]
+pub struct SimServerArgs {
+    /// Colocated workers (ignored with --prefill/--decode).
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// Prefill workers (with --decode: prefill/decode disaggregated).
+    #[arg(long, default_value_t = 0)]
+    prefill: usize,
+    /// Decode workers.
+    #[arg(long, default_value_t = 0)]
+    decode: usize,
+    /// KV cache per worker, tokens (default: 4 × --n-ctx, as `serve`).
+    #[arg(long)]
+    kv_tokens: Option<usize>,
+    /// Most prompt tokens per step.
+    #[arg(long, default_value_t = tokenpath_worker::DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
+    /// Most sequences per step.
+    #[arg(long, default_value_t = tokenpath_worker::DEFAULT_MAX_BATCH)]
+    max_batch: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = tokenpath_worker::DEFAULT_BLOCK_SIZE)]
+    block_size: usize,
+    /// No prefix cache.
+    #[arg(long)]
+    no_prefix_cache: bool,
+    /// The model's context length (SmolLM2-135M: 8192).
+    #[arg(long, default_value_t = 8192)]
+    n_ctx: usize,
+}
+
+/// `tokenpath sim`.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// The machine's calibration (`tokenpath calibrate`).
+    #[arg(long, value_name = "FILE")]
+    calibration: PathBuf,
+    #[command(flatten)]
+    load: LoadArgs,
+    /// Replay a Mooncake-format trace (timestamp ms, input_length, output_length, hash_ids of
+    /// 512-token blocks) instead of --workload; at most --num-requests of its lines.
+    #[arg(long, value_name = "FILE")]
+    mooncake: Option<PathBuf>,
+    #[command(flatten)]
+    server: SimServerArgs,
+    #[command(flatten)]
+    window: WindowArgs,
+    /// SLOs for goodput, e.g. `ttft:2s,tpot:100ms`.
+    #[arg(long)]
+    slo: Option<SloSpec>,
+    /// Write the summary and every request record as the bench's JSON here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write every simulated step as a step log (the `--step-log` format) here.
+    #[arg(long)]
+    step_log_out: Option<PathBuf>,
+    /// Seed of the step-time draws (the workload's is --seed).
+    #[arg(long, default_value_t = 0)]
+    sim_seed: u64,
+    #[command(flatten)]
+    output: crate::output::OutputArgs,
+}
+
+pub fn run(args: SimArgs) -> anyhow::Result<()> {
+    let calib = Calibration::load(&args.calibration)?;
+    let s = &args.server;
+    let topology = if s.prefill > 0 || s.decode > 0 {
+        Topology { colocated: 0, prefill: s.prefill, decode: s.decode }
+    } else {
+        Topology { colocated: s.workers, prefill: 0, decode: 0 }
+    };
+    let kv_tokens = s.kv_tokens.unwrap_or(s.n_ctx.saturating_mul(4));
+    anyhow::ensure!(s.block_size > 0 && kv_tokens >= s.n_ctx, "--kv-tokens must hold one full context (--n-ctx)");
+    let cfg = SimConfig {
+        topology,
+        worker: WorkerShape {
+            kv_blocks: kv_tokens.div_ceil(s.block_size),
+            block_size: s.block_size,
+            prefill_chunk: s.prefill_chunk,
+            max_batch: s.max_batch,
+            prefix_cache: !s.no_prefix_cache,
+            n_ctx: s.n_ctx,
+        },
+        seed: args.sim_seed,
+        keep_steps: args.step_log_out.is_some(),
+    };
+    let n = args.load.num_requests();
+    let started = std::time::Instant::now();
+    let input = match &args.mooncake {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            tokenpath_sim::requests::mooncake(&text, n, 49_152)?
+        }
+        None => {
+            let tok = args.load.open_tokenizer("sim")?.map(|t| t as Arc<dyn PromptTokenizer>);
+            let offsets = match args.load.concurrency {
+                Some(_) => None,
+                None => Some(match args.load.workload.schedule() {
+                    Some(s) => s,
+                    None => {
+                        let starts = args.load.workload.turns().map_or(n, |t| n.div_ceil(t));
+                        let duration = args.load.duration.map(std::time::Duration::from_secs_f64);
+                        args.load.arrival().plan(args.load.ramp.as_ref(), starts, duration, args.load.seed)?
+                    }
+                }),
+            };
+            tokenpath_sim::requests::from_workload(
+                &args.load.workload,
+                n,
+                args.load.seed,
+                tok,
+                offsets.as_deref(),
+                args.load.concurrency,
+            )?
+        }
+    };
+    let built = started.elapsed();
+    let out = tokenpath_sim::simulate(&cfg, &calib, &input)?;
+    let wall = started.elapsed();
+    eprintln!(
+        "sim: {} requests, {} steps, {:.1} s simulated in {:.2} s ({:.2} s building prompts; {:.0} requests/s); calibration {} ({}, {})",
+        out.records.len(),
+        out.stats.steps,
+        out.stats.sim_seconds,
+        wall.as_secs_f64(),
+        built.as_secs_f64(),
+        out.records.len() as f64 / (wall - built).as_secs_f64().max(1e-9),
+        calib.digest(),
+        calib.provenance.machine,
+        calib.provenance.model,
+    );
+    let opts = ReportOptions { warmup_s: args.window.warmup_s, cooldown_s: args.window.cooldown_s, slo: args.slo.clone() };
+    let report = Report::build(&out.records, &opts)?;
+    print!("{}", report.render_table());
+    if let Some(path) = &args.out {
+        let config = serde_json::json!({
+            "simulated": true,
+            "calibration": args.calibration.display().to_string(),
+            "calibration_digest": calib.digest(),
+            "machine": calib.provenance.machine,
+            "model": calib.provenance.model,
+            "sim": cfg,
+            "workload": args.mooncake.as_ref().map_or(args.load.workload.to_string(), |p| format!("mooncake:{}", p.display())),
+            "rate": args.load.rate, "arrival": format!("{:?}", args.load.arrival),
+            "concurrency": args.load.concurrency,
+            "num_requests": n, "seed": args.load.seed,
+            "stats": out.stats,
+        });
+        write_run_json(path, &report, config, &out.records)?;
+    }
+    if let Some(path) = &args.step_log_out {
+        let mut w = std::io::BufWriter::new(std::fs::File::create(path)?);
+        for (_, rec) in &out.steps {
+            serde_json::to_writer(&mut w, rec)?;
+            w.write_all(b"\n")?;
+        }
+        w.flush()?;
+        eprintln!("wrote {}", path.display());
+    }
+    crate::output::write_bench_html(&args.output, args.out.as_deref(), &report, &out.records)?;
+    Ok(())
+}
+
+/// `tokenpath calibrate`.
+#[derive(Debug, Args)]
+pub struct CalibrateArgs {
+    /// Step logs of real workers on this machine (`serve --step-log`), one or more.
+    #[arg(long = "step-log", required = true, num_args = 1..)]
+    step_logs: Vec<PathBuf>,
+    /// The model file the logs were measured with (its KV size per token is read from it).
+    #[arg(long, env = "TOKENPATH_MODEL")]
+    model: Option<PathBuf>,
+    /// A bench run (`--out` JSON) against the same server: its median gateway stage becomes
+    /// the time from arrival to admission.
+    #[arg(long, value_name = "RUN.json")]
+    run: Option<PathBuf>,
+    /// KV transfer latency, µs (`tokenpath bench-kv` measures it).
+    #[arg(long, default_value_t = 300.0)]
+    kv_latency_us: f64,
+    /// KV transfer bandwidth into one decode worker, GB/s (`tokenpath bench-kv`).
+    #[arg(long, default_value_t = 2.0)]
+    kv_gbps: f64,
+    /// Write the calibration here.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
+    let mut logs = Vec::new();
+    for p in &args.step_logs {
+        let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let recs: Vec<StepRecord> = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .enumerate()
+            .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{} line {}", p.display(), i + 1)))
+            .collect::<anyhow::Result<_>>()?;
+        logs.push(recs);
+    }
+    let model = args.model.clone().unwrap_or_else(tokenpath_engine::default_model_path);
+    let engine = tokenpath_engine::Engine::open(&model).with_context(|| format!("opening {}", model.display()))?;
+    let bytes_per_token = engine.kv_layout(tokenpath_worker::DEFAULT_BLOCK_SIZE).bytes_per_token() as u64;
+    let provenance = Provenance {
+        machine: cpu_model(),
+        model: model.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+        notes: vec![format!("kernels: {}", tokenpath_engine::quant::Kernel::best().name())],
+    };
+    anyhow::ensure!(args.kv_gbps > 0.0 && args.kv_latency_us >= 0.0, "--kv-gbps must be positive");
+    let link = LinkModel { latency_us: args.kv_latency_us, bytes_per_s: args.kv_gbps * 1e9 };
+    let mut calib = Calibration::fit(&logs, provenance, bytes_per_token, link)?;
+    if let Some(run) = &args.run {
+        let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run)?)?;
+        if let Some(g) = doc["stages"]["gateway_ms"]["p50"].as_f64() {
+            calib.gateway_us = g * 1e3;
+        }
+    }
+    std::fs::write(&args.out, serde_json::to_string_pretty(&calib)?)?;
+    eprintln!(
+        "calibrate: {} steps and {} busy gaps from {} log(s): step model median error {:.1}%, p90 {:.1}% (on the fitted steps); {} → {}",
+        calib.fit.steps,
+        calib.fit.gaps,
+        logs.len(),
+        calib.fit.median_ape,
+        calib.fit.p90_ape,
+        calib.digest(),
+        args.out.display()
+    );
+    for (name, c) in calib.step.terms.iter().zip(&calib.step.coef_us) {
+        eprintln!("  step {name:>15}: {c:.4} µs");
+    }
+    for (name, c) in calib.gap.terms.iter().zip(&calib.gap.coef_us) {
+        eprintln!("  gap  {name:>15}: {c:.4} µs");
+    }
+    Ok(())
+}
+
+/// The CPU's model name (`/proc/cpuinfo`), which the calibration is valid for.
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| t.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_owned()))
+        .map(|m| format!("{m} × {}", std::thread::available_parallelism().map_or(1, |n| n.get())))
+        .unwrap_or_else(|| "unknown".into())
+}
