@@ -83,6 +83,10 @@ pub struct KvCache {
     /// Blocks lent out in a [`KvLease`]: the cache creates no reference into them.
     leased: Vec<bool>,
     free: Vec<BlockId>,
+    /// When tracked ([`KvCache::track_shared`]): blocks whose reference count went from 1 to 2
+    /// (`true`) or from 2 to 1 (`false`), in order, until drained — how a prefix index learns
+    /// which of its blocks a sequence uses without scanning the arena.
+    shared_changes: Option<Vec<(BlockId, bool)>>,
 }
 
 impl KvCache {
@@ -107,6 +111,7 @@ impl KvCache {
             refs: vec![0; num_blocks],
             leased: vec![false; num_blocks],
             free: (0..num_blocks as u32).rev().map(BlockId).collect(),
+            shared_changes: None,
         })
     }
 
@@ -128,6 +133,21 @@ impl KvCache {
     /// Blocks referenced at least once.
     pub fn used_blocks(&self) -> usize {
         self.total_blocks() - self.free_blocks()
+    }
+
+    /// Starts recording blocks whose reference count passes 1 (the owner must drain them with
+    /// [`KvCache::drain_shared_changes`]).
+    pub fn track_shared(&mut self) {
+        self.shared_changes.get_or_insert_with(Vec::new);
+    }
+
+    /// Hands every recorded change (block, now shared) to `f`, in order, and forgets them.
+    pub fn drain_shared_changes(&mut self, mut f: impl FnMut(BlockId, bool)) {
+        if let Some(log) = self.shared_changes.as_mut() {
+            for (b, shared) in log.drain(..) {
+                f(b, shared);
+            }
+        }
     }
 
     /// Reference count of a block.
@@ -158,6 +178,11 @@ impl KvCache {
     pub fn retain(&mut self, b: BlockId) -> Result<()> {
         let i = self.check(b)?;
         self.refs[i] += 1;
+        if self.refs[i] == 2 {
+            if let Some(log) = self.shared_changes.as_mut() {
+                log.push((b, true));
+            }
+        }
         Ok(())
     }
 
@@ -165,6 +190,11 @@ impl KvCache {
     pub fn release(&mut self, b: BlockId) -> Result<()> {
         let i = self.check(b)?;
         self.refs[i] -= 1;
+        if self.refs[i] == 1 {
+            if let Some(log) = self.shared_changes.as_mut() {
+                log.push((b, false));
+            }
+        }
         if self.refs[i] == 0 {
             self.free.push(b);
         }
@@ -387,6 +417,27 @@ mod tests {
         assert!(b.write_blocks(&t3, 1, &bytes).is_err(), "past the table's end");
         assert!(b.write_blocks(&t3, 0, &bytes[..per - 2]).is_err(), "not a whole block");
         assert!(b.set_len(&mut t3, 7).is_err());
+    }
+
+    #[test]
+    fn a_tracked_cache_records_each_block_passing_one_reference() {
+        let mut c = KvCache::new(layout(), 4).unwrap();
+        let mut t = BlockTable::default();
+        c.reserve(&mut t, 6).unwrap();
+        let mut s = c.share(&t.blocks()[..1]).unwrap();
+        let mut log = Vec::new();
+        c.drain_shared_changes(|b, on| log.push((b, on)));
+        assert!(log.is_empty(), "untracked: nothing recorded");
+        c.track_shared();
+        let b = t.blocks()[0];
+        c.retain(b).unwrap(); // 3
+        c.free_table(&mut s).unwrap(); // 2
+        c.free_table(&mut t).unwrap(); // 1: no longer shared
+        c.retain(b).unwrap(); // 2: shared again
+        c.drain_shared_changes(|b, on| log.push((b, on)));
+        assert_eq!(log, vec![(b, false), (b, true)]);
+        c.drain_shared_changes(|b, on| log.push((b, on)));
+        assert_eq!(log.len(), 2, "drained once");
     }
 
     #[test]

@@ -18,12 +18,28 @@ struct Entry<B> {
     parent: Option<BlockHash>,
     children: u32,
     tick: u64,
+    /// Someone besides the index uses the block ([`PrefixCache::set_pinned`]).
+    pinned: bool,
+    /// Children whose subtree holds a pinned entry.
+    kept_children: u32,
+}
+
+impl<B> Entry<B> {
+    /// Not evictable, now or after its descendants: pinned, or above a pinned entry.
+    fn kept(&self) -> bool {
+        self.pinned || self.kept_children > 0
+    }
 }
 
 /// Chained block hash → block, with leaf-first LRU eviction.
 #[derive(Debug, Clone)]
 pub struct PrefixCache<B> {
     map: HashMap<BlockHash, Entry<B>>,
+    /// Which entry holds each block (a block holds one chain position at most).
+    by_block: HashMap<B, BlockHash>,
+    /// Entries that are pinned or have a pinned descendant (kept as pins change, so the
+    /// evictable count costs nothing to ask for).
+    kept: usize,
     /// The leaves (entries nothing cached extends) by last use: eviction looks only here, so it
     /// never walks past the parents of long chains (security review L8: a scan of every entry,
     /// oldest first, made each eviction cost about a chain's length).
@@ -33,7 +49,7 @@ pub struct PrefixCache<B> {
 
 impl<B> Default for PrefixCache<B> {
     fn default() -> Self {
-        Self { map: HashMap::new(), leaves: BTreeMap::new(), tick: 0 }
+        Self { map: HashMap::new(), by_block: HashMap::new(), kept: 0, leaves: BTreeMap::new(), tick: 0 }
     }
 }
 
@@ -88,11 +104,15 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
 
     /// Records that `block` holds the chain ending in `hash`, extending `parent` (`None` for a
     /// sequence's first block). Returns `true` when the entry is new — the caller then keeps
-    /// one reference on `block` for the index. An already cached hash, or a parent that is no
-    /// longer cached (the entry could never be matched), returns `false`.
+    /// one reference on `block` for the index. An already cached hash, a block the index holds
+    /// already (under another hash), or a parent that is no longer cached (the entry could
+    /// never be matched), returns `false`.
     pub fn insert(&mut self, parent: Option<BlockHash>, hash: BlockHash, block: B) -> bool {
         if self.map.contains_key(&hash) {
             self.touch(hash);
+            return false;
+        }
+        if self.by_block.contains_key(&block) {
             return false;
         }
         if let Some(p) = parent {
@@ -107,7 +127,8 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
             }
         }
         self.tick += 1;
-        self.map.insert(hash, Entry { block, parent, children: 0, tick: self.tick });
+        self.map.insert(hash, Entry { block, parent, children: 0, tick: self.tick, pinned: false, kept_children: 0 });
+        self.by_block.insert(block, hash);
         self.leaves.insert(self.tick, hash);
         true
     }
@@ -122,6 +143,12 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
             .find(|(_, h)| self.map.get(h).is_some_and(|e| can_free(e.block)))?;
         self.leaves.remove(&tick);
         let e = self.map.remove(&hash)?;
+        self.by_block.remove(&e.block);
+        if e.kept() {
+            // Only when the caller's `can_free` and its pins disagree; the books stay right.
+            self.kept -= 1;
+            self.propagate(e.parent, false);
+        }
         if let Some(p) = e.parent {
             if let Some(pe) = self.map.get_mut(&p) {
                 pe.children = pe.children.saturating_sub(1);
@@ -144,9 +171,66 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
         }
     }
 
+    /// Tells the index whether someone besides it uses `block` (the owner calls it as a
+    /// block's reference count passes 1; a block the index does not hold is ignored). Pinned
+    /// entries and their ancestors are what [`PrefixCache::evictable_now`] leaves out.
+    pub fn set_pinned(&mut self, block: B, pinned: bool) {
+        let Some(&hash) = self.by_block.get(&block) else { return };
+        let Some(e) = self.map.get_mut(&hash) else { return };
+        if e.pinned == pinned {
+            return;
+        }
+        let was = e.kept();
+        e.pinned = pinned;
+        let now = e.kept();
+        let parent = e.parent;
+        if was != now {
+            if now {
+                self.kept += 1;
+            } else {
+                self.kept -= 1;
+            }
+            self.propagate(parent, now);
+        }
+    }
+
+    /// A child of `parent` became kept (`true`) or stopped being kept: up the chain until an
+    /// ancestor's own state does not change (amortised O(1) per pin for chains pinned and
+    /// unpinned in order).
+    fn propagate(&mut self, mut parent: Option<BlockHash>, became: bool) {
+        while let Some(h) = parent {
+            let Some(p) = self.map.get_mut(&h) else { return };
+            let was = p.kept();
+            if became {
+                p.kept_children += 1;
+            } else {
+                p.kept_children = p.kept_children.saturating_sub(1);
+            }
+            let now = p.kept();
+            if was == now {
+                return;
+            }
+            if now {
+                self.kept += 1;
+            } else {
+                self.kept -= 1;
+            }
+            parent = p.parent;
+        }
+    }
+
+    /// How many blocks repeated [`PrefixCache::evict`] could free given the pins
+    /// ([`PrefixCache::set_pinned`]): every entry but the pinned ones and their ancestors. O(1):
+    /// the scheduler asks before every step, with thousands of cached blocks.
+    pub fn evictable_now(&self) -> usize {
+        self.map.len() - self.kept
+    }
+
     /// How many blocks [`PrefixCache::evict`] could free right now, evicting repeatedly (a
-    /// chain of unreferenced blocks counts whole: its leaf goes first, then its parent).
-    pub fn evictable(&self, mut can_free: impl FnMut(B) -> bool) -> usize {
+    /// chain of unreferenced blocks counts whole: its leaf goes first, then its parent): the
+    /// O(index) reference [`PrefixCache::evictable_now`] is tested against.
+    #[cfg(test)]
+    fn evictable(&self, mut can_free: impl FnMut(B) -> bool) -> usize {
         // An entry is reclaimable when its block is free-able and all its children are too.
         let mut pending: HashMap<BlockHash, u32> = HashMap::new();
         let mut stack: Vec<BlockHash> = Vec::new();
@@ -236,6 +320,23 @@ mod tests {
         assert!(!c.insert(None, a[0], 9), "a cached hash keeps its block");
     }
 
+    #[test]
+    fn a_block_holds_one_chain_position_at_most() {
+        let mut c = PrefixCache::new();
+        let h = chain(&[1, 2, 3, 4]);
+        assert!(c.insert(None, h[0], 7u32));
+        assert!(!c.insert(Some(h[0]), h[1], 7), "block 7 is indexed already");
+        assert!(c.insert(Some(h[0]), h[1], 8));
+        c.set_pinned(8, true);
+        assert_eq!(c.evictable_now(), 0, "a pinned leaf keeps its parent");
+        c.set_pinned(8, false);
+        c.set_pinned(7, true);
+        assert_eq!(c.evictable_now(), 1, "a pinned parent keeps only itself");
+        c.set_pinned(7, false);
+        c.set_pinned(99, true);
+        assert_eq!(c.evictable_now(), 2, "a block the index does not hold changes nothing");
+    }
+
     proptest! {
         /// Every block the index was given comes back exactly once through evictions, and the
         /// evictable count always matches what repeated eviction actually frees.
@@ -259,13 +360,26 @@ mod tests {
                 let _ = c.lookup(&first[..first.len().min(1)]);
                 c.check_leaves();
             }
+            // Pins kept as they change give the count the predicate gives, pinning and
+            // unpinning in any order.
+            for b in &pinned {
+                c.set_pinned(*b, true);
+            }
+            let (unpin, pinned) = pinned.split_at(pinned.len() / 2);
+            for b in unpin {
+                if !pinned.contains(b) {
+                    c.set_pinned(*b, false);
+                }
+            }
             let can = |b: u32| !pinned.contains(&b);
             let expect = c.evictable(can);
+            prop_assert_eq!(c.evictable_now(), expect);
             let mut got = Vec::new();
             while let Some(b) = c.evict(can) {
                 prop_assert!(!got.contains(&b));
                 got.push(b);
                 c.check_leaves();
+                prop_assert_eq!(c.evictable_now(), c.evictable(can));
             }
             prop_assert_eq!(got.len(), expect);
             got.sort_unstable();

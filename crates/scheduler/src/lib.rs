@@ -70,6 +70,9 @@ pub struct SeqCore {
     pub prefill_started: bool,
     /// Prompt tokens served from a cache at first admission (arena and pool).
     pub cached_tokens: usize,
+    /// The chained hashes of the cacheable blocks of `tokens` when last attached, kept (a
+    /// request waiting at the head of a full queue is attached again every step).
+    pub prompt_hashes: Vec<BlockHash>,
 }
 
 impl SeqCore {
@@ -85,6 +88,7 @@ impl SeqCore {
             first_token_done: false,
             prefill_started: false,
             cached_tokens: 0,
+            prompt_hashes: Vec::new(),
         }
     }
 
@@ -178,7 +182,7 @@ pub enum Stuck<S> {
 
 impl<S: Sequence> Scheduler<S> {
     /// A scheduler over `cache`, with a prefix cache when `prefix_cache`.
-    pub fn new(cache: KvCache, policy: Policy, prefix_cache: bool) -> Result<Self, SchedError> {
+    pub fn new(mut cache: KvCache, policy: Policy, prefix_cache: bool) -> Result<Self, SchedError> {
         if policy.block_size == 0 || policy.prefill_chunk == 0 || policy.max_batch == 0 {
             return Err(SchedError::Policy(format!("{policy:?}")));
         }
@@ -188,6 +192,9 @@ impl<S: Sequence> Scheduler<S> {
                 policy.block_size,
                 cache.layout().block_size
             )));
+        }
+        if prefix_cache {
+            cache.track_shared();
         }
         Ok(Self {
             cache,
@@ -395,10 +402,12 @@ impl<S: Sequence> Scheduler<S> {
             self.preempt_youngest();
             return Stuck::Preempted;
         }
-        let lone = self.running.pop().or_else(|| {
-            self.waiting.front().filter(|_| self.running.is_empty() && self.available() == total)?;
-            self.waiting.pop_front()
-        });
+        let all_free = self.available() == total;
+        let lone = match self.running.pop() {
+            Some(s) => Some(s),
+            None if all_free => self.waiting.pop_front(),
+            None => None,
+        };
         match lone {
             Some(mut seq) => {
                 self.free(&mut seq);

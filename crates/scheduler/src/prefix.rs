@@ -5,16 +5,14 @@
 
 use crate::{Scheduler, SeqCore, Sequence};
 use tokenpath_engine::kv_cache::{BlockId, BlockTable};
-use tokenpath_kv::{block_hashes, chain_hash, BlockHash};
+use tokenpath_kv::{block_hashes, chain_hash, BlockHash, PrefixCache};
 
-/// A fresh sequence's prefix as far as the arena holds it: the chain of its usable prompt
-/// blocks, the table sharing the arena's blocks, and how many those are. A [`crate::PrefixSource`]
-/// may extend it (loading more blocks into `table`) before [`Scheduler::finish_attach`].
+/// A fresh sequence's prefix as far as the arena holds it: the table sharing the arena's blocks,
+/// and how many those are (the chain of its cacheable prompt blocks is in the sequence's
+/// `prompt_hashes`). A [`crate::PrefixSource`] may extend it (loading more blocks into `table`)
+/// before [`Scheduler::finish_attach`].
 #[derive(Debug)]
 pub struct Attached {
-    /// Chained hashes of every whole prompt block that could be cached (the last token is
-    /// always left to compute: its logits are needed).
-    pub hashes: Vec<BlockHash>,
     /// The table: the arena's shared blocks first.
     pub table: BlockTable,
     /// Blocks that came from the arena.
@@ -22,19 +20,22 @@ pub struct Attached {
 }
 
 impl<S: Sequence> Scheduler<S> {
-    /// Blocks held only by the prefix cache (reclaimable at any time).
-    fn cached_only(&self) -> usize {
-        let cache = &self.cache;
-        self.prefix.as_ref().map_or(0, |p| p.evictable(|b| cache.refcount(b) == 1))
+    /// Tells the prefix index which of its blocks sequences started or stopped using since the
+    /// last call (the allocator records each block passing one reference).
+    fn sync_pins(&mut self) {
+        let Some(prefix) = self.prefix.as_mut() else { return };
+        self.cache.drain_shared_changes(|b, shared| prefix.set_pinned(b, shared));
     }
 
-    /// Free blocks plus blocks only the prefix cache holds.
-    pub fn available(&self) -> usize {
-        self.cache.free_blocks() + self.cached_only()
+    /// Free blocks plus blocks only the prefix cache holds (reclaimable at any time).
+    pub fn available(&mut self) -> usize {
+        self.sync_pins();
+        self.cache.free_blocks() + self.prefix.as_ref().map_or(0, PrefixCache::evictable_now)
     }
 
     /// Evicts prefix-cache blocks nobody uses until `need` blocks are free (or none are left).
     pub fn reclaim(&mut self, need: usize) {
+        self.sync_pins();
         let Some(prefix) = self.prefix.as_mut() else { return };
         while self.cache.free_blocks() < need {
             let cache = &self.cache;
@@ -54,9 +55,13 @@ impl<S: Sequence> Scheduler<S> {
             return None;
         }
         let bs = self.policy.block_size;
-        let usable = (seq.tokens.len() - 1) / bs;
-        let hashes = block_hashes(seq.root, &seq.tokens[..usable * bs], bs).ok()?;
-        let mut blocks = prefix.lookup(&hashes);
+        // Every whole block but the one holding the last token (its logits are needed); a
+        // preempted sequence's generated tokens count too.
+        let usable = (seq.tokens.len().max(1) - 1) / bs;
+        if seq.prompt_hashes.len() != usable {
+            seq.prompt_hashes = block_hashes(seq.root, &seq.tokens[..usable * bs], bs).ok()?;
+        }
+        let mut blocks = prefix.lookup(&seq.prompt_hashes);
         // Served only for the tokens it holds (a collision is infeasible; a bug must not become
         // another sequence's attention state).
         let verified = blocks
@@ -81,7 +86,7 @@ impl<S: Sequence> Scheduler<S> {
                 }
             }
         };
-        Some(Attached { hashes, table, arena: blocks.len() })
+        Some(Attached { table, arena: blocks.len() })
     }
 
     /// Registers block `i` of `seq`'s prompt, loaded from elsewhere into `block`, in the prefix
@@ -103,7 +108,7 @@ impl<S: Sequence> Scheduler<S> {
     /// there. Returns the prompt tokens it counts as cached when this was its first admission
     /// (0 otherwise: a preempted sequence's re-attach is no new hit).
     pub fn finish_attach(&mut self, seq: &mut SeqCore, a: Attached, have: usize) -> usize {
-        let Attached { hashes, mut table, .. } = a;
+        let Attached { mut table, .. } = a;
         if have == 0 {
             seq.table = table;
             return 0;
@@ -115,7 +120,7 @@ impl<S: Sequence> Scheduler<S> {
         seq.table = table;
         seq.fed = have * bs;
         if seq.hashes.len() < have {
-            seq.hashes = hashes[..have].to_vec();
+            seq.hashes = seq.prompt_hashes[..have].to_vec();
         }
         if seq.cached_tokens == 0 && !seq.prefill_started {
             seq.cached_tokens = seq.fed.min(seq.prompt_len);

@@ -250,6 +250,9 @@ impl<'a> Sim<'a> {
             return self.end(r, Outcome::Failed(msg));
         }
         let hashes = PrefixIndex::hashes(prompt, None);
+        let room: Vec<usize> =
+            self.workers.iter_mut().map(|w| if w.mode == Mode::Decode { w.sched.available() } else { 0 }).collect();
+        let prompt = &self.input.requests[r].prompt;
         let first = |m: Mode| self.workers.iter().enumerate().filter(move |(_, w)| w.mode == m);
         let names: Vec<String> = self.workers.iter().map(|w| w.name.clone()).collect();
         let pick_cached = |m: Mode| {
@@ -271,8 +274,8 @@ impl<'a> Sim<'a> {
         // PD: the decode worker first (its blocks reserved), then the prefill worker.
         let bs = self.cfg.worker.block_size;
         let d = first(Mode::Decode)
-            .filter(|(_, w)| w.sched.available() * bs > prompt.len())
-            .min_by_key(|(_, w)| (w.in_flight + w.sched.running.len() as u64, Reverse(w.sched.available())))
+            .filter(|(i, _)| room[*i] * bs > prompt.len())
+            .min_by_key(|(i, w)| (w.in_flight + w.sched.running.len() as u64, Reverse(room[*i])))
             .map(|(i, _)| i);
         let Some(p) = pick_cached(Mode::Prefill) else { return self.end(r, Outcome::Failed("no worker".into())) };
         let Some(d) = d else {

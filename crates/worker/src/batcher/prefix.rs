@@ -23,7 +23,7 @@ impl PrefixSource<Seq> for PoolSource<'_> {
     fn attach(&mut self, sched: &mut Scheduler<Seq>, seq: &mut Seq) {
         let Some(mut a) = sched.attach_arena(seq) else { return };
         let bs = sched.policy.block_size;
-        let hashes = std::mem::take(&mut a.hashes);
+        let hashes = seq.prompt_hashes.clone();
         // Past the arena's blocks, the host pool's: leased, each copied into a fresh block and
         // checked against the checksum its writer computed before use, then registered in the
         // arena's index like a computed one. A block that fails its check ends the prefix (the
@@ -40,7 +40,8 @@ impl PrefixSource<Seq> for PoolSource<'_> {
             // Room for the loads: blocks only the prefix cache holds are given up for them (a
             // full arena of cached blocks is the steady state, so free blocks alone would leave
             // nothing to load into).
-            sched.reclaim(lease.blocks.len().min(sched.available()));
+            let room = sched.available();
+            sched.reclaim(lease.blocks.len().min(room));
         }
         if let (false, Some(pool)) = (lease.blocks.is_empty(), self.pool.as_ref()) {
             // As many blocks as the arena has room for, reserved at once and filled straight
@@ -80,7 +81,6 @@ impl PrefixSource<Seq> for PoolSource<'_> {
             seq.stamp(Mark::KvLoadEnd, Instant::now());
             self.stats.kv_pool_load_bytes += ((have - arena) * sched.cache.block_bytes()) as u64;
         }
-        a.hashes = hashes;
         let cached = sched.finish_attach(seq, a, have);
         if cached > 0 {
             // Loaded blocks are in key order, host and SSD hits interleaved; the split counts
