@@ -228,7 +228,10 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         seed: args.load.seed,
         duration: args.load.duration.map(|d| Duration::from_secs_f64(d.max(0.0))),
         ramp: args.load.ramp,
-        tokenizer: args.load.open_tokenizer("bench")?.map(|t| t as std::sync::Arc<dyn tokenpath_bench::tokens::PromptTokenizer>),
+        tokenizer: args
+            .load
+            .open_tokenizer("bench")?
+            .map(|t| t as std::sync::Arc<dyn tokenpath_bench::tokens::PromptTokenizer>),
         send_counter: None,
         traces: None,
     };

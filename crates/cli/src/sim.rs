@@ -88,7 +88,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         Topology { colocated: s.workers, prefill: 0, decode: 0 }
     };
     let kv_tokens = s.kv_tokens.unwrap_or(s.n_ctx.saturating_mul(4));
-    anyhow::ensure!(s.block_size > 0 && kv_tokens >= s.n_ctx, "--kv-tokens must hold one full context (--n-ctx)");
+    anyhow::ensure!(
+        s.block_size > 0 && kv_tokens >= s.n_ctx,
+        "--kv-tokens must hold one full context (--n-ctx)"
+    );
     let cfg = SimConfig {
         topology,
         worker: WorkerShape {
@@ -102,11 +105,16 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         seed: args.sim_seed,
         keep_steps: args.step_log_out.is_some(),
     };
-    let n = args.load.num_requests();
+    // A trace is replayed whole unless --num-requests cuts it.
+    let n = match &args.mooncake {
+        Some(_) => args.load.num_requests.unwrap_or(1_000_000),
+        None => args.load.num_requests(),
+    };
     let started = std::time::Instant::now();
     let input = match &args.mooncake {
         Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
             tokenpath_sim::requests::mooncake(&text, n, 49_152)?
         }
         None => {
@@ -147,7 +155,11 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         calib.provenance.machine,
         calib.provenance.model,
     );
-    let opts = ReportOptions { warmup_s: args.window.warmup_s, cooldown_s: args.window.cooldown_s, slo: args.slo.clone() };
+    let opts = ReportOptions {
+        warmup_s: args.window.warmup_s,
+        cooldown_s: args.window.cooldown_s,
+        slo: args.slo.clone(),
+    };
     let report = Report::build(&out.records, &opts)?;
     print!("{}", report.render_table());
     if let Some(path) = &args.out {
@@ -216,7 +228,8 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
         logs.push(recs);
     }
     let model = args.model.clone().unwrap_or_else(tokenpath_engine::default_model_path);
-    let engine = tokenpath_engine::Engine::open(&model).with_context(|| format!("opening {}", model.display()))?;
+    let engine =
+        tokenpath_engine::Engine::open(&model).with_context(|| format!("opening {}", model.display()))?;
     let bytes_per_token = engine.kv_layout(tokenpath_worker::DEFAULT_BLOCK_SIZE).bytes_per_token() as u64;
     let provenance = Provenance {
         machine: cpu_model(),
@@ -256,7 +269,12 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
 fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|t| t.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_owned()))
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_owned())
+        })
         .map(|m| format!("{m} × {}", std::thread::available_parallelism().map_or(1, |n| n.get())))
         .unwrap_or_else(|| "unknown".into())
 }

@@ -127,7 +127,10 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
             }
         }
         self.tick += 1;
-        self.map.insert(hash, Entry { block, parent, children: 0, tick: self.tick, pinned: false, kept_children: 0 });
+        self.map.insert(
+            hash,
+            Entry { block, parent, children: 0, tick: self.tick, pinned: false, kept_children: 0 },
+        );
         self.by_block.insert(block, hash);
         self.leaves.insert(self.tick, hash);
         true

@@ -177,7 +177,12 @@ pub struct Calibration {
 
 impl Calibration {
     /// Fits a calibration to the steps of one or more step logs (each log's steps in order).
-    pub fn fit(logs: &[Vec<StepRecord>], provenance: Provenance, kv_bytes_per_token: u64, link: LinkModel) -> Result<Self, SimError> {
+    pub fn fit(
+        logs: &[Vec<StepRecord>],
+        provenance: Provenance,
+        kv_bytes_per_token: u64,
+        link: LinkModel,
+    ) -> Result<Self, SimError> {
         let steps: Vec<&StepRecord> = logs.iter().flatten().filter(|r| r.rows > 0).collect();
         if steps.len() < STEP_TERMS.len() * 4 {
             return Err(SimError::Calibration(format!(
@@ -220,12 +225,16 @@ impl Calibration {
         let keep: Vec<usize> = (0..gy.len()).filter(|&i| gy[i] <= (median * 20.0).max(20_000.0)).collect();
         let gx: Vec<Vec<f64>> = keep.iter().map(|&i| gx[i].clone()).collect();
         let gy: Vec<f64> = keep.iter().map(|&i| gy[i]).collect();
-        let mut gap = Linear { terms: names(&GAP_TERMS), coef_us: vec![0.0; GAP_TERMS.len()], residuals: Vec::new() };
+        let mut gap =
+            Linear { terms: names(&GAP_TERMS), coef_us: vec![0.0; GAP_TERMS.len()], residuals: Vec::new() };
         if gx.len() >= 8 {
             let gw: Vec<f64> = gy.iter().map(|v| 1.0 / v.max(10.0).powi(2)).collect();
             gap.coef_us = nnls(&gx, &gy, &gw).unwrap_or(gap.coef_us);
-            let ratios: Vec<f64> =
-                gx.iter().zip(&gy).filter_map(|(x, y)| Some(y / Some(gap.point(x)).filter(|p| *p > 0.0)?)).collect();
+            let ratios: Vec<f64> = gx
+                .iter()
+                .zip(&gy)
+                .filter_map(|(x, y)| Some(y / Some(gap.point(x)).filter(|p| *p > 0.0)?))
+                .collect();
             gap.residuals = vec![quantiles(ratios)];
         }
         Ok(Self {
@@ -264,11 +273,13 @@ impl Calibration {
         if self.step.coef_us.len() != STEP_TERMS.len() || self.gap.coef_us.len() != GAP_TERMS.len() {
             return bad("calibration terms do not match this build's step model".into());
         }
-        let all = self.step.coef_us.iter().chain(&self.gap.coef_us).chain(self.step.residuals.iter().flatten());
+        let all =
+            self.step.coef_us.iter().chain(&self.gap.coef_us).chain(self.step.residuals.iter().flatten());
         if all.chain(self.gap.residuals.iter().flatten()).any(|v| !v.is_finite() || *v < 0.0) {
             return bad("calibration has a negative or non-finite coefficient".into());
         }
-        if !(self.link.bytes_per_s.is_finite() && self.link.bytes_per_s > 0.0 && self.link.latency_us >= 0.0) {
+        if !(self.link.bytes_per_s.is_finite() && self.link.bytes_per_s > 0.0 && self.link.latency_us >= 0.0)
+        {
             return bad("calibration link needs a positive bandwidth".into());
         }
         if !(self.gateway_us.is_finite() && self.gateway_us >= 0.0) {
@@ -295,7 +306,8 @@ impl Calibration {
     /// A digest of the model's numbers (a changed calibration is a changed simulator).
     pub fn digest(&self) -> String {
         let mut h = blake3::Hasher::new();
-        let nums = self.step.coef_us.iter().chain(&self.gap.coef_us).chain(self.step.residuals.iter().flatten());
+        let nums =
+            self.step.coef_us.iter().chain(&self.gap.coef_us).chain(self.step.residuals.iter().flatten());
         for v in nums.chain(self.gap.residuals.iter().flatten()) {
             h.update(&v.to_le_bytes());
         }
@@ -359,7 +371,8 @@ mod tests {
         let decode_only = StepShape { rows: 4, decode_tokens: 4, decode_pairs: 2000, ..StepShape::default() };
         let p = c.step_point_us(&decode_only);
         assert!((p - 4400.0).abs() / 4400.0 < 0.06, "{p}");
-        let prefill = StepShape { rows: 1, prefill_tokens: 512, prefill_pairs: 131_328, ..StepShape::default() };
+        let prefill =
+            StepShape { rows: 1, prefill_tokens: 512, prefill_pairs: 131_328, ..StepShape::default() };
         let want = 4000.0 + 60.0 * 512.0;
         assert!((c.step_point_us(&prefill) - want).abs() / want < 0.06);
         // Residuals reproduce the ±5% spread, sampled deterministically.

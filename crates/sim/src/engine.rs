@@ -87,7 +87,10 @@ enum Event {
     Arrive(usize),
     Admit(usize),
     StepEnd(usize),
-    KvReady { worker: usize, req: usize },
+    KvReady {
+        worker: usize,
+        req: usize,
+    },
     /// The gap after a worker's step is over: its next step starts.
     Resume(usize),
 }
@@ -114,10 +117,15 @@ fn us_to_ns(us: f64) -> Nanos {
 }
 
 impl<'a> Sim<'a> {
-    pub(crate) fn new(cfg: &'a SimConfig, calib: &'a Calibration, input: &'a Input) -> Result<Self, SimError> {
+    pub(crate) fn new(
+        cfg: &'a SimConfig,
+        calib: &'a Calibration,
+        input: &'a Input,
+    ) -> Result<Self, SimError> {
         let w = &cfg.worker;
         let layout = KvLayout { n_layer: 1, kv_dim: 1, block_size: w.block_size };
-        let policy = Policy { block_size: w.block_size, prefill_chunk: w.prefill_chunk, max_batch: w.max_batch };
+        let policy =
+            Policy { block_size: w.block_size, prefill_chunk: w.prefill_chunk, max_batch: w.max_batch };
         let mut workers = Vec::new();
         let t = &cfg.topology;
         let modes = std::iter::repeat_n((Mode::Full, "w"), t.colocated)
@@ -125,7 +133,8 @@ impl<'a> Sim<'a> {
             .chain(std::iter::repeat_n((Mode::Decode, "d"), t.decode));
         for (i, (mode, tag)) in modes.enumerate() {
             let cache = KvCache::new(layout, w.kv_blocks).map_err(|e| SimError::Config(e.to_string()))?;
-            let sched = Scheduler::new(cache, policy, w.prefix_cache).map_err(|e| SimError::Config(e.to_string()))?;
+            let sched =
+                Scheduler::new(cache, policy, w.prefix_cache).map_err(|e| SimError::Config(e.to_string()))?;
             workers.push(Worker {
                 name: format!("{tag}{i}"),
                 mode,
@@ -144,9 +153,12 @@ impl<'a> Sim<'a> {
             });
         }
         let full = workers.iter().any(|w| w.mode == Mode::Full);
-        let pd = workers.iter().any(|w| w.mode == Mode::Prefill) && workers.iter().any(|w| w.mode == Mode::Decode);
+        let pd =
+            workers.iter().any(|w| w.mode == Mode::Prefill) && workers.iter().any(|w| w.mode == Mode::Decode);
         if full == pd {
-            return Err(SimError::Config("a topology is colocated workers or prefill and decode workers".into()));
+            return Err(SimError::Config(
+                "a topology is colocated workers or prefill and decode workers".into(),
+            ));
         }
         let n = input.requests.len();
         let mut next = vec![Vec::new(); n];
@@ -169,7 +181,9 @@ impl<'a> Sim<'a> {
             match *s {
                 Send::At(t) => sim.push(t, Event::Arrive(i)),
                 Send::After(j) if j < i => next[j].push(i),
-                Send::After(_) => return Err(SimError::Workload(format!("request {i} waits for a later one"))),
+                Send::After(_) => {
+                    return Err(SimError::Workload(format!("request {i} waits for a later one")))
+                }
             }
         }
         sim.next = next;
@@ -233,7 +247,7 @@ impl<'a> Sim<'a> {
     }
 
     fn seq(&self, r: usize, mode: Mode) -> SimSeq {
-        let mut core = SeqCore::new(self.input.requests[r].prompt.clone(), self.root);
+        let mut core = SeqCore::new(self.input.requests[r].prompt.tokens(), self.root);
         if mode == Mode::Decode {
             core.first_token_done = true;
             core.prefill_started = true;
@@ -249,21 +263,36 @@ impl<'a> Sim<'a> {
             let msg = format!("prompt of {} tokens does not fit the context of {n_ctx}", prompt.len());
             return self.end(r, Outcome::Failed(msg));
         }
-        let hashes = PrefixIndex::hashes(prompt, None);
-        let room: Vec<usize> =
-            self.workers.iter_mut().map(|w| if w.mode == Mode::Decode { w.sched.available() } else { 0 }).collect();
+        // The router's keys, only when there is a choice to make.
+        let choice = |m: Mode| self.workers.iter().filter(|w| w.mode == m).count() > 1;
+        let hashes = if choice(Mode::Full) || choice(Mode::Prefill) {
+            PrefixIndex::hashes(&prompt.tokens(), None)
+        } else {
+            Vec::new()
+        };
+        let room: Vec<usize> = self
+            .workers
+            .iter_mut()
+            .map(|w| if w.mode == Mode::Decode { w.sched.available() } else { 0 })
+            .collect();
         let prompt = &self.input.requests[r].prompt;
         let first = |m: Mode| self.workers.iter().enumerate().filter(move |(_, w)| w.mode == m);
         let names: Vec<String> = self.workers.iter().map(|w| w.name.clone()).collect();
         let pick_cached = |m: Mode| {
             let cands: Vec<Candidate<'_>> = first(m)
-                .map(|(i, w)| Candidate { key: &names[i], load: w.in_flight, matched: 2 * self.router.matched(&names[i], &hashes) })
+                .map(|(i, w)| Candidate {
+                    key: &names[i],
+                    load: w.in_flight,
+                    matched: 2 * self.router.matched(&names[i], &hashes),
+                })
                 .collect();
             let key = cache_aware(&cands)?;
             names.iter().position(|n| n == key)
         };
         if self.workers.iter().any(|w| w.mode == Mode::Full) {
-            let Some(w) = pick_cached(Mode::Full) else { return self.end(r, Outcome::Failed("no worker".into())) };
+            let Some(w) = pick_cached(Mode::Full) else {
+                return self.end(r, Outcome::Failed("no worker".into()));
+            };
             self.router.remember(&names[w], &hashes);
             self.reqs[r].workers.push(("worker".into(), names[w].clone()));
             let seq = self.seq(r, Mode::Full);
@@ -277,7 +306,9 @@ impl<'a> Sim<'a> {
             .filter(|(i, _)| room[*i] * bs > prompt.len())
             .min_by_key(|(i, w)| (w.in_flight + w.sched.running.len() as u64, Reverse(room[*i])))
             .map(|(i, _)| i);
-        let Some(p) = pick_cached(Mode::Prefill) else { return self.end(r, Outcome::Failed("no worker".into())) };
+        let Some(p) = pick_cached(Mode::Prefill) else {
+            return self.end(r, Outcome::Failed("no worker".into()));
+        };
         let Some(d) = d else {
             return self.end(r, Outcome::Failed("no decode worker has room for the KV".into()));
         };

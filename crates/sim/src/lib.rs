@@ -17,7 +17,7 @@ mod nnls;
 pub mod requests;
 
 pub use calib::{Calibration, LinkModel, Provenance, StepShape};
-pub use requests::{ByteTokenizer, Input, SimRequest};
+pub use requests::{ByteTokenizer, Input, Prompt, SimRequest};
 
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -132,10 +132,12 @@ pub fn simulate(cfg: &SimConfig, calib: &Calibration, input: &Input) -> Result<S
         let mut timing = st.timeline.timing();
         timing.cached_tokens = st.cached as u64;
         timing.kv_transfer_bytes = st.kv_bytes;
-        timing.workers = st.workers.iter().map(|(k, v)| (k.clone(), WorkerId(v.clone()))).collect::<BTreeMap<_, _>>();
+        timing.workers =
+            st.workers.iter().map(|(k, v)| (k.clone(), WorkerId(v.clone()))).collect::<BTreeMap<_, _>>();
         match &st.outcome {
             Some(Outcome::Finished(reason)) => {
-                rec.outcome = tokenpath_timeline::Outcome::Ok { finish_reason: Some(reason_name(*reason).into()) };
+                rec.outcome =
+                    tokenpath_timeline::Outcome::Ok { finish_reason: Some(reason_name(*reason).into()) };
                 rec.usage = Some(Usage {
                     prompt_tokens: req.prompt.len() as u64,
                     completion_tokens: st.tokens.len() as u64,
@@ -143,11 +145,14 @@ pub fn simulate(cfg: &SimConfig, calib: &Calibration, input: &Input) -> Result<S
                 });
             }
             Some(Outcome::Failed(m)) => {
-                rec.outcome = tokenpath_timeline::Outcome::Failed { kind: "http_500".into(), message: m.clone() };
+                rec.outcome =
+                    tokenpath_timeline::Outcome::Failed { kind: "http_500".into(), message: m.clone() };
             }
             None => {
-                rec.outcome =
-                    tokenpath_timeline::Outcome::Failed { kind: "stream_error".into(), message: "never ended".into() };
+                rec.outcome = tokenpath_timeline::Outcome::Failed {
+                    kind: "stream_error".into(),
+                    message: "never ended".into(),
+                };
             }
         }
         rec.server = Some(timing);

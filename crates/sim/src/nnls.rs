@@ -56,7 +56,10 @@ mod tests {
     use proptest::prelude::*;
 
     fn loss(rows: &[Vec<f64>], b: &[f64], x: &[f64]) -> f64 {
-        rows.iter().zip(b).map(|(r, bi)| (r.iter().zip(x).map(|(a, c)| a * c).sum::<f64>() - bi).powi(2)).sum()
+        rows.iter()
+            .zip(b)
+            .map(|(r, bi)| (r.iter().zip(x).map(|(a, c)| a * c).sum::<f64>() - bi).powi(2))
+            .sum()
     }
 
     #[test]

@@ -15,13 +15,64 @@ use tokenpath_bench::workload::Workload;
 use tokenpath_protocol::ProtocolError;
 use tokenpath_timeline::Nanos;
 
+/// A prompt's token ids, or how to make them: a trace of a million long prompts would not fit in
+/// memory as ids, so a trace's prompts are made when their request is admitted.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    /// The ids themselves.
+    Tokens(Vec<u32>),
+    /// `len` ids from blocks of [`MOONCAKE_BLOCK`] ids each derived from a hash id.
+    Blocks {
+        /// One hash id per block.
+        ids: Vec<u64>,
+        /// Ids in the prompt.
+        len: usize,
+        /// Vocabulary size the ids are drawn from.
+        vocab: u32,
+    },
+}
+
+impl Prompt {
+    /// Ids in the prompt.
+    pub fn len(&self) -> usize {
+        match self {
+            Prompt::Tokens(t) => t.len(),
+            Prompt::Blocks { len, .. } => *len,
+        }
+    }
+
+    /// Whether it has no ids.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The ids.
+    pub fn tokens(&self) -> Vec<u32> {
+        match self {
+            Prompt::Tokens(t) => t.clone(),
+            Prompt::Blocks { ids, len, vocab } => {
+                let mut out = Vec::with_capacity(*len);
+                'blocks: for &id in ids {
+                    for j in 0..MOONCAKE_BLOCK as u64 {
+                        if out.len() == *len {
+                            break 'blocks;
+                        }
+                        out.push((mix(id, j) % u64::from((*vocab).max(1))) as u32);
+                    }
+                }
+                out
+            }
+        }
+    }
+}
+
 /// One simulated request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimRequest {
     /// Its id (the bench's numbering).
     pub id: u64,
     /// The prompt's token ids as the server runs them.
-    pub prompt: Vec<u32>,
+    pub prompt: Prompt,
     /// The tokens it generates (its length is `max_tokens`: outputs run to their limit, as with
     /// `ignore_eos`).
     pub answer: Vec<u32>,
@@ -133,7 +184,7 @@ pub fn from_workload(
                 None => break,
             },
         };
-        input.requests.push(SimRequest { id: i as u64, prompt, answer });
+        input.requests.push(SimRequest { id: i as u64, prompt: Prompt::Tokens(prompt), answer });
         input.send.push(send);
     }
     if input.requests.is_empty() {
@@ -161,17 +212,14 @@ pub fn mooncake(text: &str, limit: usize, vocab: u32) -> Result<Input, SimError>
         if input_len == 0 || input_len > ids.len() * MOONCAKE_BLOCK || output_len > 1 << 20 {
             return Err(bad("input_length does not match its hash_ids"));
         }
-        let mut prompt = Vec::with_capacity(input_len);
-        for id in ids {
-            let id = id.as_u64().ok_or_else(|| bad("a hash id is not an integer"))?;
-            for j in 0..MOONCAKE_BLOCK as u64 {
-                if prompt.len() == input_len {
-                    break;
-                }
-                prompt.push((mix(id, j) % u64::from(vocab.max(1))) as u32);
-            }
-        }
-        let answer = (0..output_len as u64).map(|j| (mix(u64::MAX - i as u64, j) % u64::from(vocab.max(1))) as u32).collect();
+        let ids = ids
+            .iter()
+            .map(|id| id.as_u64().ok_or_else(|| bad("a hash id is not an integer")))
+            .collect::<Result<Vec<u64>, _>>()?;
+        let prompt = Prompt::Blocks { ids, len: input_len, vocab };
+        let answer = (0..output_len as u64)
+            .map(|j| (mix(u64::MAX - i as u64, j) % u64::from(vocab.max(1))) as u32)
+            .collect();
         input.requests.push(SimRequest { id: i as u64, prompt, answer });
         input.send.push(Send::At((ts_ms * 1e6) as Nanos));
     }
@@ -199,7 +247,8 @@ mod tests {
         let input = from_workload(&w, 6, 1, None, Some(&[std::time::Duration::ZERO; 6]), None).unwrap();
         assert_eq!(input.requests.len(), 6);
         let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
-        let shared = (1..6).map(|i| common(&input.requests[0].prompt, &input.requests[i].prompt)).max().unwrap();
+        let first = input.requests[0].prompt.tokens();
+        let shared = (1..6).map(|i| common(&first, &input.requests[i].prompt.tokens())).max().unwrap();
         assert!(shared >= 64, "{shared}");
         assert!(input.requests.iter().all(|r| r.answer.len() == 4));
     }
@@ -211,7 +260,7 @@ mod tests {
         let (a, b) = (&input.requests[0], &input.requests[1]);
         // Turn 2's prompt starts with turn 1's messages (the generation prompt aside) and has
         // turn 1's answer in it.
-        let text = ByteTokenizer.decode(&b.prompt);
+        let text = ByteTokenizer.decode(&b.prompt.tokens());
         assert!(text.contains(&ByteTokenizer.decode(&a.answer)));
         assert_eq!(input.send[1], Send::After(0));
         assert_eq!(input.send[3], Send::At(0));
@@ -219,8 +268,12 @@ mod tests {
 
     #[test]
     fn a_closed_loop_chains_each_clients_requests() {
-        let input = from_workload(&Workload::Fixed { input: 32, output: 4 }, 5, 0, None, None, Some(2)).unwrap();
-        assert_eq!(input.send, vec![Send::At(0), Send::At(0), Send::After(0), Send::After(1), Send::After(2)]);
+        let input =
+            from_workload(&Workload::Fixed { input: 32, output: 4 }, 5, 0, None, None, Some(2)).unwrap();
+        assert_eq!(
+            input.send,
+            vec![Send::At(0), Send::At(0), Send::After(0), Send::After(1), Send::After(2)]
+        );
     }
 
     #[test]
@@ -228,12 +281,17 @@ mod tests {
         let text = "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [1, 2]}\n\
                     {\"timestamp\": 5, \"input_length\": 520, \"output_length\": 2, \"hash_ids\": [1, 3]}\n";
         let input = mooncake(text, 10, 49_152).unwrap();
-        let (a, b) = (&input.requests[0].prompt, &input.requests[1].prompt);
+        let (a, b) = (input.requests[0].prompt.tokens(), input.requests[1].prompt.tokens());
         assert_eq!((a.len(), b.len()), (600, 520));
         assert_eq!(a[..512], b[..512]);
         assert_ne!(a[512..520], b[512..520]);
         assert_eq!(input.send[1], Send::At(5_000_000));
         assert!(mooncake("{\"timestamp\": 0}", 10, 10).is_err());
-        assert!(mooncake("{\"timestamp\": 0, \"input_length\": 2000, \"output_length\": 1, \"hash_ids\": [1]}", 10, 10).is_err());
+        assert!(mooncake(
+            "{\"timestamp\": 0, \"input_length\": 2000, \"output_length\": 1, \"hash_ids\": [1]}",
+            10,
+            10
+        )
+        .is_err());
     }
 }

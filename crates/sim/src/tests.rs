@@ -126,7 +126,9 @@ fn a_small_cache_preempts_and_an_impossible_request_fails_cleanly() {
     let mut tiny = cfg(1, 0, 0);
     tiny.worker.n_ctx = 100;
     let out = simulate(&tiny, &calib(), &big).unwrap();
-    assert!(matches!(&out.records[0].outcome, tokenpath_timeline::Outcome::Failed { message, .. } if message.contains("context")));
+    assert!(
+        matches!(&out.records[0].outcome, tokenpath_timeline::Outcome::Failed { message, .. } if message.contains("context"))
+    );
 }
 
 #[test]

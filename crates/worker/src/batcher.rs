@@ -127,11 +127,8 @@ impl Batcher {
             .kv_pool
             .as_ref()
             .map(|p| tokenpath_kv::pool::PoolClient::new(p.clone(), root, cache.block_bytes()));
-        let policy = Policy {
-            block_size: cfg.block_size,
-            prefill_chunk: cfg.prefill_chunk,
-            max_batch: cfg.max_batch,
-        };
+        let policy =
+            Policy { block_size: cfg.block_size, prefill_chunk: cfg.prefill_chunk, max_batch: cfg.max_batch };
         let sched = Scheduler::new(cache, policy, cfg.prefix_cache)
             .map_err(|e| crate::WorkerError::Config(e.to_string()))?;
         Ok(Self {
@@ -263,10 +260,7 @@ impl Batcher {
     /// Decides how many tokens each running sequence feeds this step (the shared scheduler,
     /// with prefixes from the arena and then the host's KV pool).
     fn plan(&mut self) -> Vec<usize> {
-        let mut source = prefix::PoolSource {
-            pool: self.pool.as_mut(),
-            stats: &mut self.stats,
-        };
+        let mut source = prefix::PoolSource { pool: self.pool.as_mut(), stats: &mut self.stats };
         self.sched.plan(&mut source)
     }
 
@@ -297,7 +291,8 @@ impl Batcher {
                 s.stamp(Mark::DecodeStart, t0);
             }
         }
-        let (mut prompt_tokens, mut decode_tokens, mut attn_pairs, mut decode_pairs) = (0u64, 0u64, 0u64, 0u64);
+        let (mut prompt_tokens, mut decode_tokens, mut attn_pairs, mut decode_pairs) =
+            (0u64, 0u64, 0u64, 0u64);
         let result = {
             let mut items = Vec::with_capacity(plan.len());
             for (s, &n) in self.sched.running.iter_mut().zip(&plan) {

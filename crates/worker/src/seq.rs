@@ -14,8 +14,8 @@ use tokenpath_engine::stop::StopMatcher;
 use tokenpath_engine::tokenizer::StreamDecoder;
 use tokenpath_engine::Engine;
 use tokenpath_kv::BlockHash;
-use tokenpath_scheduler::{SeqCore, Sequence};
 use tokenpath_protocol::work::{Backlog, PAUSE_AT, RESUME_AT};
+use tokenpath_scheduler::{SeqCore, Sequence};
 use tokenpath_timeline::{FinishReason, Mark, Nanos, RequestId, ServerTimeline, WorkerId};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::OwnedSemaphorePermit;
@@ -132,8 +132,6 @@ impl Seq {
             tracing::debug!(request = %self.id, "timeline: {e}");
         }
     }
-
-
 
     fn send_text(&mut self, delta: String, at: Instant) {
         if delta.is_empty() || self.unsent_tokens == 0 {

@@ -50,10 +50,11 @@ impl PrefixSource<Seq> for PoolSource<'_> {
             // the tokens to compute).
             let n = lease.blocks.len().min(sched.cache.free_blocks());
             let cache = &mut sched.cache;
-            let filled = cache.reserve(&mut a.table, (have + n) * bs).map_err(|e| e.to_string()).and_then(|()| {
-                let mut dsts = cache.blocks_bytes_mut(&a.table, have, n).map_err(|e| e.to_string())?;
-                Ok(pool.load_all(&lease.blocks[..n], &mut dsts))
-            });
+            let filled =
+                cache.reserve(&mut a.table, (have + n) * bs).map_err(|e| e.to_string()).and_then(|()| {
+                    let mut dsts = cache.blocks_bytes_mut(&a.table, have, n).map_err(|e| e.to_string())?;
+                    Ok(pool.load_all(&lease.blocks[..n], &mut dsts))
+                });
             let ok = filled.unwrap_or_else(|e| {
                 tracing::warn!(request = %seq.id, "no room for a KV pool hit: {e}");
                 Vec::new()
