@@ -53,6 +53,13 @@ pub struct SimArgs {
     /// The machine's calibration (`tokenpath calibrate`).
     #[arg(long, value_name = "FILE")]
     calibration: PathBuf,
+    /// The prefill workers' own calibration (a PD worker usually has fewer cores than a
+    /// colocated one: calibrate on a server pinned to as many).
+    #[arg(long, value_name = "FILE")]
+    prefill_calibration: Option<PathBuf>,
+    /// The decode workers' own calibration.
+    #[arg(long, value_name = "FILE")]
+    decode_calibration: Option<PathBuf>,
     #[command(flatten)]
     load: LoadArgs,
     /// Replay a Mooncake-format trace (timestamp ms, input_length, output_length, hash_ids of
@@ -81,6 +88,9 @@ pub struct SimArgs {
 
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
     let calib = Calibration::load(&args.calibration)?;
+    let prefill = args.prefill_calibration.as_deref().map(Calibration::load).transpose()?;
+    let decode = args.decode_calibration.as_deref().map(Calibration::load).transpose()?;
+    let calibs = tokenpath_sim::Calibrations { default: &calib, prefill: prefill.as_ref(), decode: decode.as_ref() };
     let s = &args.server;
     let topology = if s.prefill > 0 || s.decode > 0 {
         Topology { colocated: 0, prefill: s.prefill, decode: s.decode }
@@ -141,7 +151,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         }
     };
     let built = started.elapsed();
-    let out = tokenpath_sim::simulate(&cfg, &calib, &input)?;
+    let out = tokenpath_sim::simulate_with(&cfg, &calibs, &input)?;
     let wall = started.elapsed();
     eprintln!(
         "sim: {} requests, {} steps, {:.1} s simulated in {:.2} s ({:.2} s building prompts; {:.0} requests/s); calibration {} ({}, {})",

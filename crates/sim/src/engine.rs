@@ -49,8 +49,10 @@ impl DerefMut for SimSeq {
 }
 impl Sequence for SimSeq {}
 
-struct Worker {
+struct Worker<'a> {
     name: String,
+    /// This worker's step timing (a prefill or decode worker may have fewer cores).
+    calib: &'a Calibration,
     mode: Mode,
     sched: Scheduler<SimSeq>,
     busy: bool,
@@ -100,7 +102,7 @@ pub(crate) struct Sim<'a> {
     cfg: &'a SimConfig,
     calib: &'a Calibration,
     input: &'a Input,
-    workers: Vec<Worker>,
+    workers: Vec<Worker<'a>>,
     queue: BinaryHeap<Reverse<(Nanos, u64, Event)>>,
     order: u64,
     now: Nanos,
@@ -119,7 +121,7 @@ fn us_to_ns(us: f64) -> Nanos {
 impl<'a> Sim<'a> {
     pub(crate) fn new(
         cfg: &'a SimConfig,
-        calib: &'a Calibration,
+        calib: &crate::Calibrations<'a>,
         input: &'a Input,
     ) -> Result<Self, SimError> {
         let w = &cfg.worker;
@@ -135,8 +137,14 @@ impl<'a> Sim<'a> {
             let cache = KvCache::new(layout, w.kv_blocks).map_err(|e| SimError::Config(e.to_string()))?;
             let sched =
                 Scheduler::new(cache, policy, w.prefix_cache).map_err(|e| SimError::Config(e.to_string()))?;
+            let own = match mode {
+                Mode::Full => calib.default,
+                Mode::Prefill => calib.prefill.unwrap_or(calib.default),
+                Mode::Decode => calib.decode.unwrap_or(calib.default),
+            };
             workers.push(Worker {
                 name: format!("{tag}{i}"),
+                calib: own,
                 mode,
                 sched,
                 busy: false,
@@ -164,7 +172,7 @@ impl<'a> Sim<'a> {
         let mut next = vec![Vec::new(); n];
         let mut sim = Self {
             cfg,
-            calib,
+            calib: calib.default,
             input,
             workers,
             queue: BinaryHeap::new(),
@@ -333,7 +341,7 @@ impl<'a> Sim<'a> {
         self.wake(p);
     }
 
-    fn has_work(w: &Worker) -> bool {
+    fn has_work(w: &Worker<'_>) -> bool {
         !w.sched.waiting.is_empty() || !w.sched.running.is_empty()
     }
 
@@ -389,7 +397,7 @@ impl<'a> Sim<'a> {
                 marks.push((s.req, Mark::DecodeStart));
             }
         }
-        let dur = us_to_ns(self.calib.step_us(&shape, &mut worker.rng)).max(1);
+        let dur = us_to_ns(worker.calib.step_us(&shape, &mut worker.rng)).max(1);
         worker.busy = true;
         worker.plan = plan;
         worker.shape = shape;
@@ -509,7 +517,7 @@ impl<'a> Sim<'a> {
             self.steps.push((worker.name.clone(), rec));
         }
         // The next step after the inter-step gap (sampling, streaming, planning).
-        let gap = us_to_ns(self.calib.gap_us(rows, &mut worker.rng));
+        let gap = us_to_ns(worker.calib.gap_us(rows, &mut worker.rng));
         if Self::has_work(worker) {
             worker.busy = true;
             self.push(t1 + gap, Event::Resume(w));

@@ -112,9 +112,28 @@ pub struct SimOutput {
     pub stats: SimStats,
 }
 
-/// Simulates `input` on `cfg` with `calib`'s timing.
+/// The timing of each kind of worker: PD workers usually have fewer cores each than a
+/// colocated one, so they step at their own speed.
+#[derive(Clone, Copy, Debug)]
+pub struct Calibrations<'a> {
+    /// Colocated workers, and every worker without its own; also the gateway's time and the link.
+    pub default: &'a Calibration,
+    /// Prefill workers'.
+    pub prefill: Option<&'a Calibration>,
+    /// Decode workers'.
+    pub decode: Option<&'a Calibration>,
+}
+
+/// Simulates `input` on `cfg` with `calib`'s timing for every worker.
 pub fn simulate(cfg: &SimConfig, calib: &Calibration, input: &Input) -> Result<SimOutput, SimError> {
-    calib.check()?;
+    simulate_with(cfg, &Calibrations { default: calib, prefill: None, decode: None }, input)
+}
+
+/// Simulates `input` on `cfg`, each kind of worker with its own timing.
+pub fn simulate_with(cfg: &SimConfig, calib: &Calibrations<'_>, input: &Input) -> Result<SimOutput, SimError> {
+    for c in [Some(calib.default), calib.prefill, calib.decode].into_iter().flatten() {
+        c.check()?;
+    }
     let w = &cfg.worker;
     if w.kv_blocks == 0 || w.block_size == 0 || w.prefill_chunk == 0 || w.max_batch == 0 || w.n_ctx < 2 {
         return Err(SimError::Config(format!("{w:?}")));
