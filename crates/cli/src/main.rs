@@ -10,6 +10,7 @@ mod generate;
 mod kv_pool;
 mod mock_engine;
 mod output;
+mod plan;
 mod secret;
 mod serve;
 mod sim;
@@ -84,6 +85,10 @@ enum Command {
     /// time — for topologies, loads and contexts this machine cannot run; writes the bench's
     /// JSON, so `report` and `compare` read it like a measured run.
     Sim(Box<sim::SimArgs>),
+    /// Colocated or PD, and how many of each, for a GPU fleet: every split simulated over a
+    /// roofline model of the GPU and the model, goodput under the SLOs, and how much the answer
+    /// depends on the assumed efficiencies.
+    Plan(Box<plan::PlanArgs>),
     /// Fit a machine's step-time calibration for `sim` from real workers' step logs
     /// (`serve --step-log`).
     Calibrate(sim::CalibrateArgs),
@@ -161,6 +166,7 @@ fn main() -> anyhow::Result<()> {
         Command::MockEngine(args) => mock_engine::run(args),
         Command::Sim(args) => sim::run(*args),
         Command::Calibrate(args) => sim::calibrate(args),
+        Command::Plan(args) => plan::run(*args),
     }
 }
 

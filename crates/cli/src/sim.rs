@@ -90,7 +90,8 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     let calib = Calibration::load(&args.calibration)?;
     let prefill = args.prefill_calibration.as_deref().map(Calibration::load).transpose()?;
     let decode = args.decode_calibration.as_deref().map(Calibration::load).transpose()?;
-    let calibs = tokenpath_sim::Calibrations { default: &calib, prefill: prefill.as_ref(), decode: decode.as_ref() };
+    let calibs =
+        tokenpath_sim::Calibrations { default: &calib, prefill: prefill.as_ref(), decode: decode.as_ref() };
     let s = &args.server;
     let topology = if s.prefill > 0 || s.decode > 0 {
         Topology { colocated: 0, prefill: s.prefill, decode: s.decode }

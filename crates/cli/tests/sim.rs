@@ -63,6 +63,12 @@ fn the_simulator_replays_a_real_run_with_the_same_decisions() {
     args.extend(load);
     let said = run(&args);
     assert!(said.contains("sim: 10 requests"), "{said}");
+    // The same seed gives the same bytes.
+    let again = p("sim-again.json");
+    let mut twice = vec!["sim", "--calibration", &calib, "--out", &again];
+    twice.extend(load);
+    run(&twice);
+    assert!(std::fs::read(&sim).unwrap() == std::fs::read(&again).unwrap(), "two runs of one seed differ");
 
     let (real, sim) = (requests(Path::new(&real)), requests(Path::new(&sim)));
     assert_eq!(real.len(), 10);

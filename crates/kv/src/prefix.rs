@@ -104,15 +104,13 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
 
     /// Records that `block` holds the chain ending in `hash`, extending `parent` (`None` for a
     /// sequence's first block). Returns `true` when the entry is new — the caller then keeps
-    /// one reference on `block` for the index. An already cached hash, a block the index holds
-    /// already (under another hash), or a parent that is no longer cached (the entry could
-    /// never be matched), returns `false`.
+    /// one reference on `block` for the index. An already cached hash, or a parent that is no
+    /// longer cached (the entry could never be matched), returns `false`. Pins
+    /// ([`PrefixCache::set_pinned`]) follow a block's first entry: an owner that pins gives
+    /// each block one chain position (the router's index of `()` blocks pins nothing).
     pub fn insert(&mut self, parent: Option<BlockHash>, hash: BlockHash, block: B) -> bool {
         if self.map.contains_key(&hash) {
             self.touch(hash);
-            return false;
-        }
-        if self.by_block.contains_key(&block) {
             return false;
         }
         if let Some(p) = parent {
@@ -131,7 +129,7 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
             hash,
             Entry { block, parent, children: 0, tick: self.tick, pinned: false, kept_children: 0 },
         );
-        self.by_block.insert(block, hash);
+        self.by_block.entry(block).or_insert(hash);
         self.leaves.insert(self.tick, hash);
         true
     }
@@ -146,7 +144,9 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
             .find(|(_, h)| self.map.get(h).is_some_and(|e| can_free(e.block)))?;
         self.leaves.remove(&tick);
         let e = self.map.remove(&hash)?;
-        self.by_block.remove(&e.block);
+        if self.by_block.get(&e.block) == Some(&hash) {
+            self.by_block.remove(&e.block);
+        }
         if e.kept() {
             // Only when the caller's `can_free` and its pins disagree; the books stay right.
             self.kept -= 1;
@@ -323,12 +323,25 @@ mod tests {
         assert!(!c.insert(None, a[0], 9), "a cached hash keeps its block");
     }
 
+    /// Regression: pins once made `insert` refuse a block indexed under another hash, and the
+    /// router's index, whose blocks are all `()`, kept one entry only.
     #[test]
-    fn a_block_holds_one_chain_position_at_most() {
+    fn an_index_of_unit_blocks_keeps_every_chain() {
+        let mut c: PrefixCache<()> = PrefixCache::new();
+        let h = chain(&[1, 2, 3, 4, 5, 6]);
+        let mut parent = None;
+        for x in &h {
+            assert!(c.insert(parent, *x, ()));
+            parent = Some(*x);
+        }
+        assert_eq!(c.matched(&h), 3);
+    }
+
+    #[test]
+    fn pins_keep_a_block_and_its_ancestors() {
         let mut c = PrefixCache::new();
         let h = chain(&[1, 2, 3, 4]);
         assert!(c.insert(None, h[0], 7u32));
-        assert!(!c.insert(Some(h[0]), h[1], 7), "block 7 is indexed already");
         assert!(c.insert(Some(h[0]), h[1], 8));
         c.set_pinned(8, true);
         assert_eq!(c.evictable_now(), 0, "a pinned leaf keeps its parent");

@@ -14,6 +14,7 @@
 pub mod calib;
 mod engine;
 mod nnls;
+pub mod plan;
 pub mod requests;
 
 pub use calib::{Calibration, LinkModel, Provenance, StepShape};
@@ -130,7 +131,11 @@ pub fn simulate(cfg: &SimConfig, calib: &Calibration, input: &Input) -> Result<S
 }
 
 /// Simulates `input` on `cfg`, each kind of worker with its own timing.
-pub fn simulate_with(cfg: &SimConfig, calib: &Calibrations<'_>, input: &Input) -> Result<SimOutput, SimError> {
+pub fn simulate_with(
+    cfg: &SimConfig,
+    calib: &Calibrations<'_>,
+    input: &Input,
+) -> Result<SimOutput, SimError> {
     for c in [Some(calib.default), calib.prefill, calib.decode].into_iter().flatten() {
         c.check()?;
     }
