@@ -128,7 +128,10 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     );
     let rows = plan::sweep(&spec, eff, &input)?;
     print_rows(&rows);
-    let best = plan::best(&rows).ok_or_else(|| anyhow::anyhow!("nothing was simulated"))?;
+    let Some(best) = plan::best(&rows) else {
+        println!("answer: no split meets {} at this rate on this fleet (every goodput is 0)", args.slo);
+        return Ok(());
+    };
     // How much the pick depends on the assumed efficiencies.
     let mut bounds = Vec::new();
     for f in [0.7, 1.3] {

@@ -353,12 +353,18 @@ pub fn sweep(spec: &PlanSpec, eff: Efficiency, input: &crate::Input) -> Result<V
     Ok(rows)
 }
 
-/// The best row: highest goodput, then attainment.
+/// The best row: the highest goodput (rows within 0.5% of it count as equal), then the highest
+/// attainment, then the lowest TTFT p99, then the first (colocated before PD). `None` when no
+/// row has any goodput: no split meets the SLOs.
 pub fn best(rows: &[PlanRow]) -> Option<&PlanRow> {
-    rows.iter().max_by(|a, b| {
-        (a.goodput_rps, a.attainment)
-            .partial_cmp(&(b.goodput_rps, b.attainment))
-            .unwrap_or(std::cmp::Ordering::Equal)
+    let top = rows.iter().map(|r| r.goodput_rps).fold(0.0f64, f64::max);
+    if top <= 0.0 {
+        return None;
+    }
+    let key = |r: &PlanRow| (r.attainment, -r.ttft_p99_ms.unwrap_or(f64::MAX));
+    rows.iter().filter(|r| r.goodput_rps >= top * 0.995).fold(None, |b: Option<&PlanRow>, r| match b {
+        Some(b) if key(b).partial_cmp(&key(r)) != Some(std::cmp::Ordering::Less) => Some(b),
+        _ => Some(r),
     })
 }
 
