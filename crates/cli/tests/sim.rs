@@ -64,11 +64,12 @@ fn the_simulator_replays_a_real_run_with_the_same_decisions() {
     let said = run(&args);
     assert!(said.contains("sim: 10 requests"), "{said}");
     // The same seed gives the same bytes.
-    let again = p("sim-again.json");
-    let mut twice = vec!["sim", "--calibration", &calib, "--out", &again];
+    let (again, again_steps) = (p("sim-again.json"), p("sim-again-steps.jsonl"));
+    let mut twice = vec!["sim", "--calibration", &calib, "--out", &again, "--step-log-out", &again_steps];
     twice.extend(load);
     run(&twice);
     assert!(std::fs::read(&sim).unwrap() == std::fs::read(&again).unwrap(), "two runs of one seed differ");
+    assert!(std::fs::read(&sim_steps).unwrap() == std::fs::read(&again_steps).unwrap(), "their step logs differ");
 
     let (real, sim) = (requests(Path::new(&real)), requests(Path::new(&sim)));
     assert_eq!(real.len(), 10);
@@ -88,5 +89,47 @@ fn the_simulator_replays_a_real_run_with_the_same_decisions() {
     assert!((0.33..3.0).contains(&ratio), "simulated E2E {ratio:.2}× the real one");
     // The simulated step log is a step log: `calibrate` reads it.
     run(&["calibrate", "--step-log", &sim_steps, "--model", &m, "--out", &p("calib-of-sim.json")]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn plan_answers_for_a_catalogued_fleet_and_refuses_unknown_hardware() {
+    let dir = std::env::temp_dir().join(format!("tokenpath-plan-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("plan.json").display().to_string();
+    let said = run(&[
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "h100",
+        "--gpus",
+        "4",
+        "--workload",
+        "fixed:4000:64",
+        "--rate",
+        "8",
+        "--num-requests",
+        "60",
+        "--slo",
+        "ttft:2s,tpot:20ms",
+        "--out",
+        &out,
+    ]);
+    assert!(said.contains("answer:"), "{said}");
+    for split in ["4 colocated", "1P3D", "2P2D", "3P1D"] {
+        assert!(said.contains(split), "{split} missing:\n{said}");
+    }
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(doc["rows"].as_array().unwrap().len(), 4);
+    let bad =
+        Command::new(BIN).args(["plan", "--model", "llama-3.1-8b", "--gpu", "tpu-v9"]).output().unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown GPU \"tpu-v9\" (known: h100"), "{bad:?}");
+    let bad = Command::new(BIN)
+        .args(["plan", "--model", "llama-3.1-70b", "--gpu", "rtx4090", "--gpus", "1"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("does not fit"), "{bad:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
