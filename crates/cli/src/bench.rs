@@ -191,6 +191,34 @@ impl LoadArgs {
     }
 }
 
+impl LoadArgs {
+    /// The simulated clients of `n` requests: the workload's prompts as token ids (through
+    /// `--tokenizer` when given), sent on the arrival process, the trace's schedule or by
+    /// `--concurrency` closed-loop clients.
+    pub(crate) fn sim_input(&self, n: usize, who: &str) -> anyhow::Result<tokenpath_sim::Input> {
+        let tok = self
+            .open_tokenizer(who)?
+            .map(|t| t as std::sync::Arc<dyn tokenpath_bench::tokens::PromptTokenizer>);
+        let offsets = match (self.concurrency, self.workload.schedule()) {
+            (Some(_), _) => None,
+            (None, Some(s)) => Some(s),
+            (None, None) => {
+                let starts = self.workload.turns().map_or(n, |t| n.div_ceil(t));
+                let duration = self.duration.map(Duration::from_secs_f64);
+                Some(self.arrival().plan(self.ramp.as_ref(), starts, duration, self.seed)?)
+            }
+        };
+        Ok(tokenpath_sim::requests::from_workload(
+            &self.workload,
+            n,
+            self.seed,
+            tok,
+            offsets.as_deref(),
+            self.concurrency,
+        )?)
+    }
+}
+
 /// Writes a run's report, its configuration and every record as the bench's JSON.
 pub(crate) fn write_run_json(
     path: &std::path::Path,

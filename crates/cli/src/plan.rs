@@ -4,8 +4,6 @@
 
 use crate::bench::LoadArgs;
 use clap::Args;
-use std::sync::Arc;
-use tokenpath_bench::tokens::PromptTokenizer;
 use tokenpath_sim::plan::{self, Efficiency, PlanRow, PlanSpec, Replica};
 use tokenpath_sim::WorkerShape;
 use tokenpath_timeline::SloSpec;
@@ -90,26 +88,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         seed: args.load.seed,
     };
     let n = args.load.num_requests();
-    let tok = args.load.open_tokenizer("plan")?.map(|t| t as Arc<dyn PromptTokenizer>);
-    let offsets = match args.load.concurrency {
-        Some(_) => None,
-        None => Some(match args.load.workload.schedule() {
-            Some(s) => s,
-            None => {
-                let starts = args.load.workload.turns().map_or(n, |t| n.div_ceil(t));
-                let duration = args.load.duration.map(std::time::Duration::from_secs_f64);
-                args.load.arrival().plan(args.load.ramp.as_ref(), starts, duration, args.load.seed)?
-            }
-        }),
-    };
-    let input = tokenpath_sim::requests::from_workload(
-        &args.load.workload,
-        n,
-        args.load.seed,
-        tok,
-        offsets.as_deref(),
-        args.load.concurrency,
-    )?;
+    let input = args.load.sim_input(n, "plan")?;
     println!(
         "plan: {} on {} × {} (TP {}, {} replicas, {} GB KV each: {} tokens), KV link {} ({} GB/s); {} at {} req/s, {} requests; SLO {}",
         replica.model.name,

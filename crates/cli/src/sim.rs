@@ -7,9 +7,7 @@ use anyhow::Context as _;
 use clap::Args;
 use std::io::Write as _;
 use std::path::PathBuf;
-use std::sync::Arc;
 use tokenpath_bench::report::{Report, ReportOptions};
-use tokenpath_bench::tokens::PromptTokenizer;
 use tokenpath_protocol::work::StepRecord;
 use tokenpath_sim::{Calibration, LinkModel, Provenance, SimConfig, Topology, WorkerShape};
 use tokenpath_timeline::SloSpec;
@@ -128,28 +126,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
                 std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
             tokenpath_sim::requests::mooncake(&text, n, 49_152)?
         }
-        None => {
-            let tok = args.load.open_tokenizer("sim")?.map(|t| t as Arc<dyn PromptTokenizer>);
-            let offsets = match args.load.concurrency {
-                Some(_) => None,
-                None => Some(match args.load.workload.schedule() {
-                    Some(s) => s,
-                    None => {
-                        let starts = args.load.workload.turns().map_or(n, |t| n.div_ceil(t));
-                        let duration = args.load.duration.map(std::time::Duration::from_secs_f64);
-                        args.load.arrival().plan(args.load.ramp.as_ref(), starts, duration, args.load.seed)?
-                    }
-                }),
-            };
-            tokenpath_sim::requests::from_workload(
-                &args.load.workload,
-                n,
-                args.load.seed,
-                tok,
-                offsets.as_deref(),
-                args.load.concurrency,
-            )?
-        }
+        None => args.load.sim_input(n, "sim")?,
     };
     let built = started.elapsed();
     let out = tokenpath_sim::simulate_with(&cfg, &calibs, &input)?;

@@ -69,7 +69,10 @@ fn the_simulator_replays_a_real_run_with_the_same_decisions() {
     twice.extend(load);
     run(&twice);
     assert!(std::fs::read(&sim).unwrap() == std::fs::read(&again).unwrap(), "two runs of one seed differ");
-    assert!(std::fs::read(&sim_steps).unwrap() == std::fs::read(&again_steps).unwrap(), "their step logs differ");
+    assert!(
+        std::fs::read(&sim_steps).unwrap() == std::fs::read(&again_steps).unwrap(),
+        "their step logs differ"
+    );
 
     let (real, sim) = (requests(Path::new(&real)), requests(Path::new(&sim)));
     assert_eq!(real.len(), 10);
