@@ -24,8 +24,18 @@ pub async fn within<T>(
     what: &str,
     fut: impl std::future::Future<Output = Result<T, ProtocolError>>,
 ) -> Result<T, ProtocolError> {
-    tokio::time::timeout(PEER_IDLE, fut).await.map_err(|_| ProtocolError::Connection {
-        message: format!("the peer sent nothing for {} s while {what}", PEER_IDLE.as_secs()),
+    within_for(PEER_IDLE, what, fut).await
+}
+
+/// `fut`, or an error once it made no progress for `idle` (a wait with a longer bound of its
+/// own, such as the first KV of a request still queued on its prefill worker).
+pub async fn within_for<T>(
+    idle: Duration,
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, ProtocolError>>,
+) -> Result<T, ProtocolError> {
+    tokio::time::timeout(idle, fut).await.map_err(|_| ProtocolError::Connection {
+        message: format!("the peer sent nothing for {} s while {what}", idle.as_secs()),
     })?
 }
 

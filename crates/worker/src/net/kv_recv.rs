@@ -13,8 +13,10 @@
 use super::kv::{KvTransport, COPY_PIECE};
 use super::ring_door;
 use super::shm::{host_id, OwnRing, RingPool, RING_BYTES};
+use super::PEER_IDLE;
 use super::{within, write_control};
 use crate::{KvBlocks, Transfer, WorkerHandle};
+use tokenpath_protocol::cluster::conn::within_for;
 use tokenpath_protocol::cluster::{
     decode_control, FromWorker, KvChunk, SameHost, ToWorker, TransferId, KV_TRAILER,
 };
@@ -134,6 +136,10 @@ pub(crate) struct Ends<'a, R, W> {
     pub(crate) ring: Option<&'a OwnRing>,
 }
 
+/// How long a transfer's first chunk may take: as long as a decode-mode request waits for its
+/// first token ([`crate::pd::HANDOFF_WAIT`]), with its blocks reserved meanwhile.
+pub(crate) const FIRST_KV_WAIT: std::time::Duration = crate::pd::HANDOFF_WAIT;
+
 fn text(e: ProtocolError) -> String {
     e.to_string()
 }
@@ -149,7 +155,12 @@ pub(crate) async fn receive_chunks<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     let (mut chunks, mut ring_chunks, mut next) = (0u32, 0u32, 0usize);
     let block_bytes = blocks.block_bytes();
     loop {
-        let header = within("waiting for KV", read_header(ends.rd))
+        // The first chunk exists only once the prefill worker has run the request's first
+        // chunk, and the request may be queued there for longer than a peer's usual idle bound
+        // (a 1P1D run at 0.3 req/s queued one for 15 s, and its transfer failed into a
+        // recompute here): the first wait is as long as this worker waits for the first token.
+        let idle = if chunks == 0 && ring_chunks == 0 && next == 0 { FIRST_KV_WAIT } else { PEER_IDLE };
+        let header = within_for(idle, "waiting for KV", read_header(ends.rd))
             .await
             .map_err(text)?
             .ok_or("the connection closed before the transfer ended")?;
@@ -257,4 +268,48 @@ fn copy_from_ring(
         return Err(format!("ring chunk checksum mismatch: expected {checksum:016x}, got {actual:016x}"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use tokenpath_engine::kv_cache::{BlockTable, KvCache, KvLayout};
+    use tokenpath_protocol::cluster::TransferToken;
+
+    /// A lent block to receive into, and what the batcher would get back.
+    fn blocks() -> (KvBlocks, std::sync::mpsc::Receiver<crate::batcher::Command>) {
+        let layout = KvLayout { n_layer: 1, kv_dim: 4, block_size: 4 };
+        let mut cache = KvCache::new(layout, 2).unwrap();
+        let mut table = BlockTable::default();
+        cache.reserve(&mut table, 4).unwrap();
+        let lease = cache.lease(&mut table).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = Transfer { id: 1, token: TransferToken([3; 16]) };
+        (KvBlocks::new(t, lease, tx), rx)
+    }
+
+    /// The connection closes `after` into the transfer, nothing sent: the error says which bound
+    /// ended the wait.
+    async fn silent_peer_for(after: std::time::Duration) -> String {
+        let (peer, ours) = tokio::io::duplex(1024);
+        let (mut rd, mut wr) = tokio::io::split(ours);
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            drop(peer);
+        });
+        let (mut b, _back) = blocks();
+        let mut ends = Ends { rd: &mut rd, wr: &mut wr, ring: None };
+        receive_chunks(&mut ends, TransferId(1), &mut b, 1).await.unwrap_err()
+    }
+
+    /// Regression: the first chunk of a request queued on its prefill worker for longer than
+    /// PEER_IDLE was given up on, and the decode worker recomputed the prompt.
+    #[tokio::test(start_paused = true)]
+    async fn the_first_chunk_may_come_after_a_long_prefill_queue_but_not_forever() {
+        let queued = silent_peer_for(PEER_IDLE * 2).await;
+        assert!(queued.contains("closed before the transfer ended"), "{queued}");
+        let gone = silent_peer_for(FIRST_KV_WAIT + PEER_IDLE).await;
+        assert!(gone.contains("sent nothing for 120 s"), "{gone}");
+    }
 }
