@@ -59,7 +59,7 @@ def main():
         ok = (sum(1 for x in rr if x["outcome"]["status"] == "ok"), sum(1 for y in sr if y["outcome"]["status"] == "ok"))
         counters[cell] = (len(rr), same, cached, ok)
 
-    width = max(len(c) for c in cells) + 2
+    width = max(len(c) for c in cells + ["worst"]) + 2
     print("signed error of the simulation, % ((sim - real) / real); '-' where the stage is absent")
     print(f"{'metric':<18}" + "".join(f"{c:>{width}}" for c in cells) + f"{'worst':>{width}}")
     for name, *_ in METRICS:
