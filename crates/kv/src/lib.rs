@@ -101,10 +101,18 @@ pub fn block_hashes(root: BlockHash, tokens: &[u32], block_size: usize) -> Resul
 /// The hash of one block given the hash before it (the namespace root for the first block):
 /// the incremental form of [`block_hashes`], for a sequence whose blocks fill one at a time.
 pub fn chain_hash(prev: BlockHash, block: &[u32]) -> BlockHash {
+    // The same bytes as hashing the previous hash and each token's little-endian bytes in turn
+    // (BLAKE3 does not depend on how its input is split), gathered first: one `update` instead
+    // of one per token, which was most of the cost of keying a block.
+    const ON_STACK: usize = 64;
+    let mut buf = [0u8; 32 + 4 * ON_STACK];
     let mut h = blake3::Hasher::new();
     h.update(&prev.0);
-    for t in block {
-        h.update(&t.to_le_bytes());
+    for part in block.chunks(ON_STACK) {
+        for (dst, t) in buf.chunks_exact_mut(4).zip(part) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
+        h.update(&buf[..4 * part.len()]);
     }
     BlockHash(*h.finalize().as_bytes())
 }
@@ -112,6 +120,21 @@ pub fn chain_hash(prev: BlockHash, block: &[u32]) -> BlockHash {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The keys are on disk (the KV pool's SSD tier) and shared between processes: gathering
+    /// the bytes before hashing must not change a single one.
+    #[test]
+    fn a_block_key_is_the_hash_of_the_previous_key_and_the_tokens_bytes() {
+        for n in [1usize, 16, 63, 64, 65, 200] {
+            let block: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+            let prev = BlockHash::namespace(&[b"x"]);
+            let mut bytes = prev.0.to_vec();
+            for t in &block {
+                bytes.extend_from_slice(&t.to_le_bytes());
+            }
+            assert_eq!(chain_hash(prev, &block).0, *blake3::hash(&bytes).as_bytes(), "{n} tokens");
+        }
+    }
 
     #[test]
     fn equal_prefixes_share_hashes_and_diverge_after() {

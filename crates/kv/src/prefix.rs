@@ -9,7 +9,11 @@
 //! lookup touches the whole matched chain, so a hot system prompt stays while cold suffixes go.
 
 use crate::BlockHash;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+/// Hash maps keyed by digests and block ids, with aHash's randomly keyed hasher (SipHash was a
+/// fifth of a simulated step's cost; the keys come from clients' tokens, so the key stays random).
+type HashMap<K, V> = std::collections::HashMap<K, V, ahash::RandomState>;
 use std::hash::Hash;
 
 #[derive(Debug, Clone)]
@@ -49,7 +53,13 @@ pub struct PrefixCache<B> {
 
 impl<B> Default for PrefixCache<B> {
     fn default() -> Self {
-        Self { map: HashMap::new(), by_block: HashMap::new(), kept: 0, leaves: BTreeMap::new(), tick: 0 }
+        Self {
+            map: HashMap::default(),
+            by_block: HashMap::default(),
+            kept: 0,
+            leaves: BTreeMap::new(),
+            tick: 0,
+        }
     }
 }
 
@@ -235,9 +245,9 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
     #[cfg(test)]
     fn evictable(&self, mut can_free: impl FnMut(B) -> bool) -> usize {
         // An entry is reclaimable when its block is free-able and all its children are too.
-        let mut pending: HashMap<BlockHash, u32> = HashMap::new();
+        let mut pending: HashMap<BlockHash, u32> = HashMap::default();
         let mut stack: Vec<BlockHash> = Vec::new();
-        let mut free_able: HashMap<BlockHash, bool> = HashMap::new();
+        let mut free_able: HashMap<BlockHash, bool> = HashMap::default();
         for (h, e) in &self.map {
             free_able.insert(*h, can_free(e.block));
             pending.insert(*h, e.children);
