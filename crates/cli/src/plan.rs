@@ -46,6 +46,11 @@ pub struct PlanArgs {
     /// Most sequences per step.
     #[arg(long, default_value_t = 256)]
     max_batch: usize,
+    /// A bench run (`tokenpath bench --out`) against ONE replica of this GPU and model, made
+    /// with the same workload flags as this command: the compute and memory efficiencies are
+    /// fitted so one simulated replica shows its TTFT and TPOT medians, then used for the plan.
+    #[arg(long, value_name = "RUN.json")]
+    calibrate: Option<std::path::PathBuf>,
     #[command(flatten)]
     load: LoadArgs,
     /// Write every row as JSON here.
@@ -105,6 +110,24 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         input.requests.len(),
         args.slo
     );
+    let mut spec = spec;
+    if let Some(run) = &args.calibrate {
+        let doc: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(run).map_err(|e| anyhow::anyhow!("reading {}: {e}", run.display()))?,
+        )?;
+        let p50 = |k: &str| doc["summary"][k]["p50"].as_f64().unwrap_or(0.0);
+        let want = plan::Measured { tpot_p50_ms: p50("tpot_ms"), ttft_p50_ms: p50("ttft_ms") };
+        spec.eff = plan::fit_efficiency(&spec, &input, want)?;
+        println!(
+            "calibrated on {} (TTFT p50 {:.0} ms, TPOT p50 {:.1} ms): compute {:.0}%, memory {:.0}% of peak",
+            run.display(),
+            want.ttft_p50_ms,
+            want.tpot_p50_ms,
+            spec.eff.compute * 100.0,
+            spec.eff.memory * 100.0
+        );
+    }
+    let eff = spec.eff;
     let rows = plan::sweep(&spec, eff, &input)?;
     print_rows(&rows);
     let Some(best) = plan::best(&rows) else {

@@ -353,6 +353,68 @@ pub fn sweep(spec: &PlanSpec, eff: Efficiency, input: &crate::Input) -> Result<V
     Ok(rows)
 }
 
+/// What a measured run against one replica showed: the medians the efficiencies are fitted to.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Measured {
+    /// TPOT p50, ms (decode: the memory side of the roofline).
+    pub tpot_p50_ms: f64,
+    /// TTFT p50, ms (prefill: the compute side).
+    pub ttft_p50_ms: f64,
+}
+
+/// The efficiencies under which one replica, simulated on `input` (the measured run's workload
+/// and arrivals), shows the measured TPOT and TTFT medians: memory efficiency bisected on TPOT,
+/// compute efficiency on TTFT, twice over (each moves the other a little). The fixed costs stay
+/// as assumed.
+pub fn fit_efficiency(spec: &PlanSpec, input: &crate::Input, want: Measured) -> Result<Efficiency, SimError> {
+    if !(want.tpot_p50_ms > 0.0 && want.ttft_p50_ms > 0.0) {
+        return Err(SimError::Calibration("the measured run has no TPOT or TTFT to fit to".into()));
+    }
+    let mut worker = spec.worker;
+    worker.kv_blocks = spec.replica.kv_tokens()?.div_ceil(worker.block_size);
+    worker.n_ctx = spec.replica.model.n_ctx;
+    let cfg = crate::SimConfig {
+        topology: crate::Topology { colocated: 1, prefill: 0, decode: 0 },
+        worker,
+        seed: spec.seed,
+        keep_steps: false,
+    };
+    let medians = |eff: Efficiency| -> Result<(f64, f64), SimError> {
+        let out = crate::simulate(&cfg, &spec.replica.calibration(eff, spec.link_gbps), input)?;
+        let report = tokenpath_bench::report::Report::build(&out.records, &Default::default())
+            .map_err(|e| SimError::Workload(e.to_string()))?;
+        let p50 = |s: &Option<tokenpath_timeline::Summary>| s.as_ref().map_or(f64::NAN, |s| s.p50);
+        Ok((p50(&report.summary.tpot_ms), p50(&report.summary.ttft_ms)))
+    };
+    let mut eff = spec.eff;
+    for _ in 0..2 {
+        // Higher efficiency, faster: bisect in log space between 1% and 100% of peak.
+        let (mut lo, mut hi) = (0.01f64.ln(), 0.0f64);
+        for _ in 0..14 {
+            let mid = (lo + hi) / 2.0;
+            let (tpot, _) = medians(Efficiency { memory: mid.exp(), ..eff })?;
+            if tpot > want.tpot_p50_ms {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        eff.memory = ((lo + hi) / 2.0).exp();
+        let (mut lo, mut hi) = (0.01f64.ln(), 0.0f64);
+        for _ in 0..14 {
+            let mid = (lo + hi) / 2.0;
+            let (_, ttft) = medians(Efficiency { compute: mid.exp(), ..eff })?;
+            if ttft > want.ttft_p50_ms {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        eff.compute = ((lo + hi) / 2.0).exp();
+    }
+    Ok(eff)
+}
+
 /// The best row: the highest goodput (rows within 0.5% of it count as equal), then the highest
 /// attainment, then the lowest TTFT p99, then the first (colocated before PD). `None` when no
 /// row has any goodput: no split meets the SLOs.
@@ -435,6 +497,53 @@ mod tests {
         // worst of the four.
         let colocated = rows[0].tpot_p99_ms.unwrap();
         assert!(rows[1..].iter().all(|r| r.tpot_p99_ms.unwrap() < colocated), "{rows:#?}");
+    }
+
+    #[test]
+    fn efficiencies_are_recovered_from_a_run_they_produced() {
+        use crate::requests::from_workload;
+        let truth = Efficiency { compute: 0.3, memory: 0.85, ..Efficiency::default() };
+        let spec = PlanSpec {
+            replica: replica("llama-3.1-8b", "a100", 1),
+            replicas: 1,
+            eff: Efficiency::default(),
+            link_gbps: 50.0,
+            worker: crate::WorkerShape {
+                kv_blocks: 1,
+                block_size: 16,
+                prefill_chunk: 8192,
+                max_batch: 256,
+                prefix_cache: true,
+                n_ctx: 1,
+            },
+            slo: "ttft:2s".parse().unwrap(),
+            seed: 1,
+        };
+        let w: tokenpath_bench::workload::Workload = "fixed:2000:64".parse().unwrap();
+        let offsets: Vec<std::time::Duration> =
+            (0..40u64).map(|i| std::time::Duration::from_millis(i * 700)).collect();
+        let input = from_workload(&w, 40, 0, None, Some(&offsets), None).unwrap();
+        // The "measured" run: the simulator under the true efficiencies.
+        let cfg = crate::SimConfig {
+            topology: crate::Topology { colocated: 1, prefill: 0, decode: 0 },
+            worker: crate::WorkerShape {
+                kv_blocks: spec.replica.kv_tokens().unwrap() / 16,
+                n_ctx: 131_072,
+                ..spec.worker
+            },
+            seed: 1,
+            keep_steps: false,
+        };
+        let out = crate::simulate(&cfg, &spec.replica.calibration(truth, 50.0), &input).unwrap();
+        let report = tokenpath_bench::report::Report::build(&out.records, &Default::default()).unwrap();
+        let want = Measured {
+            tpot_p50_ms: report.summary.tpot_ms.unwrap().p50,
+            ttft_p50_ms: report.summary.ttft_ms.unwrap().p50,
+        };
+        let got = fit_efficiency(&spec, &input, want).unwrap();
+        assert!((got.memory / truth.memory - 1.0).abs() < 0.05, "{got:?}");
+        assert!((got.compute / truth.compute - 1.0).abs() < 0.05, "{got:?}");
+        assert!(fit_efficiency(&spec, &input, Measured { tpot_p50_ms: 0.0, ttft_p50_ms: 1.0 }).is_err());
     }
 
     #[test]
