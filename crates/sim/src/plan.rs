@@ -309,12 +309,20 @@ pub struct PlanSpec {
     pub seed: u64,
 }
 
+impl PlanSpec {
+    /// One replica's scheduling limits with its KV capacity and context from the model.
+    fn replica_worker(&self) -> Result<crate::WorkerShape, SimError> {
+        let mut worker = self.worker;
+        worker.kv_blocks = self.replica.kv_tokens()?.div_ceil(worker.block_size);
+        worker.n_ctx = self.replica.model.n_ctx;
+        Ok(worker)
+    }
+}
+
 /// Simulates every split of the replicas — all colocated, and each P:D ratio — on `input`.
 pub fn sweep(spec: &PlanSpec, eff: Efficiency, input: &crate::Input) -> Result<Vec<PlanRow>, SimError> {
     let calib = spec.replica.calibration(eff, spec.link_gbps);
-    let mut worker = spec.worker;
-    worker.kv_blocks = spec.replica.kv_tokens()?.div_ceil(worker.block_size);
-    worker.n_ctx = spec.replica.model.n_ctx;
+    let worker = spec.replica_worker()?;
     let n = spec.replicas;
     let mut topologies = vec![crate::Topology { colocated: n, prefill: 0, decode: 0 }];
     topologies.extend((1..n).map(|p| crate::Topology { colocated: 0, prefill: p, decode: n - p }));
@@ -370,12 +378,9 @@ pub fn fit_efficiency(spec: &PlanSpec, input: &crate::Input, want: Measured) -> 
     if !(want.tpot_p50_ms > 0.0 && want.ttft_p50_ms > 0.0) {
         return Err(SimError::Calibration("the measured run has no TPOT or TTFT to fit to".into()));
     }
-    let mut worker = spec.worker;
-    worker.kv_blocks = spec.replica.kv_tokens()?.div_ceil(worker.block_size);
-    worker.n_ctx = spec.replica.model.n_ctx;
     let cfg = crate::SimConfig {
         topology: crate::Topology { colocated: 1, prefill: 0, decode: 0 },
-        worker,
+        worker: spec.replica_worker()?,
         seed: spec.seed,
         keep_steps: false,
     };
@@ -435,6 +440,34 @@ mod tests {
     use super::*;
     use crate::StepShape;
 
+    fn spec(replica: Replica, replicas: usize, slo: &str) -> PlanSpec {
+        let worker = crate::WorkerShape {
+            kv_blocks: 1,
+            block_size: 16,
+            prefill_chunk: 8192,
+            max_batch: 256,
+            prefix_cache: true,
+            n_ctx: 1,
+        };
+        PlanSpec {
+            replica,
+            replicas,
+            eff: Efficiency::default(),
+            link_gbps: 50.0,
+            worker,
+            slo: slo.parse().unwrap(),
+            seed: 1,
+        }
+    }
+
+    /// `n` requests of `workload`, one every `gap_ms`.
+    fn every(workload: &str, n: u64, gap_ms: u64) -> crate::Input {
+        let w: tokenpath_bench::workload::Workload = workload.parse().unwrap();
+        let offsets: Vec<std::time::Duration> =
+            (0..n).map(|i| std::time::Duration::from_millis(i * gap_ms)).collect();
+        crate::requests::from_workload(&w, n as usize, 0, None, Some(&offsets), None).unwrap()
+    }
+
     fn replica(m: &str, g: &str, tp: usize) -> Replica {
         Replica { gpu: gpu(g).unwrap(), tp, model: model(m).unwrap(), weight_bytes: 2.0, kv_bytes: 2 }
     }
@@ -467,27 +500,8 @@ mod tests {
 
     #[test]
     fn a_sweep_tries_every_split_and_long_prompts_favour_pd() {
-        use crate::requests::from_workload;
-        let spec = PlanSpec {
-            replica: replica("llama-3.1-8b", "h100", 1),
-            replicas: 4,
-            eff: Efficiency::default(),
-            link_gbps: 50.0,
-            worker: crate::WorkerShape {
-                kv_blocks: 1,
-                block_size: 16,
-                prefill_chunk: 8192,
-                max_batch: 256,
-                prefix_cache: true,
-                n_ctx: 1,
-            },
-            slo: "ttft:2s,tpot:50ms".parse().unwrap(),
-            seed: 1,
-        };
-        let w: tokenpath_bench::workload::Workload = "fixed:8000:200".parse().unwrap();
-        let offsets: Vec<std::time::Duration> =
-            (0..200u64).map(|i| std::time::Duration::from_millis(i * 150)).collect();
-        let input = from_workload(&w, 200, 0, None, Some(&offsets), None).unwrap();
+        let spec = spec(replica("llama-3.1-8b", "h100", 1), 4, "ttft:2s,tpot:50ms");
+        let input = every("fixed:8000:200", 200, 150);
         let rows = sweep(&spec, spec.eff, &input).unwrap();
         assert_eq!(rows.len(), 4, "colocated, 1P3D, 2P2D, 3P1D");
         assert!(rows.iter().all(|r| r.gpus == 4));
@@ -501,28 +515,9 @@ mod tests {
 
     #[test]
     fn efficiencies_are_recovered_from_a_run_they_produced() {
-        use crate::requests::from_workload;
         let truth = Efficiency { compute: 0.3, memory: 0.85, ..Efficiency::default() };
-        let spec = PlanSpec {
-            replica: replica("llama-3.1-8b", "a100", 1),
-            replicas: 1,
-            eff: Efficiency::default(),
-            link_gbps: 50.0,
-            worker: crate::WorkerShape {
-                kv_blocks: 1,
-                block_size: 16,
-                prefill_chunk: 8192,
-                max_batch: 256,
-                prefix_cache: true,
-                n_ctx: 1,
-            },
-            slo: "ttft:2s".parse().unwrap(),
-            seed: 1,
-        };
-        let w: tokenpath_bench::workload::Workload = "fixed:2000:64".parse().unwrap();
-        let offsets: Vec<std::time::Duration> =
-            (0..40u64).map(|i| std::time::Duration::from_millis(i * 700)).collect();
-        let input = from_workload(&w, 40, 0, None, Some(&offsets), None).unwrap();
+        let spec = spec(replica("llama-3.1-8b", "a100", 1), 1, "ttft:2s");
+        let input = every("fixed:2000:64", 40, 700);
         // The "measured" run: the simulator under the true efficiencies.
         let cfg = crate::SimConfig {
             topology: crate::Topology { colocated: 1, prefill: 0, decode: 0 },
