@@ -47,6 +47,13 @@ impl<S: Sequence> Scheduler<S> {
         }
     }
 
+    /// Reserves blocks for a decode-mode sequence's whole prompt (its KV arrives from a prefill
+    /// worker), giving up blocks only the prefix cache holds first. All or nothing.
+    pub fn reserve_prompt(&mut self, seq: &mut SeqCore) -> Result<(), tokenpath_engine::error::EngineError> {
+        self.reclaim(seq.prompt_len.div_ceil(self.policy.block_size));
+        self.cache.reserve(&mut seq.table, seq.prompt_len)
+    }
+
     /// The arena's part of attaching a prefix to a fresh sequence (nothing in its table, nothing
     /// fed): `None` when there is no prefix cache or the sequence is not fresh.
     pub fn attach_arena(&mut self, seq: &mut SeqCore) -> Option<Attached> {

@@ -321,11 +321,8 @@ impl<'a> Sim<'a> {
             return self.end(r, Outcome::Failed("no decode worker has room for the KV".into()));
         };
         let mut dseq = self.seq(r, Mode::Decode);
-        let need = prompt.len().div_ceil(bs);
-        let len = dseq.prompt_len;
         let dw = &mut self.workers[d];
-        dw.sched.reclaim(need);
-        if dw.sched.cache.reserve(&mut dseq.core.table, len).is_err() {
+        if dw.sched.reserve_prompt(&mut dseq).is_err() {
             return self.end(r, Outcome::Failed("no room for the transferred KV".into()));
         }
         dw.awaiting.push(dseq);

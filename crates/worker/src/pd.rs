@@ -109,11 +109,7 @@ impl Batcher {
 
     /// A new decode-mode request: reserve blocks for its prompt's KV and wait.
     pub(crate) fn await_kv(&mut self, mut seq: Seq) {
-        let need = self.sched.cache.layout().block_size;
-        let blocks = seq.prompt_len.div_ceil(need);
-        self.sched.reclaim(blocks);
-        let prompt_len = seq.prompt_len;
-        if let Err(e) = self.sched.cache.reserve(&mut seq.table, prompt_len) {
+        if let Err(e) = self.sched.reserve_prompt(&mut seq) {
             seq.end(
                 Ending::Failed(format!("no room for the transferred KV: {e}")),
                 Instant::now(),
