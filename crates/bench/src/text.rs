@@ -8,7 +8,10 @@ pub const PRIDE_AND_PREJUDICE: &str = "It is a truth universally acknowledged, t
 /// Roughly `approx_tokens` tokens of the text (≈ 0.75 words per token for English BPE), starting
 /// at word `offset` and wrapping around, so prompts of one request differ from the next.
 pub fn prose(approx_tokens: usize, offset: usize) -> String {
-    let words: Vec<&str> = PRIDE_AND_PREJUDICE.split_whitespace().collect();
+    // Split once: a million simulated requests make two texts each.
+    static WORDS: std::sync::LazyLock<Vec<&'static str>> =
+        std::sync::LazyLock::new(|| PRIDE_AND_PREJUDICE.split_whitespace().collect());
+    let words = &*WORDS;
     let n_words = (approx_tokens * 3).div_ceil(4).max(1);
     (0..n_words).map(|i| words[(offset + i) % words.len()]).collect::<Vec<_>>().join(" ")
 }

@@ -226,12 +226,18 @@ pub(crate) fn write_run_json(
     config: serde_json::Value,
     records: &[tokenpath_timeline::ClientRecord],
 ) -> anyhow::Result<()> {
-    let mut doc = serde_json::to_value(report)?;
-    if let Some(obj) = doc.as_object_mut() {
-        obj.insert("config".into(), config);
-        obj.insert("requests".into(), serde_json::to_value(records)?);
+    /// The document, streamed to the file as it is serialized (a million-request simulation
+    /// would otherwise build its whole JSON tree in memory first).
+    #[derive(serde::Serialize)]
+    struct Doc<'a> {
+        #[serde(flatten)]
+        report: &'a Report,
+        config: serde_json::Value,
+        requests: &'a [tokenpath_timeline::ClientRecord],
     }
-    std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    serde_json::to_writer_pretty(&mut out, &Doc { report, config, requests: records })?;
+    std::io::Write::flush(&mut out)?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }

@@ -16,10 +16,16 @@ use std::collections::BTreeMap;
 type HashMap<K, V> = std::collections::HashMap<K, V, ahash::RandomState>;
 use std::hash::Hash;
 
+/// Where an entry lives in [`PrefixCache::slots`]. Entries point at their parent by slot, so
+/// walking a chain (pins, eviction) costs no hash lookups; a slot is reused only after its entry
+/// is evicted, and an entry with children is never evicted, so a parent's slot stays its own.
+type Slot = u32;
+
 #[derive(Debug, Clone)]
 struct Entry<B> {
+    hash: BlockHash,
     block: B,
-    parent: Option<BlockHash>,
+    parent: Option<Slot>,
     children: u32,
     tick: u64,
     /// Someone besides the index uses the block ([`PrefixCache::set_pinned`]).
@@ -38,16 +44,20 @@ impl<B> Entry<B> {
 /// Chained block hash → block, with leaf-first LRU eviction.
 #[derive(Debug, Clone)]
 pub struct PrefixCache<B> {
-    map: HashMap<BlockHash, Entry<B>>,
+    /// Chained hash → its entry's slot.
+    map: HashMap<BlockHash, Slot>,
+    /// The entries (`None`: a free slot, listed in `free`).
+    slots: Vec<Option<Entry<B>>>,
+    free: Vec<Slot>,
     /// Which entry holds each block (a block holds one chain position at most).
-    by_block: HashMap<B, BlockHash>,
+    by_block: HashMap<B, Slot>,
     /// Entries that are pinned or have a pinned descendant (kept as pins change, so the
     /// evictable count costs nothing to ask for).
     kept: usize,
     /// The leaves (entries nothing cached extends) by last use: eviction looks only here, so it
     /// never walks past the parents of long chains (security review L8: a scan of every entry,
     /// oldest first, made each eviction cost about a chain's length).
-    leaves: BTreeMap<u64, BlockHash>,
+    leaves: BTreeMap<u64, Slot>,
     tick: u64,
 }
 
@@ -55,6 +65,8 @@ impl<B> Default for PrefixCache<B> {
     fn default() -> Self {
         Self {
             map: HashMap::default(),
+            slots: Vec::new(),
+            free: Vec::new(),
             by_block: HashMap::default(),
             kept: 0,
             leaves: BTreeMap::new(),
@@ -84,27 +96,37 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
         self.map.contains_key(&hash)
     }
 
-    fn touch(&mut self, hash: BlockHash) {
+    fn entry(&self, slot: Slot) -> Option<&Entry<B>> {
+        self.slots.get(slot as usize).and_then(Option::as_ref)
+    }
+
+    fn entry_mut(&mut self, slot: Slot) -> Option<&mut Entry<B>> {
+        self.slots.get_mut(slot as usize).and_then(Option::as_mut)
+    }
+
+    fn touch(&mut self, slot: Slot) {
         self.tick += 1;
         let tick = self.tick;
-        if let Some(e) = self.map.get_mut(&hash) {
-            if e.children == 0 {
-                self.leaves.remove(&e.tick);
-                self.leaves.insert(tick, hash);
-            }
-            e.tick = tick;
+        let Some(e) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else { return };
+        if e.children == 0 {
+            self.leaves.remove(&e.tick);
+            self.leaves.insert(tick, slot);
         }
+        e.tick = tick;
     }
 
     /// The blocks of the longest cached prefix of `hashes` (a chain from the first block), all
     /// marked as just used.
     pub fn lookup(&mut self, hashes: &[BlockHash]) -> Vec<B> {
-        let hit: Vec<(BlockHash, B)> =
-            hashes.iter().map_while(|h| self.map.get(h).map(|e| (*h, e.block))).collect();
-        for (h, _) in &hit {
-            self.touch(*h);
+        let hit: Vec<Slot> = hashes.iter().map_while(|h| self.map.get(h).copied()).collect();
+        let mut blocks = Vec::with_capacity(hit.len());
+        for s in hit {
+            self.touch(s);
+            if let Some(e) = self.entry(s) {
+                blocks.push(e.block);
+            }
         }
-        hit.into_iter().map(|(_, b)| b).collect()
+        blocks
     }
 
     /// How many leading blocks of `hashes` are cached, without touching anything (for routing).
@@ -119,42 +141,55 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
     /// ([`PrefixCache::set_pinned`]) follow a block's first entry: an owner that pins gives
     /// each block one chain position (the router's index of `()` blocks pins nothing).
     pub fn insert(&mut self, parent: Option<BlockHash>, hash: BlockHash, block: B) -> bool {
-        if self.map.contains_key(&hash) {
-            self.touch(hash);
+        if let Some(&s) = self.map.get(&hash) {
+            self.touch(s);
             return false;
         }
-        if let Some(p) = parent {
-            match self.map.get_mut(&p) {
-                Some(pe) => {
-                    if pe.children == 0 {
-                        self.leaves.remove(&pe.tick);
-                    }
-                    pe.children += 1;
+        let parent = match parent {
+            Some(p) => {
+                let Some(&ps) = self.map.get(&p) else { return false };
+                let Some(pe) = self.slots.get_mut(ps as usize).and_then(Option::as_mut) else {
+                    return false;
+                };
+                if pe.children == 0 {
+                    self.leaves.remove(&pe.tick);
                 }
-                None => return false,
+                pe.children += 1;
+                Some(ps)
             }
-        }
+            None => None,
+        };
         self.tick += 1;
-        self.map.insert(
-            hash,
-            Entry { block, parent, children: 0, tick: self.tick, pinned: false, kept_children: 0 },
-        );
-        self.by_block.entry(block).or_insert(hash);
-        self.leaves.insert(self.tick, hash);
+        let e = Entry { hash, block, parent, children: 0, tick: self.tick, pinned: false, kept_children: 0 };
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.slots[s as usize] = Some(e);
+                s
+            }
+            None => {
+                self.slots.push(Some(e));
+                (self.slots.len() - 1) as Slot
+            }
+        };
+        self.map.insert(hash, slot);
+        self.by_block.entry(block).or_insert(slot);
+        self.leaves.insert(self.tick, slot);
         true
     }
 
     /// Removes the least recently used leaf whose block `can_free` allows (typically: nobody
     /// but the index references it) and returns its block, which the caller releases.
     pub fn evict(&mut self, mut can_free: impl FnMut(B) -> bool) -> Option<B> {
-        let (tick, hash) = self
+        let (tick, slot) = self
             .leaves
             .iter()
-            .map(|(t, h)| (*t, *h))
-            .find(|(_, h)| self.map.get(h).is_some_and(|e| can_free(e.block)))?;
+            .map(|(t, s)| (*t, *s))
+            .find(|(_, s)| self.entry(*s).is_some_and(|e| can_free(e.block)))?;
         self.leaves.remove(&tick);
-        let e = self.map.remove(&hash)?;
-        if self.by_block.get(&e.block) == Some(&hash) {
+        let e = self.slots.get_mut(slot as usize)?.take()?;
+        self.free.push(slot);
+        self.map.remove(&e.hash);
+        if self.by_block.get(&e.block) == Some(&slot) {
             self.by_block.remove(&e.block);
         }
         if e.kept() {
@@ -163,24 +198,33 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
             self.propagate(e.parent, false);
         }
         if let Some(p) = e.parent {
-            if let Some(pe) = self.map.get_mut(&p) {
+            if let Some(pe) = self.entry_mut(p) {
                 pe.children = pe.children.saturating_sub(1);
                 if pe.children == 0 {
-                    self.leaves.insert(pe.tick, p);
+                    let t = pe.tick;
+                    self.leaves.insert(t, p);
                 }
             }
         }
         Some(e.block)
     }
 
-    /// The leaf index holds exactly the entries without children, each at its own tick.
+    /// The leaf index holds exactly the entries without children, each at its own tick, and
+    /// the hash map and the slots agree.
     #[cfg(test)]
     fn check_leaves(&self) {
-        let leaves: Vec<(u64, BlockHash)> =
-            self.map.iter().filter(|(_, e)| e.children == 0).map(|(h, e)| (e.tick, *h)).collect();
+        let live: Vec<(Slot, &Entry<B>)> =
+            self.slots.iter().enumerate().filter_map(|(i, e)| Some((i as Slot, e.as_ref()?))).collect();
+        assert_eq!(live.len(), self.map.len());
+        assert_eq!(live.len() + self.free.len(), self.slots.len());
+        for (s, e) in &live {
+            assert_eq!(self.map.get(&e.hash), Some(s));
+        }
+        let leaves: Vec<(u64, Slot)> =
+            live.iter().filter(|(_, e)| e.children == 0).map(|(s, e)| (e.tick, *s)).collect();
         assert_eq!(leaves.len(), self.leaves.len());
-        for (t, h) in leaves {
-            assert_eq!(self.leaves.get(&t), Some(&h));
+        for (t, s) in leaves {
+            assert_eq!(self.leaves.get(&t), Some(&s));
         }
     }
 
@@ -188,8 +232,8 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
     /// block's reference count passes 1; a block the index does not hold is ignored). Pinned
     /// entries and their ancestors are what [`PrefixCache::evictable_now`] leaves out.
     pub fn set_pinned(&mut self, block: B, pinned: bool) {
-        let Some(&hash) = self.by_block.get(&block) else { return };
-        let Some(e) = self.map.get_mut(&hash) else { return };
+        let Some(&slot) = self.by_block.get(&block) else { return };
+        let Some(e) = self.entry_mut(slot) else { return };
         if e.pinned == pinned {
             return;
         }
@@ -210,9 +254,9 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
     /// A child of `parent` became kept (`true`) or stopped being kept: up the chain until an
     /// ancestor's own state does not change (amortised O(1) per pin for chains pinned and
     /// unpinned in order).
-    fn propagate(&mut self, mut parent: Option<BlockHash>, became: bool) {
-        while let Some(h) = parent {
-            let Some(p) = self.map.get_mut(&h) else { return };
+    fn propagate(&mut self, mut parent: Option<Slot>, became: bool) {
+        while let Some(s) = parent {
+            let Some(p) = self.slots.get_mut(s as usize).and_then(Option::as_mut) else { return };
             let was = p.kept();
             if became {
                 p.kept_children += 1;
@@ -245,23 +289,25 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
     #[cfg(test)]
     fn evictable(&self, mut can_free: impl FnMut(B) -> bool) -> usize {
         // An entry is reclaimable when its block is free-able and all its children are too.
-        let mut pending: HashMap<BlockHash, u32> = HashMap::default();
-        let mut stack: Vec<BlockHash> = Vec::new();
-        let mut free_able: HashMap<BlockHash, bool> = HashMap::default();
-        for (h, e) in &self.map {
-            free_able.insert(*h, can_free(e.block));
-            pending.insert(*h, e.children);
+        let mut pending: HashMap<Slot, u32> = HashMap::default();
+        let mut stack: Vec<Slot> = Vec::new();
+        let mut free_able: HashMap<Slot, bool> = HashMap::default();
+        for (i, e) in self.slots.iter().enumerate() {
+            let Some(e) = e else { continue };
+            let s = i as Slot;
+            free_able.insert(s, can_free(e.block));
+            pending.insert(s, e.children);
             if e.children == 0 {
-                stack.push(*h);
+                stack.push(s);
             }
         }
         let mut count = 0;
-        while let Some(h) = stack.pop() {
-            if !free_able.get(&h).copied().unwrap_or(false) {
+        while let Some(s) = stack.pop() {
+            if !free_able.get(&s).copied().unwrap_or(false) {
                 continue;
             }
             count += 1;
-            if let Some(p) = self.map.get(&h).and_then(|e| e.parent) {
+            if let Some(p) = self.entry(s).and_then(|e| e.parent) {
                 if let Some(n) = pending.get_mut(&p) {
                     *n -= 1;
                     if *n == 0 {

@@ -19,7 +19,7 @@ mod prefix;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ops::DerefMut;
 use tokenpath_engine::kv_cache::{BlockId, BlockTable, KvCache};
 use tokenpath_kv::{BlockHash, PrefixCache};
@@ -154,7 +154,7 @@ pub struct Scheduler<S> {
     prefix: Option<PrefixCache<BlockId>>,
     /// The token ids of every block in the prefix cache, checked on every hit (a hit is served
     /// only for the very tokens it was computed from).
-    prefix_tokens: HashMap<BlockId, Box<[u32]>>,
+    prefix_tokens: prefix::BlockTokens,
     /// Sequences waiting for admission, oldest (or preempted) first.
     pub waiting: VecDeque<S>,
     /// Sequences in the batch, oldest first (the youngest is preempted first).
@@ -199,7 +199,7 @@ impl<S: Sequence> Scheduler<S> {
         Ok(Self {
             cache,
             prefix: prefix_cache.then(PrefixCache::new),
-            prefix_tokens: HashMap::new(),
+            prefix_tokens: prefix::BlockTokens::new(policy.block_size),
             waiting: VecDeque::new(),
             running: Vec::new(),
             parked: Vec::new(),

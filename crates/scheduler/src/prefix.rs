@@ -19,6 +19,44 @@ pub struct Attached {
     pub arena: usize,
 }
 
+/// The token ids of every block the prefix cache holds, checked on every hit: one row per
+/// arena block in a flat table (a map from block to a boxed copy cost an allocation and two
+/// hash-map operations per cached block — a fifth of a long simulation).
+#[derive(Debug)]
+pub(crate) struct BlockTokens {
+    block_size: usize,
+    tokens: Vec<u32>,
+    held: Vec<bool>,
+}
+
+impl BlockTokens {
+    pub(crate) fn new(block_size: usize) -> Self {
+        Self { block_size, tokens: Vec::new(), held: Vec::new() }
+    }
+
+    fn set(&mut self, b: BlockId, tokens: &[u32]) {
+        let (i, bs) = (b.0 as usize, self.block_size);
+        if self.held.len() <= i {
+            self.held.resize(i + 1, false);
+            self.tokens.resize((i + 1) * bs, 0);
+        }
+        let n = tokens.len().min(bs);
+        self.tokens[i * bs..i * bs + n].copy_from_slice(&tokens[..n]);
+        self.held[i] = n == bs;
+    }
+
+    fn get(&self, b: BlockId) -> Option<&[u32]> {
+        let (i, bs) = (b.0 as usize, self.block_size);
+        self.held.get(i).copied().unwrap_or(false).then(|| &self.tokens[i * bs..(i + 1) * bs])
+    }
+
+    fn clear(&mut self, b: BlockId) {
+        if let Some(h) = self.held.get_mut(b.0 as usize) {
+            *h = false;
+        }
+    }
+}
+
 impl<S: Sequence> Scheduler<S> {
     /// Tells the prefix index which of its blocks sequences started or stopped using since the
     /// last call (the allocator records each block passing one reference).
@@ -40,7 +78,7 @@ impl<S: Sequence> Scheduler<S> {
         while self.cache.free_blocks() < need {
             let cache = &self.cache;
             let Some(b) = prefix.evict(|b| cache.refcount(b) == 1) else { break };
-            self.prefix_tokens.remove(&b);
+            self.prefix_tokens.clear(b);
             if let Err(e) = self.cache.release(b) {
                 tracing::error!("releasing an evicted prefix block failed: {e}");
             }
@@ -75,7 +113,7 @@ impl<S: Sequence> Scheduler<S> {
             .iter()
             .enumerate()
             .take_while(|(i, b)| {
-                self.prefix_tokens.get(b).is_some_and(|t| **t == seq.tokens[i * bs..(i + 1) * bs])
+                self.prefix_tokens.get(**b).is_some_and(|t| *t == seq.tokens[i * bs..(i + 1) * bs])
             })
             .count();
         if verified < blocks.len() {
@@ -103,7 +141,7 @@ impl<S: Sequence> Scheduler<S> {
         let parent = i.checked_sub(1).map(|p| hashes[p]);
         if let Some(prefix) = self.prefix.as_mut() {
             if prefix.insert(parent, hashes[i], block) {
-                self.prefix_tokens.insert(block, seq.tokens[i * bs..(i + 1) * bs].into());
+                self.prefix_tokens.set(block, &seq.tokens[i * bs..(i + 1) * bs]);
                 if let Err(e) = self.cache.retain(block) {
                     tracing::error!("retaining a prefix block failed: {e}");
                 }
@@ -148,10 +186,15 @@ impl<S: Sequence> Scheduler<S> {
             let i = seq.hashes.len();
             let parent = seq.hashes.last().copied();
             let block = &seq.tokens[i * bs..(i + 1) * bs];
-            let h = chain_hash(parent.unwrap_or(seq.root), block);
+            // The attach already chained the prompt's blocks (the same hashes: same root, same
+            // tokens); only blocks past them are hashed here.
+            let h = match seq.prompt_hashes.get(i) {
+                Some(h) => *h,
+                None => chain_hash(parent.unwrap_or(seq.root), block),
+            };
             let b = seq.table.blocks()[i];
             if prefix.insert(parent, h, b) {
-                self.prefix_tokens.insert(b, block.into());
+                self.prefix_tokens.set(b, block);
                 if let Err(e) = self.cache.retain(b) {
                     tracing::error!("retaining a prefix block failed: {e}");
                 }
