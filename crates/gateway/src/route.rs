@@ -84,6 +84,27 @@ pub fn cache_aware<'a>(candidates: &[Candidate<'a>]) -> Option<&'a str> {
         .map(|c| c.key)
 }
 
+/// One decode-worker candidate for a PD request: its load (requests in flight plus running
+/// sequences) and its free KV room (`None`: not reported yet).
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeCandidate<'a> {
+    pub key: &'a str,
+    pub load: u64,
+    /// Free blocks and tokens per block.
+    pub room: Option<(u64, u64)>,
+}
+
+/// The decode worker for a prompt of `prompt_len` tokens: among those with room for its whole
+/// KV, the least loaded, then the one with the most free blocks, then the first. The gateway's
+/// PD routing and the simulator's both decide with it.
+pub fn decode_pick<'a>(candidates: &[DecodeCandidate<'a>], prompt_len: usize) -> Option<&'a str> {
+    candidates
+        .iter()
+        .filter(|c| c.room.is_none_or(|(free, bs)| free.saturating_mul(bs.max(1)) > prompt_len as u64))
+        .min_by_key(|c| (c.load, std::cmp::Reverse(c.room.map_or(0, |(free, _)| free))))
+        .map(|c| c.key)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,6 +121,25 @@ mod tests {
         assert_eq!(cache_aware(&[c("a", 2, 1), c("b", 1, 1)]), Some("b"), "tie: less loaded");
         assert_eq!(cache_aware(&[c("a", 1, 1), c("b", 1, 1)]), Some("a"), "tie: first");
         assert_eq!(cache_aware(&[]), None);
+    }
+
+    #[test]
+    fn the_decode_pick_needs_room_then_takes_the_least_loaded() {
+        let d = |key, load, room| DecodeCandidate { key, load, room };
+        let room = |free| Some((free, 16));
+        assert_eq!(decode_pick(&[d("a", 0, room(4)), d("b", 3, room(100))], 100), Some("b"), "a lacks room");
+        assert_eq!(decode_pick(&[d("a", 2, room(100)), d("b", 1, room(10))], 100), Some("b"));
+        assert_eq!(
+            decode_pick(&[d("a", 1, room(10)), d("b", 1, room(50))], 100),
+            Some("b"),
+            "tie: more room"
+        );
+        assert_eq!(
+            decode_pick(&[d("a", 1, None), d("b", 1, None)], 1 << 20),
+            Some("a"),
+            "unknown room: tried"
+        );
+        assert_eq!(decode_pick(&[d("a", 0, room(1))], 16), None, "exactly full is no room");
     }
 
     #[test]

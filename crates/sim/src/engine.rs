@@ -12,7 +12,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::ops::{Deref, DerefMut};
 use tokenpath_engine::kv_cache::{KvCache, KvLayout};
-use tokenpath_gateway::route::{cache_aware, Candidate, PrefixIndex};
+use tokenpath_gateway::route::{cache_aware, decode_pick, Candidate, DecodeCandidate, PrefixIndex};
 use tokenpath_kv::BlockHash;
 use tokenpath_protocol::work::StepRecord;
 use tokenpath_scheduler::{ArenaOnly, Policy, Scheduler, SeqCore, Sequence, Stuck};
@@ -310,10 +310,14 @@ impl<'a> Sim<'a> {
         }
         // PD: the decode worker first (its blocks reserved), then the prefill worker.
         let bs = self.cfg.worker.block_size;
-        let d = first(Mode::Decode)
-            .filter(|(i, _)| room[*i] * bs > prompt.len())
-            .min_by_key(|(i, w)| (w.in_flight + w.sched.running.len() as u64, Reverse(room[*i])))
-            .map(|(i, _)| i);
+        let dcands: Vec<DecodeCandidate<'_>> = first(Mode::Decode)
+            .map(|(i, w)| DecodeCandidate {
+                key: &names[i],
+                load: w.in_flight + w.sched.running.len() as u64,
+                room: Some((room[i] as u64, bs as u64)),
+            })
+            .collect();
+        let d = decode_pick(&dcands, prompt.len()).and_then(|key| names.iter().position(|n| n == key));
         let Some(p) = pick_cached(Mode::Prefill) else {
             return self.end(r, Outcome::Failed("no worker".into()));
         };

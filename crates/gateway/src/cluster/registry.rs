@@ -12,7 +12,7 @@
 //! those whose free KV blocks hold the prompt.
 
 pub use crate::route::BALANCE_THRESHOLD;
-use crate::route::{cache_aware, Candidate, PrefixIndex};
+use crate::route::{cache_aware, decode_pick, Candidate, DecodeCandidate, PrefixIndex};
 use std::time::Duration;
 use tokenpath_kv::BlockHash;
 use tokenpath_protocol::auth::ClusterSecret;
@@ -371,21 +371,17 @@ impl State {
     }
 
     fn pick_decode(&self, prompt_len: usize, ok: impl Fn(&WorkerView) -> bool) -> Option<String> {
-        self.workers
+        let cands: Vec<DecodeCandidate<'_>> = self
+            .workers
             .iter()
             .filter(|w| ok(w))
-            .filter(|w| {
-                w.stats.as_ref().is_none_or(|s| {
-                    (s.stats.kv_blocks_free as u64).saturating_mul(s.block_size.max(1)) > prompt_len as u64
-                })
+            .map(|w| DecodeCandidate {
+                key: &w.addr,
+                load: Self::load(w).saturating_add(w.stats.as_ref().map_or(0, |s| s.stats.running as u64)),
+                room: w.stats.as_ref().map(|s| (s.stats.kv_blocks_free as u64, s.block_size)),
             })
-            .min_by_key(|w| {
-                (
-                    Self::load(w).saturating_add(w.stats.as_ref().map_or(0, |s| s.stats.running as u64)),
-                    std::cmp::Reverse(w.stats.as_ref().map_or(0, |s| s.stats.kv_blocks_free)),
-                )
-            })
-            .map(|w| w.addr.clone())
+            .collect();
+        decode_pick(&cands, prompt_len).map(str::to_owned)
     }
 }
 
