@@ -199,8 +199,12 @@ pub struct CalibrateArgs {
     #[arg(long, default_value_t = 2.0)]
     kv_gbps: f64,
     /// Write the calibration here.
-    #[arg(long)]
-    out: PathBuf,
+    #[arg(long, required_unless_present = "score")]
+    out: Option<PathBuf>,
+    /// Fit nothing: score this calibration's step model on the step logs (held-out steps),
+    /// next to the logs' own noise floor.
+    #[arg(long, value_name = "CALIB.json", conflicts_with = "out")]
+    score: Option<PathBuf>,
 }
 
 pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
@@ -215,6 +219,23 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?;
         logs.push(recs);
     }
+    if let Some(path) = &args.score {
+        let calib = Calibration::load(path)?;
+        let s = calib.score(&logs.concat());
+        println!(
+            "score: {} held-out steps: step model median error {:.1}% (signed {:+.1}%), p90 {:.1}%; \
+             noise floor (steps of one shape against their own median, {} steps) median {:.1}%, p90 {:.1}%",
+            s.steps,
+            s.median_ape,
+            s.median_signed,
+            s.p90_ape,
+            s.noise.steps,
+            s.noise.median_ape,
+            s.noise.p90_ape
+        );
+        return Ok(());
+    }
+    let Some(out) = &args.out else { anyhow::bail!("--out or --score is needed") };
     let model = args.model.clone().unwrap_or_else(tokenpath_engine::default_model_path);
     let engine =
         tokenpath_engine::Engine::open(&model).with_context(|| format!("opening {}", model.display()))?;
@@ -233,16 +254,19 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
             calib.gateway_us = g * 1e3;
         }
     }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&calib)?)?;
+    std::fs::write(out, serde_json::to_string_pretty(&calib)?)?;
+    let f = &calib.fit;
     eprintln!(
-        "calibrate: {} steps and {} busy gaps from {} log(s): step model median error {:.1}%, p90 {:.1}% (on the fitted steps); {} → {}",
-        calib.fit.steps,
-        calib.fit.gaps,
+        "calibrate: {} steps and {} busy gaps from {} log(s): step model median error {:.1}%, p90 {:.1}% (on the fitted steps; their noise floor {:.1}%, p90 {:.1}%); {} → {}",
+        f.steps,
+        f.gaps,
         logs.len(),
-        calib.fit.median_ape,
-        calib.fit.p90_ape,
+        f.median_ape,
+        f.p90_ape,
+        f.noise.median_ape,
+        f.noise.p90_ape,
         calib.digest(),
-        args.out.display()
+        out.display()
     );
     for (name, c) in calib.step.terms.iter().zip(&calib.step.coef_us) {
         eprintln!("  step {name:>15}: {c:.4} µs");

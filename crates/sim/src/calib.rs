@@ -3,10 +3,11 @@
 //!
 //! A step's time is a few roofline-shaped terms — a constant (the weights read once per step),
 //! per row, per prompt token, per decode token, per attention pair of prefill and of decode —
-//! fitted with non-negative least squares on relative error (a 5 ms decode step counts as much
-//! as a 900 ms prefill). The model's point prediction is then multiplied by a residual drawn
-//! from the fit's own residuals (per kind of step), so a simulated P99 comes from the measured
-//! spread rather than from an assumption. The gap between two busy steps (sampling, streaming,
+//! fitted with non-negative least absolute relative error (a 5 ms decode step counts as much as
+//! a 900 ms prefill, and the point is the typical step, not a mean pulled up by a noisy tail:
+//! iteratively reweighted non-negative least squares). The model's point prediction is then
+//! multiplied by a residual drawn from the fit's own residuals (per kind of step), so a
+//! simulated mean and P99 come from the measured spread rather than from an assumption. The gap between two busy steps (sampling, streaming,
 //! planning: what simulators forget) is fitted and sampled the same way.
 
 use crate::nnls::nnls;
@@ -23,6 +24,8 @@ pub const STEP_TERMS: [&str; 6] =
 pub const GAP_TERMS: [&str; 2] = ["constant", "rows"];
 /// Quantiles kept of each residual distribution.
 const QUANTILES: usize = 101;
+/// Reweighting rounds of the least-absolute-error fit.
+const IRLS_ROUNDS: usize = 30;
 /// The calibration format's version.
 pub const VERSION: u32 = 1;
 
@@ -152,6 +155,83 @@ pub struct FitQuality {
     pub median_ape: f64,
     /// 90th percentile of it, %.
     pub p90_ape: f64,
+    /// How much steps of one shape scatter on the same log ([`noise_floor`]).
+    #[serde(default)]
+    pub noise: Noise,
+}
+
+/// The scatter of steps that did the same work: each step's absolute percentage distance from
+/// the median of the steps of its shape (same rows, prompt tokens within 32, decode rows,
+/// context within 64 tokens per row; shapes seen at least 3 times). No point prediction of a
+/// step's time does better than this on the same steps, so a model's error is read against it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Noise {
+    /// Steps in shapes seen at least 3 times.
+    pub steps: usize,
+    /// Median of the distances, %.
+    pub median_ape: f64,
+    /// 90th percentile of them, %.
+    pub p90_ape: f64,
+}
+
+/// [`Noise`] of a log's steps.
+pub fn noise_floor(steps: &[&StepRecord]) -> Noise {
+    let mut shapes: std::collections::BTreeMap<(usize, usize, usize, u64), Vec<f64>> = Default::default();
+    for r in steps.iter().filter(|r| r.rows > 0) {
+        let s = StepShape::of(r);
+        let key = (s.rows, s.prefill_tokens / 32, s.decode_tokens, s.decode_pairs / (64 * s.rows as u64));
+        shapes.entry(key).or_default().push(r.dur_us as f64);
+    }
+    let mut ape = Vec::new();
+    for v in shapes.values_mut().filter(|v| v.len() >= 3) {
+        v.sort_by(f64::total_cmp);
+        let m = v[v.len() / 2].max(1.0);
+        ape.extend(v.iter().map(|x| 100.0 * (x - m).abs() / m));
+    }
+    let n = ape.len();
+    let q = quantiles(ape);
+    Noise {
+        steps: n,
+        median_ape: q.get(QUANTILES / 2).copied().unwrap_or(0.0),
+        p90_ape: q.get(QUANTILES * 9 / 10).copied().unwrap_or(0.0),
+    }
+}
+
+/// How a calibration predicts steps it was not fitted on: its error next to those steps' own
+/// noise floor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Score {
+    /// Steps scored.
+    pub steps: usize,
+    /// Median absolute percentage error of the point prediction, %.
+    pub median_ape: f64,
+    /// 90th percentile of it, %.
+    pub p90_ape: f64,
+    /// Median signed error ((predicted − measured) / measured), %: a model too fast is negative.
+    pub median_signed: f64,
+    /// The same steps' scatter among themselves.
+    pub noise: Noise,
+}
+
+/// The coefficients minimising Σ |aᵢ·x − yᵢ| / yᵢ with x ≥ 0: non-negative least squares on
+/// relative error, reweighted by each step's last error.
+fn least_relative_error(x: &[Vec<f64>], y: &[f64]) -> Result<Vec<f64>, SimError> {
+    let fail = || SimError::Calibration("the step fit failed".into());
+    let w: Vec<f64> = y.iter().map(|v| 1.0 / v.max(100.0).powi(2)).collect();
+    let mut coef = nnls(x, y, &w).ok_or_else(fail)?;
+    for _ in 0..IRLS_ROUNDS {
+        let w: Vec<f64> = x
+            .iter()
+            .zip(y)
+            .map(|(xi, yi)| {
+                let p: f64 = coef.iter().zip(xi).map(|(c, v)| c * v).sum();
+                let yi = yi.max(100.0);
+                1.0 / (yi * yi * ((p - yi).abs() / yi).max(0.005))
+            })
+            .collect();
+        coef = nnls(x, y, &w).ok_or_else(fail)?;
+    }
+    Ok(coef)
 }
 
 /// A machine's calibration.
@@ -194,8 +274,7 @@ impl Calibration {
         let shapes: Vec<StepShape> = steps.iter().map(|r| StepShape::of(r)).collect();
         let x: Vec<Vec<f64>> = shapes.iter().map(StepShape::terms).collect();
         let y: Vec<f64> = steps.iter().map(|r| r.dur_us as f64).collect();
-        let w: Vec<f64> = y.iter().map(|v| 1.0 / v.max(100.0).powi(2)).collect();
-        let coef = nnls(&x, &y, &w).ok_or_else(|| SimError::Calibration("the step fit failed".into()))?;
+        let coef = least_relative_error(&x, &y)?;
         let mut step = Linear { terms: names(&STEP_TERMS), coef_us: coef, residuals: Vec::new() };
         let mut bins = vec![Vec::new(), Vec::new()];
         let mut ape = Vec::with_capacity(y.len());
@@ -250,6 +329,7 @@ impl Calibration {
                 gaps: gy.len(),
                 median_ape: ape.get(QUANTILES / 2).copied().unwrap_or(0.0),
                 p90_ape: ape.get(QUANTILES * 9 / 10).copied().unwrap_or(0.0),
+                noise: noise_floor(&steps),
             },
         })
     }
@@ -286,6 +366,25 @@ impl Calibration {
             return bad("calibration gateway time must be non-negative".into());
         }
         Ok(())
+    }
+
+    /// This calibration's step model on another log's steps.
+    pub fn score(&self, steps: &[StepRecord]) -> Score {
+        let steps: Vec<&StepRecord> = steps.iter().filter(|r| r.rows > 0).collect();
+        let (mut ape, mut signed) = (Vec::new(), Vec::new());
+        for r in &steps {
+            let (p, y) = (self.step_point_us(&StepShape::of(r)), (r.dur_us as f64).max(1.0));
+            ape.push(100.0 * (p - y).abs() / y);
+            signed.push(100.0 * (p - y) / y);
+        }
+        let (ape, signed) = (quantiles(ape), quantiles(signed));
+        Score {
+            steps: steps.len(),
+            median_ape: ape.get(QUANTILES / 2).copied().unwrap_or(0.0),
+            p90_ape: ape.get(QUANTILES * 9 / 10).copied().unwrap_or(0.0),
+            median_signed: signed.get(QUANTILES / 2).copied().unwrap_or(0.0),
+            noise: noise_floor(&steps),
+        }
     }
 
     /// A step's point prediction, µs.
@@ -383,6 +482,41 @@ mod tests {
         let (lo, hi) = draws.iter().fold((f64::MAX, 0.0f64), |(l, h), v| (l.min(*v), h.max(*v)));
         assert!(lo < p && hi > p && hi / lo < 1.3, "{lo} {hi}");
         assert!(c.gap_us(4, &mut a) > 300.0);
+    }
+
+    /// A machine whose steps are mostly on time and one in eight 3× late (a noisy neighbour):
+    /// the fit finds the on-time step, the residuals carry the late ones, and a held-out log's
+    /// score sits at its own noise floor.
+    #[test]
+    fn a_noisy_tail_does_not_move_the_point_and_held_out_steps_score_at_their_floor() {
+        let late = |log: Vec<StepRecord>| -> Vec<StepRecord> {
+            log.into_iter()
+                .enumerate()
+                .map(|(i, mut r)| {
+                    if i % 8 == 3 {
+                        r.dur_us *= 3;
+                    }
+                    r
+                })
+                .collect()
+        };
+        let c = Calibration::fit(&[late(synthetic(800))], Provenance::default(), 1, link()).unwrap();
+        let decode_only = StepShape { rows: 4, decode_tokens: 4, decode_pairs: 2000, ..StepShape::default() };
+        let p = c.step_point_us(&decode_only);
+        assert!((p - 4400.0).abs() / 4400.0 < 0.05, "the point follows the on-time steps: {p}");
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mean = (0..4000).map(|_| c.step_us(&decode_only, &mut rng)).sum::<f64>() / 4000.0;
+        assert!((mean / 4400.0 - 1.25).abs() < 0.06, "the residuals keep the late steps: {mean}");
+        let held_out: Vec<StepRecord> = synthetic(1600).into_iter().skip(800).collect();
+        let s = c.score(&held_out);
+        assert_eq!(s.steps, 800);
+        assert!(s.median_ape < 4.0 && s.median_signed.abs() < 2.0, "{s:?}");
+        assert!(s.noise.steps > 100 && s.noise.median_ape > 1.0 && s.noise.median_ape < 4.0, "{s:?}");
+        // A model that is 20% slow is told apart from the noise.
+        let mut slow = c.clone();
+        slow.step.coef_us.iter_mut().for_each(|v| *v *= 1.2);
+        let s = slow.score(&held_out);
+        assert!(s.median_ape > 15.0 && s.median_signed > 15.0, "{s:?}");
     }
 
     #[test]
