@@ -12,7 +12,7 @@ use tokenpath_timeline::SloSpec;
 #[derive(Debug, Args)]
 pub struct PlanArgs {
     /// The model (`llama-3.1-8b`, `llama-3.1-70b`, `qwen2.5-7b`, `qwen2.5-72b`, `mixtral-8x7b`,
-    /// `smollm2-135m`).
+    /// `opt-13b`, `smollm2-135m`).
     #[arg(long = "model", value_name = "NAME")]
     model_shape: String,
     /// The accelerator (`h100`, `h200`, `a100`, `l40s`, `rtx4090`, `mi300x`).

@@ -245,7 +245,10 @@ impl<'a> Sim<'a> {
         st.done = Some(at);
         let mark = match &outcome {
             Outcome::Finished(reason) => Mark::Finished(*reason),
-            Outcome::Failed(_) => Mark::Failed,
+            Outcome::Failed(why) => {
+                tracing::debug!(request = r, at_ns = at, "failed: {why}");
+                Mark::Failed
+            }
         };
         st.outcome = Some(outcome);
         self.stamp(r, mark, at);
@@ -381,6 +384,12 @@ impl<'a> Sim<'a> {
             if n == 0 {
                 continue;
             }
+            // The step's blocks are taken as it starts, as the engine's forward call takes them:
+            // a PD request arriving mid-step reserves its decode blocks from what is left.
+            // (Regression: reserving at the step's end let such a reservation take blocks the
+            // plan had counted on, and planned steps failed.) A failure shows at the step's end.
+            let to = s.fed + n;
+            let _ = worker.sched.cache.reserve(&mut s.core.table, to);
             shape.rows += 1;
             let pairs = StepRecord::pairs(s.fed, n);
             if s.is_decoding() {
