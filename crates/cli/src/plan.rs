@@ -53,6 +53,8 @@ pub struct PlanArgs {
     calibrate: Option<std::path::PathBuf>,
     #[command(flatten)]
     load: LoadArgs,
+    #[command(flatten)]
+    trace: crate::sim::MooncakeArgs,
     /// Write every row as JSON here.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
@@ -92,8 +94,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         slo: args.slo.clone(),
         seed: args.load.seed,
     };
-    let n = args.load.num_requests();
-    let input = args.load.sim_input(n, "plan")?;
+    let input = args.trace.input(&args.load, "plan")?;
     println!(
         "plan: {} on {} × {} (TP {}, {} replicas, {} GB KV each: {} tokens), KV link {} ({} GB/s); {} at {} req/s, {} requests; SLO {}",
         replica.model.name,
@@ -105,7 +106,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         replica.kv_tokens()?,
         args.link,
         spec.link_gbps,
-        args.load.workload,
+        args.trace.name(&args.load),
         args.load.rate,
         input.requests.len(),
         args.slo

@@ -45,6 +45,49 @@ pub struct SimServerArgs {
     n_ctx: usize,
 }
 
+/// A Mooncake-format trace instead of --workload (`sim` and `plan`).
+#[derive(Debug, Args)]
+pub struct MooncakeArgs {
+    /// Replay a Mooncake-format trace (timestamp ms, input_length, output_length, hash_ids of
+    /// 512-token blocks) instead of --workload; at most --num-requests of its lines.
+    #[arg(long, value_name = "FILE")]
+    mooncake: Option<PathBuf>,
+    /// Divide the trace's timestamps by this: 2 replays it at twice its rate (a capacity scan).
+    #[arg(long, default_value_t = 1.0, requires = "mooncake")]
+    time_scale: f64,
+}
+
+impl MooncakeArgs {
+    /// The requests: the trace's (whole unless --num-requests cuts it), else the workload's.
+    pub(crate) fn input(&self, load: &LoadArgs, who: &str) -> anyhow::Result<tokenpath_sim::Input> {
+        let Some(path) = &self.mooncake else { return load.sim_input(load.num_requests(), who) };
+        anyhow::ensure!(
+            self.time_scale.is_finite() && self.time_scale > 0.0,
+            "--time-scale must be positive"
+        );
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let mut input =
+            tokenpath_sim::requests::mooncake(&text, load.num_requests.unwrap_or(1_000_000), 49_152)?;
+        if self.time_scale != 1.0 {
+            for s in &mut input.send {
+                if let tokenpath_sim::requests::Send::At(t) = s {
+                    *t = (*t as f64 / self.time_scale) as tokenpath_timeline::Nanos;
+                }
+            }
+        }
+        Ok(input)
+    }
+
+    /// What the run replays, for its configuration and header.
+    pub(crate) fn name(&self, load: &LoadArgs) -> String {
+        match &self.mooncake {
+            Some(p) if self.time_scale != 1.0 => format!("mooncake:{} ×{}", p.display(), self.time_scale),
+            Some(p) => format!("mooncake:{}", p.display()),
+            None => load.workload.to_string(),
+        }
+    }
+}
+
 /// `tokenpath sim`.
 #[derive(Debug, Args)]
 pub struct SimArgs {
@@ -60,10 +103,8 @@ pub struct SimArgs {
     decode_calibration: Option<PathBuf>,
     #[command(flatten)]
     load: LoadArgs,
-    /// Replay a Mooncake-format trace (timestamp ms, input_length, output_length, hash_ids of
-    /// 512-token blocks) instead of --workload; at most --num-requests of its lines.
-    #[arg(long, value_name = "FILE")]
-    mooncake: Option<PathBuf>,
+    #[command(flatten)]
+    trace: MooncakeArgs,
     #[command(flatten)]
     server: SimServerArgs,
     #[command(flatten)]
@@ -114,20 +155,8 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         seed: args.sim_seed,
         keep_steps: args.step_log_out.is_some(),
     };
-    // A trace is replayed whole unless --num-requests cuts it.
-    let n = match &args.mooncake {
-        Some(_) => args.load.num_requests.unwrap_or(1_000_000),
-        None => args.load.num_requests(),
-    };
     let started = std::time::Instant::now();
-    let input = match &args.mooncake {
-        Some(path) => {
-            let text =
-                std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-            tokenpath_sim::requests::mooncake(&text, n, 49_152)?
-        }
-        None => args.load.sim_input(n, "sim")?,
-    };
+    let input = args.trace.input(&args.load, "sim")?;
     let built = started.elapsed();
     let out = tokenpath_sim::simulate_with(&cfg, &calibs, &input)?;
     let wall = started.elapsed();
@@ -158,10 +187,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             "machine": calib.provenance.machine,
             "model": calib.provenance.model,
             "sim": cfg,
-            "workload": args.mooncake.as_ref().map_or(args.load.workload.to_string(), |p| format!("mooncake:{}", p.display())),
+            "workload": args.trace.name(&args.load),
             "rate": args.load.rate, "arrival": format!("{:?}", args.load.arrival),
             "concurrency": args.load.concurrency,
-            "num_requests": n, "seed": args.load.seed,
+            "num_requests": input.requests.len(), "seed": args.load.seed,
             "stats": out.stats,
         });
         write_run_json(path, &report, config, &out.records)?;
