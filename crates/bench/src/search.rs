@@ -70,7 +70,7 @@ pub const MIN_RATE: f64 = 1e-3;
 pub const MAX_RATE: f64 = 1e6;
 
 impl SearchConfig {
-    fn validate(&self, base: &RunConfig) -> Result<(), BenchError> {
+    fn validate(&self) -> Result<(), BenchError> {
         let bad = |s: &str| Err(BenchError::BadSearch(s.to_owned()));
         if !(self.start_rate.is_finite() && (MIN_RATE..=MAX_RATE).contains(&self.start_rate)) {
             return bad("the start rate must be within 0.001..=1e6 requests/s");
@@ -84,10 +84,15 @@ impl SearchConfig {
         if !(self.tolerance.is_finite() && self.tolerance > 0.0) {
             return bad("the tolerance must be positive");
         }
+        Ok(())
+    }
+
+    /// The search sets the offered rate: a run whose rate is set otherwise cannot be searched.
+    pub fn check_base(base: &RunConfig) -> Result<(), BenchError> {
         if base.concurrency.is_some() || base.ramp.is_some() || base.workload.schedule().is_some() {
-            return bad(
-                "the search sets the offered rate: not with --concurrency, --ramp or a trace workload",
-            );
+            return Err(BenchError::BadSearch(
+                "the search sets the offered rate: not with --concurrency, --ramp or a trace workload".into(),
+            ));
         }
         Ok(())
     }
@@ -103,23 +108,50 @@ fn next_rate(last: f64, pass: Option<f64>, fail: Option<f64>, tolerance: f64) ->
     }
 }
 
-/// Probes rates with `base` (its arrival process's shape, workload, count and duration), calling
-/// `on_probe` after each; `progress` sees every request of every probe.
-pub async fn find_max_rate(
-    base: &RunConfig,
-    cfg: &SearchConfig,
-    progress: Progress<'_>,
-    on_probe: &mut (dyn FnMut(&Probe) + Send),
-) -> Result<SearchResult, BenchError> {
-    cfg.validate(base)?;
-    let opts = ReportOptions { slo: Some(cfg.slo.clone()), ..cfg.report.clone() };
-    let mut probes = Vec::new();
-    let (mut pass, mut fail): (Option<f64>, Option<f64>) = (None, None);
-    let mut rate = cfg.start_rate;
-    while probes.len() < cfg.max_probes {
-        let probe_cfg = RunConfig { arrival: base.arrival.with_rate(rate), ..base.clone() };
-        let records: Vec<ClientRecord> = run(&probe_cfg, &mut *progress).await?;
-        let report = Report::build(&records, &opts)?;
+/// The workload seed of probe `index` (from 0) of a search whose run has seed `base`: the first
+/// probe is the run itself, every later one sends other prompts. (Regression: every probe once
+/// sent the same prompts, so a server's prefix cache served each probe after the first from
+/// cache and a 2-core CPU server "passed" 4.8 req/s where its cold capacity is ~0.2.)
+pub fn probe_seed(base: u64, index: usize) -> u64 {
+    base.wrapping_add((index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// The search itself, without the runs: the rate to probe next, each probe's records in, the
+/// bracket out. The bench drives it with real runs ([`find_max_rate`]) and the simulator with
+/// simulated ones, so "capacity" means the same search on both.
+#[derive(Debug)]
+pub struct Search {
+    cfg: SearchConfig,
+    opts: ReportOptions,
+    probes: Vec<Probe>,
+    pass: Option<f64>,
+    fail: Option<f64>,
+    next: Option<f64>,
+}
+
+impl Search {
+    /// A search starting at `cfg.start_rate`.
+    pub fn new(cfg: SearchConfig) -> Result<Self, BenchError> {
+        cfg.validate()?;
+        let opts = ReportOptions { slo: Some(cfg.slo.clone()), ..cfg.report.clone() };
+        let next = Some(cfg.start_rate);
+        Ok(Self { cfg, opts, probes: Vec::new(), pass: None, fail: None, next })
+    }
+
+    /// The rate to probe next; `None` when the bracket is tight or the probe budget is spent.
+    pub fn next_rate(&self) -> Option<f64> {
+        self.next.filter(|_| self.probes.len() < self.cfg.max_probes)
+    }
+
+    /// The workload seed of the next probe, for a run whose seed is `base` ([`probe_seed`]).
+    pub fn next_seed(&self, base: u64) -> u64 {
+        probe_seed(base, self.probes.len())
+    }
+
+    /// The records of a probe at [`Search::next_rate`].
+    pub fn record(&mut self, records: &[ClientRecord]) -> Result<&Probe, BenchError> {
+        let rate = self.next.ok_or_else(|| BenchError::BadSearch("the search is over".into()))?;
+        let report = Report::build(records, &self.opts)?;
         let good = report.goodput.as_ref();
         let attainment = good.map_or(0.0, |g| g.attainment);
         let probe = Probe {
@@ -129,31 +161,51 @@ pub async fn find_max_rate(
             achieved_send_rps: report.summary.throughput.achieved_send_rps,
             requests: report.summary.requests,
             failed: report.summary.failed,
-            passed: attainment >= cfg.attainment,
+            passed: attainment >= self.cfg.attainment,
         };
-        on_probe(&probe);
         if probe.passed {
-            pass = Some(pass.map_or(rate, |p: f64| p.max(rate)));
+            self.pass = Some(self.pass.map_or(rate, |p: f64| p.max(rate)));
             // A noisy pass above a known fail moves the fail up: keep the bracket ordered.
-            if fail.is_some_and(|f| f <= rate) {
-                fail = None;
+            if self.fail.is_some_and(|f| f <= rate) {
+                self.fail = None;
             }
-        } else if fail.is_none_or(|f| rate < f) && pass.is_none_or(|p| rate > p) {
-            fail = Some(rate);
+        } else if self.fail.is_none_or(|f| rate < f) && self.pass.is_none_or(|p| rate > p) {
+            self.fail = Some(rate);
         }
-        probes.push(probe);
-        match next_rate(rate, pass, fail, cfg.tolerance) {
-            Some(r) => rate = r,
-            None => break,
+        self.next = next_rate(rate, self.pass, self.fail, self.cfg.tolerance);
+        self.probes.push(probe);
+        Ok(self.probes.last().expect("just pushed"))
+    }
+
+    /// The search's answer.
+    pub fn finish(self) -> SearchResult {
+        SearchResult {
+            slo: self.cfg.slo.to_string(),
+            target_attainment: self.cfg.attainment,
+            probes: self.probes,
+            max_rate: self.pass,
+            first_failing_rate: self.fail,
         }
     }
-    Ok(SearchResult {
-        slo: cfg.slo.to_string(),
-        target_attainment: cfg.attainment,
-        probes,
-        max_rate: pass,
-        first_failing_rate: fail,
-    })
+}
+
+/// Probes rates with `base` (its arrival process's shape, workload, count and duration), calling
+/// `on_probe` after each; `progress` sees every request of every probe.
+pub async fn find_max_rate(
+    base: &RunConfig,
+    cfg: &SearchConfig,
+    progress: Progress<'_>,
+    on_probe: &mut (dyn FnMut(&Probe) + Send),
+) -> Result<SearchResult, BenchError> {
+    SearchConfig::check_base(base)?;
+    let mut search = Search::new(cfg.clone())?;
+    while let Some(rate) = search.next_rate() {
+        let seed = search.next_seed(base.seed);
+        let probe_cfg = RunConfig { arrival: base.arrival.with_rate(rate), seed, ..base.clone() };
+        let records: Vec<ClientRecord> = run(&probe_cfg, &mut *progress).await?;
+        on_probe(search.record(&records)?);
+    }
+    Ok(search.finish())
 }
 
 #[cfg(test)]
@@ -176,6 +228,19 @@ mod tests {
             }
         }
         (pass, fail, n)
+    }
+
+    /// Regression (see [`probe_seed`]): probes after the first send other prompts, so a
+    /// server's prefix cache cannot carry one probe into the next.
+    #[test]
+    fn each_probe_sends_other_prompts() {
+        let w: crate::workload::Workload = "agent-longtail".parse().unwrap();
+        let prompts = |i: usize| -> Vec<String> {
+            w.requests_with(8, probe_seed(7, i), None).into_iter().map(|r| r.prompt).collect()
+        };
+        assert_eq!(probe_seed(7, 0), 7, "the first probe is the run itself");
+        let (a, b, c) = (prompts(0), prompts(1), prompts(2));
+        assert!(a.iter().all(|p| !b.contains(p)) && b.iter().all(|p| !c.contains(p)), "{a:?}\n{b:?}");
     }
 
     #[test]

@@ -53,7 +53,7 @@ pub struct TargetArgs {
 }
 
 /// What load to offer.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct LoadArgs {
     /// `agent-longtail` (default), `agent-longtail:S_LO-S_HI:L_LO-L_HI:SHARE:O_LO-O_HI`,
     /// `fixed:IN:OUT`, `random:uniform:I_LO-I_HI:O_LO-O_HI`,
@@ -112,16 +112,8 @@ pub struct BenchArgs {
     /// Write the summary and every request record as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Search the highest --rate whose --slo attainment reaches --attainment, each probe a run
-    /// of --num-requests / --duration starting at --rate (×2 up, then bisection).
-    #[arg(long, requires = "slo")]
-    find_max_rate: bool,
-    /// Fraction of requests that must meet every SLO, for --find-max-rate.
-    #[arg(long, default_value_t = 0.9)]
-    attainment: f64,
-    /// Most probes of --find-max-rate.
-    #[arg(long, default_value_t = 8)]
-    max_probes: usize,
+    #[command(flatten)]
+    search: SearchArgs,
     #[command(flatten)]
     output: crate::output::OutputArgs,
     #[command(flatten)]
@@ -269,7 +261,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         send_counter: None,
         traces: None,
     };
-    if args.find_max_rate {
+    if args.search.find_max_rate {
         return search_max_rate(&args, &cfg);
     }
     eprintln!(
@@ -333,55 +325,95 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--find-max-rate`: probes printed as they finish, the answer last; `--out` gets the search.
-fn search_max_rate(args: &BenchArgs, cfg: &RunConfig) -> anyhow::Result<()> {
-    let slo = args.slo.clone().ok_or_else(|| anyhow::anyhow!("--find-max-rate needs --slo"))?;
-    let search = SearchConfig {
-        start_rate: args.load.rate,
-        attainment: args.attainment,
-        slo,
-        max_probes: args.max_probes,
-        tolerance: 0.1,
-        report: ReportOptions {
-            warmup_s: args.window.warmup_s,
-            cooldown_s: args.window.cooldown_s,
-            slo: None,
-        },
-    };
+/// The capacity search's flags (`bench` runs its probes, `sim` simulates them).
+#[derive(Debug, Args)]
+pub struct SearchArgs {
+    /// Search the highest --rate whose --slo attainment reaches --attainment, each probe a run
+    /// of --num-requests / --duration starting at --rate (×2 up, then bisection).
+    #[arg(long, requires = "slo")]
+    pub(crate) find_max_rate: bool,
+    /// Fraction of requests that must meet every SLO, for --find-max-rate.
+    #[arg(long, default_value_t = 0.9)]
+    attainment: f64,
+    /// Most probes of --find-max-rate.
+    #[arg(long, default_value_t = 8)]
+    max_probes: usize,
+    /// Stop bisecting when the lowest failing rate is within this fraction above the highest
+    /// passing one.
+    #[arg(long, default_value_t = 0.1)]
+    search_tolerance: f64,
+}
+
+impl SearchArgs {
+    /// The search these flags describe, from `start_rate`.
+    pub(crate) fn config(&self, start_rate: f64, slo: SloSpec, window: &WindowArgs) -> SearchConfig {
+        SearchConfig {
+            start_rate,
+            attainment: self.attainment,
+            slo,
+            max_probes: self.max_probes,
+            tolerance: self.search_tolerance,
+            report: ReportOptions { warmup_s: window.warmup_s, cooldown_s: window.cooldown_s, slo: None },
+        }
+    }
+}
+
+/// The search's header and the probe table's header.
+pub(crate) fn print_search_start(search: &SearchConfig, requests: usize) {
     eprintln!(
-        "find-max-rate: {} at ≥ {:.1}% attainment, from {} req/s, ≤ {} probes of {} requests{}",
+        "find-max-rate: {} at ≥ {:.1}% attainment, from {} req/s, ≤ {} probes of {} requests, bracket within {:.0}%",
         search.slo,
         search.attainment * 100.0,
         search.start_rate,
         search.max_probes,
-        cfg.num_requests,
-        cfg.duration.map_or(String::new(), |d| format!(" / {:.1} s", d.as_secs_f64())),
+        requests,
+        search.tolerance * 100.0
     );
     println!(
         "{:>12}{:>13}{:>15}{:>12}{:>8}",
         "rate (r/s)", "attainment", "goodput (r/s)", "sent (r/s)", "pass"
     );
-    let mut on_probe = |p: &tokenpath_bench::search::Probe| {
-        println!(
-            "{:>12.3}{:>12.1}%{:>15.3}{:>12.3}{:>8}",
-            p.rate,
-            p.attainment * 100.0,
-            p.goodput_rps,
-            p.achieved_send_rps,
-            if p.passed { "yes" } else { "no" }
-        );
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let result = rt.block_on(find_max_rate(cfg, &search, &mut |_, _, _| {}, &mut on_probe))?;
+}
+
+/// One probe's row.
+pub(crate) fn print_probe(p: &tokenpath_bench::search::Probe) {
+    println!(
+        "{:>12.3}{:>12.1}%{:>15.3}{:>12.3}{:>8}",
+        p.rate,
+        p.attainment * 100.0,
+        p.goodput_rps,
+        p.achieved_send_rps,
+        if p.passed { "yes" } else { "no" }
+    );
+}
+
+/// The answer, and the search as JSON to `out`.
+pub(crate) fn finish_search(
+    result: &tokenpath_bench::search::SearchResult,
+    out: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
     match (result.max_rate, result.first_failing_rate) {
         (Some(r), Some(f)) => println!("max rate meeting {}: {r:.3} req/s (fails at {f:.3})", result.slo),
         (Some(r), None) => println!("max rate meeting {}: ≥ {r:.3} req/s (no probe failed)", result.slo),
-        (None, _) => println!("no probed rate met {} at {:.1}%", result.slo, search.attainment * 100.0),
+        (None, _) => {
+            println!("no probed rate met {} at {:.1}%", result.slo, result.target_attainment * 100.0)
+        }
     }
-    if let Some(path) = &args.out {
+    if let Some(path) = out {
         let doc = serde_json::json!({ "find_max_rate": result });
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
         eprintln!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// `--find-max-rate`: probes printed as they finish, the answer last; `--out` gets the search.
+fn search_max_rate(args: &BenchArgs, cfg: &RunConfig) -> anyhow::Result<()> {
+    let slo = args.slo.clone().ok_or_else(|| anyhow::anyhow!("--find-max-rate needs --slo"))?;
+    let search = args.search.config(args.load.rate, slo, &args.window);
+    print_search_start(&search, cfg.num_requests);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut on_probe = |p: &tokenpath_bench::search::Probe| print_probe(p);
+    let result = rt.block_on(find_max_rate(cfg, &search, &mut |_, _, _| {}, &mut on_probe))?;
+    finish_search(&result, args.out.as_deref())
 }

@@ -112,7 +112,10 @@ pub struct SimArgs {
     /// SLOs for goodput, e.g. `ttft:2s,tpot:100ms`.
     #[arg(long)]
     slo: Option<SloSpec>,
-    /// Write the summary and every request record as the bench's JSON here.
+    #[command(flatten)]
+    search: crate::bench::SearchArgs,
+    /// Write the summary and every request record as the bench's JSON here (with
+    /// --find-max-rate: the search).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Write every simulated step as a step log (the `--step-log` format) here.
@@ -155,6 +158,9 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         seed: args.sim_seed,
         keep_steps: args.step_log_out.is_some(),
     };
+    if args.search.find_max_rate {
+        return search_max_rate(&args, &cfg, &calibs);
+    }
     let started = std::time::Instant::now();
     let input = args.trace.input(&args.load, "sim")?;
     let built = started.elapsed();
@@ -318,4 +324,33 @@ fn cpu_model() -> String {
         })
         .map(|m| format!("{m} × {}", std::thread::available_parallelism().map_or(1, |n| n.get())))
         .unwrap_or_else(|| "unknown".into())
+}
+
+/// `sim --find-max-rate`: the bench's capacity search, each probe simulated.
+fn search_max_rate(
+    args: &SimArgs,
+    cfg: &SimConfig,
+    calibs: &tokenpath_sim::Calibrations<'_>,
+) -> anyhow::Result<()> {
+    let load = &args.load;
+    anyhow::ensure!(
+        args.trace.mooncake.is_none()
+            && load.concurrency.is_none()
+            && load.ramp.is_none()
+            && load.workload.schedule().is_none(),
+        "the search sets the offered rate: not with --concurrency, --ramp, --mooncake or a trace workload"
+    );
+    let slo = args.slo.clone().ok_or_else(|| anyhow::anyhow!("--find-max-rate needs --slo"))?;
+    let config = args.search.config(load.rate, slo, &args.window);
+    crate::bench::print_search_start(&config, load.num_requests());
+    let mut search = tokenpath_bench::search::Search::new(config)?;
+    while let Some(rate) = search.next_rate() {
+        let mut probe = load.clone();
+        probe.seed = search.next_seed(load.seed);
+        probe.rate = rate;
+        let input = probe.sim_input(probe.num_requests(), "sim")?;
+        let out = tokenpath_sim::simulate_with(cfg, calibs, &input)?;
+        crate::bench::print_probe(search.record(&out.records)?);
+    }
+    crate::bench::finish_search(&search.finish(), args.out.as_deref())
 }

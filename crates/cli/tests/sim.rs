@@ -90,8 +90,45 @@ fn the_simulator_replays_a_real_run_with_the_same_decisions() {
     // fidelity itself is measured by scripts/validate-sim.
     let ratio = e2e_ms(&sim) / e2e_ms(&real);
     assert!((0.33..3.0).contains(&ratio), "simulated E2E {ratio:.2}× the real one");
-    // The simulated step log is a step log: `calibrate` reads it.
+    // The simulated step log is a step log: `calibrate` reads it, and scores the calibration
+    // on it.
     run(&["calibrate", "--step-log", &sim_steps, "--model", &m, "--out", &p("calib-of-sim.json")]);
+    let scored = run(&["calibrate", "--step-log", &sim_steps, "--score", &calib]);
+    assert!(
+        scored.contains("held-out steps: step model median error") && scored.contains("noise floor"),
+        "{scored}"
+    );
+    // The bench's capacity search, each probe simulated.
+    let search = p("search.json");
+    let said = run(&[
+        "sim",
+        "--calibration",
+        &calib,
+        "--workload",
+        "fixed:64:8",
+        "--rate",
+        "1",
+        "--num-requests",
+        "12",
+        "--slo",
+        "ttft:5s",
+        "--find-max-rate",
+        "--max-probes",
+        "3",
+        "--out",
+        &search,
+    ]);
+    assert!(said.contains("max rate meeting") || said.contains("no probed rate met"), "{said}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&search).unwrap()).unwrap();
+    assert_eq!(doc["find_max_rate"]["probes"].as_array().unwrap().len(), 3, "{doc}");
+    let refused = Command::new(BIN)
+        .args(["sim", "--calibration", &calib, "--concurrency", "2", "--slo", "ttft:5s", "--find-max-rate"])
+        .output()
+        .unwrap();
+    assert!(
+        !refused.status.success()
+            && String::from_utf8_lossy(&refused.stderr).contains("sets the offered rate")
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
