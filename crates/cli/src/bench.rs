@@ -359,14 +359,15 @@ impl SearchArgs {
 }
 
 /// The search's header and the probe table's header.
-pub(crate) fn print_search_start(search: &SearchConfig, requests: usize) {
+pub(crate) fn print_search_start(search: &SearchConfig, requests: usize, duration: Option<f64>) {
     eprintln!(
-        "find-max-rate: {} at ≥ {:.1}% attainment, from {} req/s, ≤ {} probes of {} requests, bracket within {:.0}%",
+        "find-max-rate: {} at ≥ {:.1}% attainment, from {} req/s, ≤ {} probes of {} requests{}, bracket within {:.0}%",
         search.slo,
         search.attainment * 100.0,
         search.start_rate,
         search.max_probes,
         requests,
+        duration.map_or(String::new(), |d| format!(" / {d:.1} s")),
         search.tolerance * 100.0
     );
     println!(
@@ -411,7 +412,7 @@ pub(crate) fn finish_search(
 fn search_max_rate(args: &BenchArgs, cfg: &RunConfig) -> anyhow::Result<()> {
     let slo = args.slo.clone().ok_or_else(|| anyhow::anyhow!("--find-max-rate needs --slo"))?;
     let search = args.search.config(args.load.rate, slo, &args.window);
-    print_search_start(&search, cfg.num_requests);
+    print_search_start(&search, cfg.num_requests, cfg.duration.map(|d| d.as_secs_f64()));
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut on_probe = |p: &tokenpath_bench::search::Probe| print_probe(p);
     let result = rt.block_on(find_max_rate(cfg, &search, &mut |_, _, _| {}, &mut on_probe))?;

@@ -342,7 +342,7 @@ fn search_max_rate(
     );
     let slo = args.slo.clone().ok_or_else(|| anyhow::anyhow!("--find-max-rate needs --slo"))?;
     let config = args.search.config(load.rate, slo, &args.window);
-    crate::bench::print_search_start(&config, load.num_requests());
+    crate::bench::print_search_start(&config, load.num_requests(), load.duration);
     let mut search = tokenpath_bench::search::Search::new(config)?;
     while let Some(rate) = search.next_rate() {
         let mut probe = load.clone();

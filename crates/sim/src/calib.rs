@@ -108,6 +108,11 @@ fn draw(q: &[f64], rng: &mut ChaCha8Rng) -> f64 {
     q[i] + (q[i + 1] - q[i]) * f
 }
 
+/// The `pct`-th percentile of a [`quantiles`] table (0 when it is empty).
+fn pct(q: &[f64], pct: usize) -> f64 {
+    q.get(pct * (QUANTILES - 1) / 100).copied().unwrap_or(0.0)
+}
+
 fn quantiles(mut v: Vec<f64>) -> Vec<f64> {
     if v.is_empty() {
         return Vec::new();
@@ -190,11 +195,7 @@ pub fn noise_floor(steps: &[&StepRecord]) -> Noise {
     }
     let n = ape.len();
     let q = quantiles(ape);
-    Noise {
-        steps: n,
-        median_ape: q.get(QUANTILES / 2).copied().unwrap_or(0.0),
-        p90_ape: q.get(QUANTILES * 9 / 10).copied().unwrap_or(0.0),
-    }
+    Noise { steps: n, median_ape: pct(&q, 50), p90_ape: pct(&q, 90) }
 }
 
 /// How a calibration predicts steps it was not fitted on: its error next to those steps' own
@@ -277,16 +278,13 @@ impl Calibration {
         let coef = least_relative_error(&x, &y)?;
         let mut step = Linear { terms: names(&STEP_TERMS), coef_us: coef, residuals: Vec::new() };
         let mut bins = vec![Vec::new(), Vec::new()];
-        let mut ape = Vec::with_capacity(y.len());
         for ((xi, yi), s) in x.iter().zip(&y).zip(&shapes) {
             let p = step.point(xi);
             if p > 0.0 {
                 bins[s.bin()].push(yi / p);
             }
-            ape.push(100.0 * (p - yi).abs() / yi.max(1.0));
         }
         step.residuals = bins.into_iter().map(quantiles).collect();
-        let ape = quantiles(ape);
         // Busy gaps: the previous step left sequences running, and the gap is not idle time.
         let mut gx = Vec::new();
         let mut gy = Vec::new();
@@ -300,7 +298,7 @@ impl Calibration {
             }
         }
         // Gaps far past the typical one are idle waits (every sequence paused or finished).
-        let median = quantiles(gy.clone()).get(QUANTILES / 2).copied().unwrap_or(0.0);
+        let median = pct(&quantiles(gy.clone()), 50);
         let keep: Vec<usize> = (0..gy.len()).filter(|&i| gy[i] <= (median * 20.0).max(20_000.0)).collect();
         let gx: Vec<Vec<f64>> = keep.iter().map(|&i| gx[i].clone()).collect();
         let gy: Vec<f64> = keep.iter().map(|&i| gy[i]).collect();
@@ -316,7 +314,7 @@ impl Calibration {
                 .collect();
             gap.residuals = vec![quantiles(ratios)];
         }
-        Ok(Self {
+        let mut calib = Self {
             version: VERSION,
             provenance,
             step,
@@ -324,14 +322,18 @@ impl Calibration {
             gateway_us: 300.0,
             kv_bytes_per_token,
             link,
-            fit: FitQuality {
-                steps: steps.len(),
-                gaps: gy.len(),
-                median_ape: ape.get(QUANTILES / 2).copied().unwrap_or(0.0),
-                p90_ape: ape.get(QUANTILES * 9 / 10).copied().unwrap_or(0.0),
-                noise: noise_floor(&steps),
-            },
-        })
+            fit: FitQuality::default(),
+        };
+        // The fit's quality is its score on its own steps.
+        let own = calib.score_of(&steps);
+        calib.fit = FitQuality {
+            steps: own.steps,
+            gaps: gy.len(),
+            median_ape: own.median_ape,
+            p90_ape: own.p90_ape,
+            noise: own.noise,
+        };
+        Ok(calib)
     }
 
     /// Reads and checks a calibration file.
@@ -370,7 +372,11 @@ impl Calibration {
 
     /// This calibration's step model on another log's steps.
     pub fn score(&self, steps: &[StepRecord]) -> Score {
-        let steps: Vec<&StepRecord> = steps.iter().filter(|r| r.rows > 0).collect();
+        self.score_of(&steps.iter().collect::<Vec<_>>())
+    }
+
+    fn score_of(&self, steps: &[&StepRecord]) -> Score {
+        let steps: Vec<&StepRecord> = steps.iter().copied().filter(|r| r.rows > 0).collect();
         let (mut ape, mut signed) = (Vec::new(), Vec::new());
         for r in &steps {
             let (p, y) = (self.step_point_us(&StepShape::of(r)), (r.dur_us as f64).max(1.0));
@@ -380,9 +386,9 @@ impl Calibration {
         let (ape, signed) = (quantiles(ape), quantiles(signed));
         Score {
             steps: steps.len(),
-            median_ape: ape.get(QUANTILES / 2).copied().unwrap_or(0.0),
-            p90_ape: ape.get(QUANTILES * 9 / 10).copied().unwrap_or(0.0),
-            median_signed: signed.get(QUANTILES / 2).copied().unwrap_or(0.0),
+            median_ape: pct(&ape, 50),
+            p90_ape: pct(&ape, 90),
+            median_signed: pct(&signed, 50),
             noise: noise_floor(&steps),
         }
     }

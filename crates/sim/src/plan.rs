@@ -406,31 +406,26 @@ pub fn fit_efficiency(spec: &PlanSpec, input: &crate::Input, want: Measured) -> 
         let p50 = |s: &Option<tokenpath_timeline::Summary>| s.as_ref().map_or(f64::NAN, |s| s.p50);
         Ok((p50(&report.summary.tpot_ms), p50(&report.summary.ttft_ms)))
     };
+    // The efficiency at which `too_slow` turns false. Higher efficiency, faster: bisect in log
+    // space between 1% and 100% of peak.
+    let bisect = |too_slow: &dyn Fn(f64) -> Result<bool, SimError>| -> Result<f64, SimError> {
+        let (mut lo, mut hi) = (0.01f64.ln(), 0.0f64);
+        for _ in 0..14 {
+            let mid = (lo + hi) / 2.0;
+            if too_slow(mid.exp())? {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        Ok(((lo + hi) / 2.0).exp())
+    };
     let mut eff = spec.eff;
     for _ in 0..2 {
-        // Higher efficiency, faster: bisect in log space between 1% and 100% of peak.
-        let (mut lo, mut hi) = (0.01f64.ln(), 0.0f64);
-        for _ in 0..14 {
-            let mid = (lo + hi) / 2.0;
-            let (tpot, _) = medians(Efficiency { memory: mid.exp(), ..eff })?;
-            if tpot > want.tpot_p50_ms {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-        eff.memory = ((lo + hi) / 2.0).exp();
-        let (mut lo, mut hi) = (0.01f64.ln(), 0.0f64);
-        for _ in 0..14 {
-            let mid = (lo + hi) / 2.0;
-            let (_, ttft) = medians(Efficiency { compute: mid.exp(), ..eff })?;
-            if ttft > want.ttft_p50_ms {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-        eff.compute = ((lo + hi) / 2.0).exp();
+        let e = eff;
+        eff.memory = bisect(&|m| Ok(medians(Efficiency { memory: m, ..e })?.0 > want.tpot_p50_ms))?;
+        let e = eff;
+        eff.compute = bisect(&|c| Ok(medians(Efficiency { compute: c, ..e })?.1 > want.ttft_p50_ms))?;
     }
     Ok(eff)
 }
