@@ -47,10 +47,26 @@ fn body(prompt: &[u32]) -> String {
         .to_string()
 }
 
-/// (generated text, cached prompt tokens) of a greedy completion of `prompt`.
+/// Waits until the server at `port` has stored in the pool every block it computed so far
+/// (its workers write the pool behind their steps), at most 30 s.
+fn stored(port: u16) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let (_, metrics) = http(port, "GET", "/metrics", "");
+        if metrics.lines().any(|l| l == "tokenpath_kv_pool_stores_pending 0") {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "the pool stores never ended: {metrics}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// (generated text, cached prompt tokens) of a greedy completion of `prompt`, its blocks
+/// stored in the pool by the time it returns.
 fn complete(port: u16, prompt: &[u32]) -> (String, u64) {
     let (status, text) = http(port, "POST", "/v1/completions", &body(prompt));
     assert_eq!(status, 200, "{text}");
+    stored(port);
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
     // The timeline says which tier they came from.
@@ -112,6 +128,7 @@ fn a_second_server_on_the_same_pool_loads_what_the_first_computed_from_host_ram(
     let mut first = support::serve(model, &pool);
     let (status, a) = http(first.port, "POST", "/v1/completions", &body);
     assert_eq!(status, 200, "{a}");
+    stored(first.port);
     let mut args = pool.to_vec();
     args.extend(["--prefill", "1", "--decode", "1"]);
     let mut second = support::serve(model, &args);
@@ -233,6 +250,7 @@ fn a_standalone_pool_keeps_its_ram_tier_across_server_restarts() {
     let mut a = support::serve(model, &args);
     let (status, first) = http(a.port, "POST", "/v1/completions", &body);
     assert_eq!(status, 200, "{first}");
+    stored(a.port);
     a.child.kill().unwrap();
     a.child.wait().unwrap();
     assert!(!a.logs().contains("KV pool hosted here"), "the server joined the standalone pool");

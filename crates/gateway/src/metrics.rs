@@ -122,6 +122,10 @@ pub const KV_POOL_PINNED_BLOCKS: &str = "tokenpath_kv_pool_pinned_blocks";
 pub const KV_POOL_LEASE_AGE_SECONDS: &str = "tokenpath_kv_pool_oldest_lease_seconds";
 /// 1 when the pool's SSD tier failed and it runs on RAM only (gauge).
 pub const KV_POOL_SSD_DEGRADED: &str = "tokenpath_kv_pool_ssd_degraded";
+/// Gauge: workers' jobs storing fresh blocks in the KV pool, in flight.
+pub const KV_POOL_STORES_PENDING: &str = "tokenpath_kv_pool_stores_pending";
+/// Counter: workers' store jobs not taken (too many in flight): those blocks were not stored.
+pub const KV_POOL_STORES_DROPPED: &str = "tokenpath_kv_pool_stores_dropped";
 /// The machine's peak FLOP/s as configured (`--peak-gflops`); absent when not configured.
 pub const WORKER_PEAK_FLOPS: &str = "tokenpath_worker_peak_flops";
 

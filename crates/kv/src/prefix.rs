@@ -96,6 +96,14 @@ impl<B: Copy + Eq + Hash> PrefixCache<B> {
         self.map.contains_key(&hash)
     }
 
+    /// The block cached under `hash`, without touching anything.
+    pub fn peek(&self, hash: BlockHash) -> Option<B>
+    where
+        B: Copy,
+    {
+        self.map.get(&hash).and_then(|s| self.entry(*s)).map(|e| e.block)
+    }
+
     fn entry(&self, slot: Slot) -> Option<&Entry<B>> {
         self.slots.get(slot as usize).and_then(Option::as_ref)
     }

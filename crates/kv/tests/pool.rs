@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tokenpath_kv::pool::{PoolClient, PoolConfig};
+use tokenpath_kv::pool::{Fill, FillItem, PoolClient, PoolConfig, PoolWriter};
 use tokenpath_kv::{chain_hash, BlockHash};
 
 const BLOCK: usize = 5000;
@@ -152,5 +152,81 @@ fn a_client_of_another_block_size_is_refused_and_serves_without_the_pool() {
     assert!(third.hosts(), "its own pool");
     assert!(third.lookup(&keys(0..1)).blocks.is_empty(), "never another namespace's blocks");
     drop((host, other, third));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Polls `writer` for fills until it is idle (at most 10 s), answering each with `answer`.
+fn drain(writer: &PoolWriter, mut answer: impl FnMut(&mut Fill)) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while writer.busy() {
+        assert!(Instant::now() < until, "the writer never finished");
+        if let Some(mut f) = writer.next_fill() {
+            answer(&mut f);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn items(ids: std::ops::Range<u32>) -> Vec<FillItem> {
+    ids.map(|i| FillItem { key: key(i), tag: u64::from(i) }).collect()
+}
+
+/// The writer behind a worker: it hosts the pool, asks only for the blocks the pool lacks, and
+/// stores what the worker copies; a fill the worker cannot answer in full stores nothing and
+/// ends its lease.
+#[test]
+fn the_writer_stores_only_what_the_pool_lacks_and_every_lease_ends() {
+    let d = dir("writer");
+    let writer = PoolWriter::start(config(&d), ns(), BLOCK).expect("writer");
+    let mut reader = PoolClient::connect_only(config(&d), ns(), BLOCK);
+    assert!(reader.connected() && !reader.hosts(), "the writer hosts the pool; this client only connects");
+
+    let mut asked = Vec::new();
+    assert!(writer.store(items(0..3)));
+    drain(&writer, |f| {
+        for i in 0..f.items().len() {
+            let tag = f.items()[i].tag;
+            asked.push(tag);
+            f.buffer(i).expect("buffer").copy_from_slice(&block(tag as usize));
+            f.written(i);
+        }
+    });
+    assert_eq!(asked, [0, 1, 2]);
+    assert_eq!(load_all(&mut reader, 0..3), 3, "stored and checked");
+    assert_eq!(writer.counters().stored.load(std::sync::atomic::Ordering::Relaxed), 3);
+
+    // Blocks 1 and 2 are held: only 3 and 4 are asked for. Block 4 cannot be given (gone from
+    // the worker's cache): the fill stores nothing.
+    asked.clear();
+    assert!(writer.store(items(1..5)));
+    drain(&writer, |f| {
+        for i in 0..f.items().len() {
+            let tag = f.items()[i].tag;
+            asked.push(tag);
+            if tag == 3 {
+                f.buffer(i).expect("buffer").copy_from_slice(&block(3));
+                f.written(i);
+            }
+        }
+    });
+    assert_eq!(asked, [3, 4], "held blocks are never asked for");
+    assert_eq!(load_all(&mut reader, 0..5), 3, "nothing of the partial fill is stored");
+    assert_eq!(writer.counters().abandoned.load(std::sync::atomic::Ordering::Relaxed), 1);
+    let stats = reader.stats().expect("stats");
+    assert_eq!((stats.leases, stats.pinned), (0, 0), "every lease ended");
+
+    // A fill dropped unanswered (a worker stopping) ends its lease too.
+    assert!(writer.store(items(5..7)));
+    drain(&writer, |_| {});
+    assert_eq!(reader.stats().expect("stats").leases, 0);
+    drop(writer);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_connect_only_client_never_hosts() {
+    let d = dir("connect-only");
+    let c = PoolClient::connect_only(config(&d), ns(), BLOCK);
+    assert!(!c.connected() && !c.hosts(), "nobody hosts the pool, and this client does not");
     let _ = std::fs::remove_dir_all(&d);
 }

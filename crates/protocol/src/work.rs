@@ -238,6 +238,13 @@ pub struct WorkerStats {
     /// served).
     #[serde(default)]
     pub kv_pool_failed_loads: u64,
+    /// Jobs storing this worker's fresh blocks in the KV pool, in flight now (its writer
+    /// thread's; 0 once every block computed so far is stored or given up).
+    #[serde(default)]
+    pub kv_pool_stores_pending: u64,
+    /// Store jobs not taken because too many were in flight (those blocks were not stored).
+    #[serde(default)]
+    pub kv_pool_stores_dropped: u64,
     /// The host's KV pool as it last answered this worker (one pool per host: a cluster's sum
     /// keeps one of its workers' views, not a sum).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -304,6 +311,8 @@ impl WorkerStats {
             &mut self.prompt_tokens_cached_remote,
             &mut self.kv_pool_load_bytes,
             &mut self.kv_pool_failed_loads,
+            &mut self.kv_pool_stores_pending,
+            &mut self.kv_pool_stores_dropped,
             &mut self.kv_imports,
             &mut self.kv_fallbacks,
         ] {
@@ -344,6 +353,8 @@ impl WorkerStats {
             self.prompt_tokens_cached_remote.saturating_add(o.prompt_tokens_cached_remote);
         self.kv_pool_load_bytes = self.kv_pool_load_bytes.saturating_add(o.kv_pool_load_bytes);
         self.kv_pool_failed_loads = self.kv_pool_failed_loads.saturating_add(o.kv_pool_failed_loads);
+        self.kv_pool_stores_pending = self.kv_pool_stores_pending.saturating_add(o.kv_pool_stores_pending);
+        self.kv_pool_stores_dropped = self.kv_pool_stores_dropped.saturating_add(o.kv_pool_stores_dropped);
         if self.kv_pool.is_none() {
             self.kv_pool.clone_from(&o.kv_pool);
         }

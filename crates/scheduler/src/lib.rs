@@ -213,6 +213,11 @@ impl<S: Sequence> Scheduler<S> {
         self.prefix.as_ref().map_or(0, PrefixCache::len)
     }
 
+    /// The block the prefix cache holds under `hash`, if any (nothing is touched).
+    pub fn cached_block(&self, hash: BlockHash) -> Option<BlockId> {
+        self.prefix.as_ref().and_then(|p| p.peek(hash))
+    }
+
     /// Whether a prefix cache is kept.
     pub fn has_prefix_cache(&self) -> bool {
         self.prefix.is_some()

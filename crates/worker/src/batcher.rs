@@ -106,8 +106,10 @@ pub(crate) struct Batcher {
     flops_per_token: f64,
     closed: bool,
     step_log: Option<StepLog>,
-    /// The host's KV pool, when configured.
-    pool: Option<tokenpath_kv::pool::PoolClient>,
+    /// The host's KV pool, when configured: lookups and loads on this thread...
+    pub(crate) pool: Option<tokenpath_kv::pool::PoolClient>,
+    /// ...stores on the writer's (see `tokenpath_kv::pool::PoolWriter`).
+    pub(crate) pool_writer: Option<tokenpath_kv::pool::PoolWriter>,
     /// When the pool's counters were last asked for (at most once a second).
     pool_stats_at: Option<Instant>,
 }
@@ -123,10 +125,22 @@ impl Batcher {
     ) -> Result<Self, crate::WorkerError> {
         let flops_per_token = engine.model().config().flops_per_token() as f64;
         let root = crate::prefix_namespace(&engine, cache.layout(), cfg.kv_pool.is_some());
-        let pool = cfg
-            .kv_pool
-            .as_ref()
-            .map(|p| tokenpath_kv::pool::PoolClient::new(p.clone(), root, cache.block_bytes()));
+        // The writer connects first and hosts the pool when nobody does; this thread's client
+        // only connects, so it never stalls a step to host (or re-host) the pool.
+        let (pool, pool_writer) = match &cfg.kv_pool {
+            None => (None, None),
+            Some(p) => match tokenpath_kv::pool::PoolWriter::start(p.clone(), root, cache.block_bytes()) {
+                Ok(w) => {
+                    let client =
+                        tokenpath_kv::pool::PoolClient::connect_only(p.clone(), root, cache.block_bytes());
+                    (Some(client), Some(w))
+                }
+                Err(e) => {
+                    tracing::warn!("no KV pool writer thread ({e}): storing on the batcher's thread");
+                    (Some(tokenpath_kv::pool::PoolClient::new(p.clone(), root, cache.block_bytes())), None)
+                }
+            },
+        };
         let policy =
             Policy { block_size: cfg.block_size, prefill_chunk: cfg.prefill_chunk, max_batch: cfg.max_batch };
         let sched = Scheduler::new(cache, policy, cfg.prefix_cache)
@@ -146,6 +160,7 @@ impl Batcher {
             closed: false,
             step_log,
             pool,
+            pool_writer,
             pool_stats_at: None,
         })
     }
@@ -163,12 +178,14 @@ impl Batcher {
                 // Idle: block until there is work or every handle is gone. Requests waiting for
                 // a KV transfer need their deadlines checked, and paused ones their readers
                 // (which do not signal this thread), so they bound the wait.
-                let wait = if paused { Duration::from_millis(5) } else { Duration::from_millis(100) };
+                let storing = self.pool_writer.as_ref().is_some_and(tokenpath_kv::pool::PoolWriter::busy);
+                let wait =
+                    if paused || storing { Duration::from_millis(5) } else { Duration::from_millis(100) };
                 let got = if self.closed {
                     // No handle left to send anything: only time passes (never a busy loop).
                     std::thread::sleep(wait);
                     Err(false)
-                } else if self.awaiting.is_empty() && !paused {
+                } else if self.awaiting.is_empty() && !paused && !storing {
                     self.rx.recv().map_err(|_| true)
                 } else {
                     self.rx.recv_timeout(wait).map_err(|e| matches!(e, mpsc::RecvTimeoutError::Disconnected))
@@ -189,12 +206,21 @@ impl Batcher {
                     }
                 }
             }
+            self.fill_pool();
             self.reap_cancelled();
             self.activate_ready();
             if !self.sched.waiting.is_empty() || self.sched.running.iter().any(|s| !s.paused()) {
                 self.step();
             }
             self.publish();
+        }
+        // Stores still in flight get their blocks (the cache is intact until this returns).
+        let until = Instant::now() + Duration::from_secs(2);
+        while self.pool_writer.as_ref().is_some_and(tokenpath_kv::pool::PoolWriter::busy)
+            && Instant::now() < until
+        {
+            self.fill_pool();
+            std::thread::sleep(Duration::from_millis(1));
         }
         tracing::info!(worker = %self.cfg.id, "worker stopped");
     }
@@ -423,6 +449,16 @@ impl Batcher {
         self.stats.kv_blocks_free = available;
         self.stats.kv_blocks_cached = self.sched.cached_blocks();
         self.stats.preempted = self.sched.counters.preempted;
+        if let Some(w) = &self.pool_writer {
+            let pending = w.in_flight() as u64;
+            if pending == 0 && self.stats.kv_pool_stores_pending > 0 {
+                // Stores just ended: the pool's counts changed, ask now.
+                self.pool_stats_at = None;
+            }
+            self.stats.kv_pool_stores_pending = pending;
+            self.stats.kv_pool_stores_dropped =
+                w.counters().dropped.load(std::sync::atomic::Ordering::Relaxed);
+        }
         if let Some(pool) = self.pool.as_mut() {
             if self.pool_stats_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
                 self.pool_stats_at = Some(Instant::now());

@@ -57,6 +57,16 @@ fn run_timed(worker: &Worker, id: u64, prompt: &[u32]) -> (String, u64, ServerTi
     }
 }
 
+/// Waits until every block `worker` computed so far is in the pool (its stores are written
+/// behind, off the batcher's thread), at most 30 s.
+fn stored(worker: &Worker) {
+    let until = Instant::now() + std::time::Duration::from_secs(30);
+    while worker.handle().stats().kv_pool_stores_pending > 0 {
+        assert!(Instant::now() < until, "the worker's pool stores never ended");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
 /// The tests of this file one at a time: one of them scribbles on every pool memfd of the
 /// process, which must not be another test's pool.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -104,6 +114,7 @@ fn a_block_computed_by_one_worker_is_served_to_another_from_host_ram_and_checked
     let (text, cached, timing) = run_timed(&a, 1, &prompt);
     assert_eq!((text, cached), (want.clone(), 0));
     assert!(timing.stage_ms(Stage::KvLoad).is_none(), "nothing loaded: no kv_load stage");
+    stored(&a);
     let (text, cached, timing) = run_timed(&b, 2, &prompt);
     assert_eq!((text, cached), (want.clone(), 64), "the same tokens, four blocks from the other worker");
     assert_eq!((timing.cached_tokens_host, timing.cached_tokens_ssd), (64, 0));
@@ -119,6 +130,7 @@ fn a_block_computed_by_one_worker_is_served_to_another_from_host_ram_and_checked
     // recomputed — the same tokens — and the failure is counted, never served.
     let prompt2: Vec<u32> = (0..40).map(|i| 5 + (i * 11 % 190)).collect();
     let (want2, _) = run(&a, 3, &prompt2);
+    stored(&a);
     assert_eq!(scribble_pool_memory(), 1, "the pool's RAM tier is this process's memfd");
     let c = Worker::spawn(engine(1), config()).expect("worker");
     assert_eq!(run(&c, 4, &prompt2), (want2, 0), "recomputed, the same tokens");
@@ -158,6 +170,7 @@ fn a_sessions_next_turn_on_another_worker_loads_its_answer_from_the_pool() {
     (r.max_tokens, r.ignore_eos) = (Some(40), false);
     let mut s = a.handle().submit(r).expect("submit");
     while !matches!(s.blocking_next(), Some(WorkEvent::Finished { .. }) | None) {}
+    stored(&a);
     // Fed: the prompt and every answer token but the last.
     let fed = turn1.len() + answer.len() - 1;
     let turn2: Vec<u32> = turn1.iter().chain(&answer).copied().chain([5, 6, 7, 8, 9]).collect();
@@ -191,6 +204,7 @@ fn a_worker_whose_arena_is_full_of_cached_blocks_still_loads_from_the_pool() {
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 37 % 200)).collect();
     let a = Worker::spawn(engine(1), config(None)).expect("worker");
     let (want, _) = run(&a, 1, &prompt);
+    stored(&a);
     // 256 tokens of arena (16 blocks); four prompts of 65 tokens leave every block cached.
     let b = Worker::spawn(engine(1), config(Some(256))).expect("worker");
     for i in 0..4u32 {

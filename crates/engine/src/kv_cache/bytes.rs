@@ -18,6 +18,16 @@ impl KvCache {
         out
     }
 
+    /// Copies block `b`'s raw bytes (as [`KvCache::export_blocks`] gives them) into `dst`;
+    /// `false` when `dst` is not one block long or `b` is not a block of this cache.
+    pub fn copy_block(&self, b: BlockId, dst: &mut [u8]) -> bool {
+        if b.0 as usize >= self.total_blocks() || dst.len() != self.block_bytes() {
+            return false;
+        }
+        dst.copy_from_slice(&f16_bytes(self.block(b)));
+        true
+    }
+
     /// The raw bytes of all blocks of `table` (the last one possibly partly filled).
     pub fn export(&self, table: &BlockTable) -> Vec<u8> {
         self.export_blocks(table, 0, table.blocks.len())

@@ -14,7 +14,8 @@ use tokenpath_protocol::work::WorkerStats;
 use super::{
     raise, KV_POOL_BLOCKS, KV_POOL_EVICTIONS, KV_POOL_FAILED_LOADS, KV_POOL_FILTERED, KV_POOL_HITS,
     KV_POOL_HIT_TOKENS, KV_POOL_LEASES, KV_POOL_LEASE_AGE_SECONDS, KV_POOL_LOAD_BYTES, KV_POOL_MISSES,
-    KV_POOL_PINNED_BLOCKS, KV_POOL_SLOTS, KV_POOL_SSD_DEGRADED, KV_POOL_WRITTEN,
+    KV_POOL_PINNED_BLOCKS, KV_POOL_SLOTS, KV_POOL_SSD_DEGRADED, KV_POOL_STORES_DROPPED,
+    KV_POOL_STORES_PENDING, KV_POOL_WRITTEN,
 };
 
 /// `tier` label: `host` (the host-RAM tier) or `ssd`.
@@ -44,10 +45,12 @@ pub(super) struct PoolMetrics {
     pinned: Gauge,
     lease_age: Gauge<f64, AtomicU64>,
     degraded: Gauge,
+    stores_pending: Gauge,
+    stores_dropped: Counter,
     /// Marks, in the order of `MARKS`: host/ssd hits, host/ssd hit tokens, misses, load bytes,
     /// failed loads (worker's + pool's), evictions, remote hits, remote hit tokens, filtered,
-    /// written to ssd / remote.
-    seen: [AtomicU64; 13],
+    /// written to ssd / remote, store jobs dropped.
+    seen: [AtomicU64; 14],
 }
 
 impl PoolMetrics {
@@ -90,6 +93,16 @@ impl PoolMetrics {
             "1 when the KV pool's SSD tier failed and it runs on RAM",
             self.degraded.clone(),
         );
+        r.register(
+            KV_POOL_STORES_PENDING,
+            "Workers' jobs storing fresh blocks in the KV pool, in flight",
+            self.stores_pending.clone(),
+        );
+        r.register(
+            KV_POOL_STORES_DROPPED,
+            "Workers' KV pool store jobs not taken (too many in flight): those blocks were not stored",
+            self.stores_dropped.clone(),
+        );
     }
 
     /// Refreshes every pool metric from a scrape's worker stats.
@@ -101,6 +114,8 @@ impl PoolMetrics {
         mirror(3, stats.prompt_tokens_cached_ssd, &self.hit_tokens.get_or_create(&SSD));
         mirror(9, stats.prompt_tokens_cached_remote, &self.hit_tokens.get_or_create(&REMOTE));
         mirror(5, stats.kv_pool_load_bytes, &self.load_bytes);
+        mirror(13, stats.kv_pool_stores_dropped, &self.stores_dropped);
+        self.stores_pending.set(i64::try_from(stats.kv_pool_stores_pending).unwrap_or(i64::MAX));
         let Some(p) = &stats.kv_pool else {
             mirror(6, stats.kv_pool_failed_loads, &self.failed);
             return;

@@ -8,6 +8,7 @@ use std::fs::File;
 use std::io::{self, IoSliceMut, Read};
 use std::mem::MaybeUninit;
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
@@ -38,7 +39,20 @@ pub struct ReadLease {
 #[derive(Debug)]
 struct Conn {
     stream: UnixStream,
-    ram: SharedSlots,
+    ram: Arc<SharedSlots>,
+}
+
+/// Slots the pool gave a write lease for: `slots[i]` is where `keys[i]` goes (`None`: the pool
+/// holds it already, or had no room). Write the bytes into `ram`, then [`PoolClient::commit`]
+/// with their checksums or [`PoolClient::abandon`] — on the connection that reserved them.
+#[derive(Debug)]
+pub struct Reservation {
+    /// The write lease.
+    pub lease: u64,
+    /// Per key asked for, its slot.
+    pub slots: Vec<Option<u32>>,
+    /// The RAM tier the slots are in (this connection's mapping).
+    pub ram: Arc<SharedSlots>,
 }
 
 /// A connection to the host's pool, reconnecting (or hosting the pool) as needed.
@@ -49,20 +63,43 @@ pub struct PoolClient {
     block_bytes: usize,
     conn: Option<Conn>,
     host: Option<PoolHost>,
+    /// Whether this client hosts the pool when nobody does (see [`PoolClient::connect_only`]).
+    may_host: bool,
     retry_at: Option<Instant>,
 }
 
 impl PoolClient {
     /// A client of the pool of `namespace` in `cfg.dir`; connects (or hosts it) at once.
     pub fn new(cfg: PoolConfig, namespace: BlockHash, block_bytes: usize) -> Self {
-        let mut me = Self { cfg, namespace, block_bytes, conn: None, host: None, retry_at: None };
+        let mut me =
+            Self { cfg, namespace, block_bytes, conn: None, host: None, may_host: true, retry_at: None };
         me.ensure();
         me
+    }
+
+    /// A client that only ever connects: it never hosts the pool itself, so a thread that must
+    /// not stall (the batcher's) leaves hosting — scanning an SSD slab when the host died — to
+    /// another client of the process.
+    pub fn connect_only(cfg: PoolConfig, namespace: BlockHash, block_bytes: usize) -> Self {
+        let mut me =
+            Self { cfg, namespace, block_bytes, conn: None, host: None, may_host: false, retry_at: None };
+        me.ensure();
+        me
+    }
+
+    /// Connects (or hosts) now when no connection is up and the retry delay has passed.
+    pub fn reconnect(&mut self) -> bool {
+        self.ensure()
     }
 
     /// Whether this process hosts the pool.
     pub fn hosts(&self) -> bool {
         self.host.is_some()
+    }
+
+    /// How long a lease of this pool lives.
+    pub fn lease_life(&self) -> Duration {
+        self.cfg.lease
     }
 
     /// Whether a connection is up now.
@@ -79,7 +116,7 @@ impl PoolClient {
         }
         let socket = socket_path(&self.cfg.dir, &self.namespace);
         let mut conn = connect(&socket, self.namespace, self.block_bytes);
-        if conn.is_err() && self.host.is_none() {
+        if conn.is_err() && self.host.is_none() && self.may_host {
             match PoolHost::start(&self.cfg, self.namespace, self.block_bytes) {
                 Ok(Some(host)) => {
                     self.host = Some(host);
@@ -166,7 +203,7 @@ impl PoolClient {
     /// The RAM tier's mapping: every client can write any slot of it (which is why nothing is
     /// used before its checksum is checked); exposed for tests that play a rogue client.
     pub fn slots(&self) -> Option<&SharedSlots> {
-        self.conn.as_ref().map(|c| &c.ram)
+        self.conn.as_ref().map(|c| &*c.ram)
     }
 
     /// Ends a read lease (a lease of a lost connection ended with it).
@@ -182,36 +219,63 @@ impl PoolClient {
     /// Stores the blocks of `keys` the pool lacks: `block(i)` gives the bytes of `keys[i]`, and
     /// is called only for the blocks the pool gave a slot. Returns how many it indexed.
     pub fn store(&mut self, keys: &[BlockHash], mut block: impl FnMut(usize) -> Vec<u8>) -> u32 {
-        let wire: Vec<WireKey> = keys.iter().take(MAX_POOL_KEYS).map(|k| WireKey(k.0)).collect();
-        if wire.is_empty() {
-            return 0;
-        }
-        let Some(PoolReply::Reserved { lease, slots }) = self.call(&PoolRequest::Reserve { keys: wire })
-        else {
-            return 0;
-        };
-        if lease == 0 {
-            return 0;
-        }
-        if slots.len() != keys.len().min(MAX_POOL_KEYS) {
-            // Not an answer to this request: nothing is written.
-            let _ = self.call(&PoolRequest::Abandon { lease });
-            return 0;
-        }
+        let Some(r) = self.reserve(keys) else { return 0 };
         let mut checksums = Vec::new();
         let mut ok = true;
-        for (i, slot) in slots.iter().enumerate() {
+        for (i, slot) in r.slots.iter().enumerate() {
             let Some(slot) = slot else { continue };
             let bytes = block(i);
-            let written = bytes.len() == self.block_bytes
-                && self.conn.as_ref().is_some_and(|c| c.ram.copy_in(*slot, &bytes).is_ok());
-            ok &= written;
-            checksums.push(WireKey(*blake3::hash(&bytes).as_bytes()));
+            ok &= bytes.len() == self.block_bytes && r.ram.copy_in(*slot, &bytes).is_ok();
+            checksums.push(blake3::hash(&bytes));
         }
-        let req = if ok { PoolRequest::Commit { lease, checksums } } else { PoolRequest::Abandon { lease } };
-        match self.call(&req) {
+        if ok {
+            self.commit(r.lease, &checksums)
+        } else {
+            self.abandon(r.lease);
+            0
+        }
+    }
+
+    /// Asks for slots to write the blocks of `keys` into (at most [`MAX_POOL_KEYS`] of them);
+    /// `None` when the pool cannot be reached or gave nothing.
+    pub fn reserve(&mut self, keys: &[BlockHash]) -> Option<Reservation> {
+        let wire: Vec<WireKey> = keys.iter().take(MAX_POOL_KEYS).map(|k| WireKey(k.0)).collect();
+        if wire.is_empty() {
+            return None;
+        }
+        let asked = wire.len();
+        let Some(PoolReply::Reserved { lease, slots }) = self.call(&PoolRequest::Reserve { keys: wire })
+        else {
+            return None;
+        };
+        if lease == 0 {
+            return None;
+        }
+        let ram = self.conn.as_ref().map(|c| Arc::clone(&c.ram));
+        match ram {
+            Some(ram) if slots.len() == asked => Some(Reservation { lease, slots, ram }),
+            _ => {
+                // Not an answer to this request (or the connection went): nothing is written.
+                self.abandon(lease);
+                None
+            }
+        }
+    }
+
+    /// Ends a write lease: the blocks written into its slots, with `checksums` (one per slot
+    /// given, in key order), are indexed. Returns how many were.
+    pub fn commit(&mut self, lease: u64, checksums: &[blake3::Hash]) -> u32 {
+        let checksums = checksums.iter().map(|h| WireKey(*h.as_bytes())).collect();
+        match self.call(&PoolRequest::Commit { lease, checksums }) {
             Some(PoolReply::Committed { stored, .. }) => stored,
             _ => 0,
+        }
+    }
+
+    /// Ends a write lease with nothing stored.
+    pub fn abandon(&mut self, lease: u64) {
+        if self.conn.is_some() {
+            let _ = self.call(&PoolRequest::Abandon { lease });
         }
     }
 
@@ -243,7 +307,7 @@ fn connect(socket: &std::path::Path, namespace: BlockHash, block_bytes: usize) -
                     "the pool's slots are {sb} bytes, blocks here {block_bytes}"
                 )));
             }
-            let ram = SharedSlots::open(&file, slots, sb as usize)?;
+            let ram = Arc::new(SharedSlots::open(&file, slots, sb as usize)?);
             Ok(Conn { stream, ram })
         }
         PoolReply::Error { message } => Err(io::Error::other(message)),

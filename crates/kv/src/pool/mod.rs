@@ -20,9 +20,11 @@ pub mod client;
 pub mod owner;
 mod seen;
 mod server;
+mod writer;
 
-pub use client::{PoolClient, ReadLease};
+pub use client::{PoolClient, ReadLease, Reservation};
 pub use server::PoolHost;
+pub use writer::{Fill, FillItem, PoolWriter, WriterCounters};
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -7,7 +7,8 @@ use super::Batcher;
 use crate::seq::Seq;
 use crate::WorkerStats;
 use std::time::Instant;
-use tokenpath_kv::pool::{PoolClient, ReadLease};
+use tokenpath_engine::kv_cache::BlockId;
+use tokenpath_kv::pool::{FillItem, PoolClient, ReadLease};
 use tokenpath_kv::BlockHash;
 use tokenpath_protocol::pool::PoolTier;
 use tokenpath_scheduler::{PrefixSource, Scheduler};
@@ -98,14 +99,51 @@ impl PrefixSource<Seq> for PoolSource<'_> {
 }
 
 impl Batcher {
-    /// Registers a sequence's newly completed blocks in the prefix cache, and stores the ones
-    /// new to this worker in the host's pool (it skips those it holds already).
+    /// Registers a sequence's newly completed blocks in the prefix cache, and has the ones new
+    /// to this worker stored in the host's pool (by the writer thread; it skips those the pool
+    /// holds already).
     pub(crate) fn register_prefix(&mut self, seq: &mut Seq) {
         let fresh = self.sched.register(seq);
-        if let Some(pool) = self.pool.as_mut().filter(|_| !fresh.is_empty()) {
+        if fresh.is_empty() {
+            return;
+        }
+        if let Some(writer) = &self.pool_writer {
+            let blocks = seq.table.blocks();
+            let items =
+                fresh.iter().map(|(i, h)| FillItem { key: *h, tag: u64::from(blocks[*i].0) }).collect();
+            if writer.store(items) {
+                // Published at once, before this step's events: whoever sees the request end
+                // sees its store in flight (tests wait for it to reach 0).
+                let n = writer.in_flight() as u64;
+                self.stats.kv_pool_stores_pending = n;
+                self.stats_tx.send_modify(|s| s.kv_pool_stores_pending = n);
+            } else {
+                tracing::debug!(request = %seq.id, blocks = fresh.len(), "KV pool writer busy: blocks not stored");
+            }
+        } else if let Some(pool) = self.pool.as_mut() {
             let keys: Vec<BlockHash> = fresh.iter().map(|(_, h)| *h).collect();
             let (cache, table) = (&self.sched.cache, &seq.table);
             pool.store(&keys, |j| cache.export_blocks(table, fresh[j].0, fresh[j].0 + 1));
+        }
+    }
+
+    /// Copies the blocks the pool writer asks for (the ones the pool gave slots) out of the
+    /// cache, between steps: one memcpy per block; the writer hashes and stores them. A block
+    /// no longer cached under its key (evicted since) is not given, and the writer then stores
+    /// none of that fill.
+    pub(crate) fn fill_pool(&mut self) {
+        let Some(writer) = &self.pool_writer else { return };
+        while let Some(mut fill) = writer.next_fill() {
+            for i in 0..fill.items().len() {
+                let item = fill.items()[i];
+                let Ok(id) = u32::try_from(item.tag) else { continue };
+                if self.sched.cached_block(item.key) != Some(BlockId(id)) {
+                    continue;
+                }
+                if fill.buffer(i).is_some_and(|buf| self.sched.cache.copy_block(BlockId(id), buf)) {
+                    fill.written(i);
+                }
+            }
         }
     }
 }
