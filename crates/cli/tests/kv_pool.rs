@@ -323,3 +323,57 @@ fn a_pool_killed_mid_write_loses_only_the_unfinished_write() {
     let logs = b.logs();
     assert!(logs.contains("KV pool SSD tier opened") && logs.contains("blocks=2"), "{logs}");
 }
+
+/// The process hosting the pool dies under a running server: the server's pool writer thread
+/// hosts it again by itself — no request needed, and never on a batcher's thread, which only
+/// ever connects — and a second server then joins that pool and loads what the first computed.
+#[test]
+fn when_the_pool_host_dies_a_running_server_hosts_it_again() {
+    use std::io::BufRead as _;
+    let t = Setup::new("kvpool-rehost");
+    let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
+    let mut host = std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+        .args(["kv-pool", "--kv-pool", &dir_arg, "--kv-pool-ram", "8MiB", "--kv-pool-ssd", "0"])
+        .arg("--model")
+        .arg(model)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first_line = String::new();
+    std::io::BufReader::new(host.stdout.take().unwrap()).read_line(&mut first_line).unwrap();
+    assert!(first_line.starts_with("tokenpath kv-pool hosting "), "{first_line:?}");
+    let args = pool_args(&dir_arg, "0");
+    let mut a = support::serve(model, &args);
+    host.kill().unwrap();
+    host.wait().unwrap();
+
+    // The socket answers again once somebody hosts the pool; only `a` is there to do it.
+    let socket = std::fs::read_dir(&t.dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "sock"))
+        .expect("the pool's socket");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(std::time::Instant::now() < deadline, "nobody hosted the pool again");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 61 % 200)).collect();
+    let (want, cached) = complete(a.port, &prompt);
+    assert_eq!(cached, 0);
+    let mut b = support::serve(model, &args);
+    let (status, again) = http(b.port, "POST", "/v1/completions", &body(&prompt));
+    assert_eq!(status, 200, "{again}");
+    let again: serde_json::Value = serde_json::from_str(&again).unwrap();
+    assert_eq!(again["choices"][0]["text"], want.as_str(), "the same answer");
+    assert_eq!(again["timing"]["cached_tokens_host"], 64, "from the pool the first server hosts: {again}");
+    for s in [&mut b, &mut a] {
+        s.child.kill().unwrap();
+        s.child.wait().unwrap();
+    }
+    assert!(a.logs().contains("KV pool hosted here"), "the running server hosted the pool");
+    assert!(!b.logs().contains("KV pool hosted here"), "the second server joined it");
+}
