@@ -65,6 +65,9 @@ struct FileUpstream {
     tokenizer: Option<PathBuf>,
     #[serde(default)]
     bootstrap_port: Option<u16>,
+    /// The shared KV pool it reads (upstreams naming the same one share prefix affinity).
+    #[serde(default)]
+    kv_pool: Option<String>,
     /// The environment variable holding its API key (a key is never written in the file).
     #[serde(default)]
     api_key_env: Option<String>,
@@ -149,7 +152,8 @@ fn upstream(
         u.model,
         u.bootstrap_port,
         api_key,
-    )?;
+    )?
+    .on_kv_pool(u.kv_pool)?;
     Ok(UpstreamEntry { spec, discover: u.discover })
 }
 
@@ -181,6 +185,7 @@ mod tests {
             tokenizer = "/models/tokenizer.json"
             bootstrap_port = 8998
             api_key_env = "SGL_KEY"
+            kv_pool = "rack-1"
 
             [[upstream]]
             url = "http://decode.svc:30001"
@@ -196,6 +201,7 @@ mod tests {
         assert_eq!(p.spec.api_key.as_deref(), Some("k1"));
         assert_eq!(p.spec.model.as_deref(), Some("qwen"));
         assert!(!p.discover && d.discover);
+        assert_eq!((p.spec.kv_pool.as_deref(), d.spec.kv_pool.as_deref()), (Some("rack-1"), None));
         assert_eq!(d.spec.api_key, None);
         assert_eq!(plan.tokenizer.as_deref(), Some(Path::new("/models/tokenizer.json")));
     }

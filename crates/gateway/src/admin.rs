@@ -153,6 +153,8 @@ pub(crate) async fn register_upstream(
         bootstrap_port: Option<u16>,
         #[serde(default)]
         api_key: Option<String>,
+        #[serde(default)]
+        kv_pool: Option<String>,
     }
     let r: Registration = match json_body(body) {
         Ok(r) => r,
@@ -166,7 +168,9 @@ pub(crate) async fn register_upstream(
         r.model,
         r.bootstrap_port,
         r.api_key,
-    ) {
+    )
+    .and_then(|s| s.on_kv_pool(r.kv_pool))
+    {
         Ok(spec) => spec,
         Err(e) => return Reject::from_backend(&e, "url").into_response(),
     };

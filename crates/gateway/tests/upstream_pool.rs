@@ -84,6 +84,43 @@ async fn a_shared_prefix_stays_on_one_upstream_until_the_balance_bound() {
     server.shutdown().await.unwrap();
 }
 
+/// Upstreams that name the same shared KV pool (`kv_pool`): past the balance bound, a prefix
+/// routed to one of them goes to another member of its pool — which loads it from the pool —
+/// before an upstream on no pool, listed earlier, that would compute it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_balance_bound_a_prefix_goes_to_another_upstream_on_the_same_kv_pool() {
+    let (a, b) = two().await;
+    let c = fake_engine::start(Persona::Plain, "c").await;
+    let on = |url: &str, pool: Option<&str>| {
+        UpstreamSpec::openai(url).on_kv_pool(pool.map(str::to_owned)).unwrap()
+    };
+    // `c` sits between the two pool members: ties go to the first listed.
+    let specs = vec![on(&a.url, Some("rack-1")), on(&c.url, None), on(&b.url, Some("rack-1"))];
+    let (server, _pool) = pool_gateway(specs, Duration::from_secs(30)).await;
+    for i in 0..3 {
+        assert_eq!(chat(&server, &long_prompt(&format!("question {i}"), json!({}))).await.status(), 200);
+    }
+    assert_eq!((a.count(), b.count(), c.count()), (3, 0, 0), "the first listed takes the prefix");
+    for f in [&a, &b, &c] {
+        f.set_mode(Mode::StallAfterFirst);
+    }
+    let mut open = Vec::new();
+    for i in 0..=BALANCE_THRESHOLD {
+        let mut resp = chat(&server, &long_prompt(&format!("held {i}"), json!({"stream": true}))).await;
+        resp.chunk().await.unwrap().unwrap();
+        open.push(resp);
+    }
+    assert_eq!(a.count(), 3 + BALANCE_THRESHOLD + 1, "within the bound the prefix stays");
+    let mut resp = chat(&server, &long_prompt("one more", json!({"stream": true}))).await;
+    resp.chunk().await.unwrap().unwrap();
+    assert_eq!((b.count(), c.count()), (1, 0), "past the bound: the other member of the pool");
+    let listed = listed(&server).await;
+    assert!(listed.iter().any(|u| u["kv_pool"] == "rack-1"), "{listed:?}");
+    assert!(UpstreamSpec::openai(&c.url).on_kv_pool(Some("two words".into())).is_err());
+    drop((open, resp));
+    server.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_upstream_is_retried_elsewhere_then_ejected() {
     let (a, b) = two().await;

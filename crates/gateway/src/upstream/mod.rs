@@ -115,6 +115,10 @@ pub struct UpstreamSpec {
     pub bootstrap_port: Option<u16>,
     /// Sent as `Authorization: Bearer` (never the client's key); `None`: the pool's.
     pub api_key: Option<String>,
+    /// The shared KV pool it reads, as the operator names it (vLLM servers on one LMCache
+    /// server, tokenpath servers on one `--kv-pool` directory): what was routed to one member
+    /// of a pool counts, at half weight, for every other member of it.
+    pub kv_pool: Option<String>,
 }
 
 impl UpstreamSpec {
@@ -127,6 +131,7 @@ impl UpstreamSpec {
             model: None,
             bootstrap_port: None,
             api_key: None,
+            kv_pool: None,
         }
     }
 
@@ -153,7 +158,13 @@ impl UpstreamSpec {
             }
             None => WorkerRole::Both,
         };
-        Self { url, kind, role, model, bootstrap_port, api_key }.validated()
+        Self { url, kind, role, model, bootstrap_port, api_key, kv_pool: None }.validated()
+    }
+
+    /// The same upstream on the shared KV pool `name` (see [`Self::kv_pool`]), checked.
+    pub fn on_kv_pool(mut self, name: Option<String>) -> Result<Self, ProtocolError> {
+        self.kv_pool = name;
+        self.validated()
     }
 
     /// Checks the URL (http or https, bounded, no credentials or query), the role against the
@@ -201,6 +212,13 @@ impl UpstreamSpec {
         }
         if self.model.as_ref().is_some_and(|m| m.is_empty() || m.len() > 256) {
             return Err(bad("model", "an upstream model name is 1 to 256 bytes".into()));
+        }
+        if self
+            .kv_pool
+            .as_ref()
+            .is_some_and(|p| p.is_empty() || p.len() > 128 || !p.bytes().all(|b| b.is_ascii_graphic()))
+        {
+            return Err(bad("kv_pool", "a KV pool name is 1 to 128 printable ASCII bytes, no spaces".into()));
         }
         Ok(self)
     }

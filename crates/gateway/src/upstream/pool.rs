@@ -67,6 +67,9 @@ pub struct UpstreamView {
     pub in_flight: usize,
     /// Where it came from: `static`, `admin` or `dns:NAME`.
     pub source: String,
+    /// The shared KV pool it reads, when named.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_pool: Option<String>,
 }
 
 /// Where a member came from: DNS members come and go with the name's addresses.
@@ -367,8 +370,13 @@ impl State {
 
     fn remove(&mut self, url: &str) -> bool {
         let before = self.members.len();
+        let pool = self.members.iter().find(|m| m.ep.url() == url).and_then(pool_key);
         self.members.retain(|m| m.ep.url() != url);
         self.prefixes.forget(url);
+        // A pool no member names any more is forgotten too.
+        if let Some(k) = pool.filter(|k| !self.members.iter().any(|m| pool_key(m).as_ref() == Some(k))) {
+            self.prefixes.forget(&k);
+        }
         before != self.members.len()
     }
 
@@ -429,6 +437,7 @@ impl State {
                         url: m.ep.url().to_owned(),
                         kind: m.ep.spec.kind.to_string(),
                         role: m.ep.spec.role.to_string(),
+                        kv_pool: m.ep.spec.kv_pool.clone(),
                         healthy: m.ep.is_healthy(),
                         ejected_for_s: m
                             .ejected_until
@@ -461,10 +470,16 @@ impl State {
                 .members
                 .iter()
                 .filter(|m| ok(m))
-                .map(|m| Candidate {
-                    key: m.ep.url(),
-                    load: m.ep.busy(),
-                    matched: st.prefixes.matched(m.ep.url(), &hashes),
+                .map(|m| {
+                    // What was sent here counts twice; what went to another member of its KV
+                    // pool once (a load from the pool, not a computation, but not free either).
+                    let own = st.prefixes.matched(m.ep.url(), &hashes);
+                    let pool = pool_key(m).map_or(0, |k| st.prefixes.matched(&k, &hashes));
+                    Candidate {
+                        key: m.ep.url(),
+                        load: m.ep.busy(),
+                        matched: 2 * own + pool.saturating_sub(own),
+                    }
                 })
                 .collect();
             let url = cache_aware(&cands)?;
@@ -501,6 +516,14 @@ impl State {
             Pick::Pair { prefill, .. } => prefill.url().to_owned(),
         };
         self.prefixes.remember(&first, &hashes);
+        if let Some(k) = self.members.iter().find(|m| m.ep.url() == first).and_then(pool_key) {
+            self.prefixes.remember(&k, &hashes);
+        }
         Some(pick)
     }
+}
+
+/// The prefix index's key for the KV pool a member reads (no URL starts with `pool:`).
+fn pool_key(m: &Member) -> Option<String> {
+    m.ep.spec.kv_pool.as_ref().map(|p| format!("pool:{p}"))
 }
