@@ -2,10 +2,12 @@
 //! crate) and behind the KV pool's RAM tier ([`crate::pool`]), and [`SharedSlots`], a mapping of
 //! fixed-size slots touched only through bounds-checked copies.
 //!
-//! Why copies only: every process that maps a pool's memfd may write any byte of it at any
-//! moment, so no reference into it is ever handed out (a `&[u8]` into memory another process
-//! changes is undefined behaviour). What is copied out is checked afterwards against a checksum
-//! the owner keeps; a scribble becomes a failed load, never unchecked KV.
+//! Why copies only: the memory changes under a reader (the owner writing other slots; a ring's
+//! peer), so no reference into it is ever handed out (a `&[u8]` into memory another process
+//! changes is undefined behaviour). A pool's RAM tier is writable by its owner alone: the owner
+//! maps it, then seals it with `F_SEAL_FUTURE_WRITE`, after which no process — a client holding
+//! the descriptor included — can map it writable or `write` it; clients map it read-only. What a
+//! client copies out is still checked against the check the owner keeps.
 //!
 //! Linux only (memfd seals); elsewhere creating one fails and callers run without it.
 
@@ -54,36 +56,43 @@ pub struct SharedSlots {
     map: memmap2::MmapRaw,
     slot_bytes: usize,
     slots: u32,
+    /// The owner's mapping; a client's is read-only.
+    writable: bool,
 }
 
 impl SharedSlots {
-    /// A fresh sealed memfd of the slots, and its mapping (the owner's).
+    /// A fresh sealed memfd of the slots, and its mapping — the owner's, the only writable one:
+    /// the memfd is sealed against any other write once it is mapped here.
     pub fn create(slots: u32, slot_bytes: usize) -> io::Result<(File, Self)> {
         let len = (slots as usize)
             .checked_mul(slot_bytes)
             .filter(|&l| l > 0)
             .ok_or_else(|| io::Error::other(format!("{slots} slots of {slot_bytes} bytes")))?;
-        let file = sealed_memfd(len)?;
-        let me = Self::map(&file, slots, slot_bytes)?;
+        let file = sys::memfd(len)?;
+        let me = Self::map(&file, slots, slot_bytes, true)?;
+        sys::seal_future_writes(&file)?;
         Ok((file, me))
     }
 
-    /// Maps a passed memfd after checking it is sealed and exactly `slots × slot_bytes` long.
+    /// Maps a passed memfd read-only after checking it is sealed (against resizing and against
+    /// writes but its owner's) and exactly `slots × slot_bytes` long.
     pub fn open(file: &File, slots: u32, slot_bytes: usize) -> io::Result<Self> {
         let len = (slots as usize).checked_mul(slot_bytes).filter(|&l| l > 0 && l <= 1 << 40);
         let len = len.ok_or_else(|| io::Error::other(format!("{slots} slots of {slot_bytes} bytes")))?;
-        if file.metadata()?.len() != len as u64 || !sealed_against_shrinking(file)? {
+        if file.metadata()?.len() != len as u64 || !sys::sealed_for_readers(file)? {
             return Err(io::Error::other("the pool's memory is not a sealed memfd of its size"));
         }
-        Self::map(file, slots, slot_bytes)
+        Self::map(file, slots, slot_bytes, false)
     }
 
     /// Mapped with its pages faulted in at once (`MAP_POPULATE`): the tier's memory is committed
     /// when the pool starts, not one fault per page on a load's critical path (a 4,096-token
     /// prefix of the default model is 23,000 pages).
-    fn map(file: &File, slots: u32, slot_bytes: usize) -> io::Result<Self> {
-        let map = memmap2::MmapOptions::new().len(slots as usize * slot_bytes).populate().map_raw(file)?;
-        Ok(Self { map, slot_bytes, slots })
+    fn map(file: &File, slots: u32, slot_bytes: usize, writable: bool) -> io::Result<Self> {
+        let mut opts = memmap2::MmapOptions::new();
+        opts.len(slots as usize * slot_bytes).populate();
+        let map = if writable { opts.map_raw(file)? } else { opts.map_raw_read_only(file)? };
+        Ok(Self { map, slot_bytes, slots, writable })
     }
 
     /// Slots in the mapping.
@@ -114,8 +123,11 @@ impl SharedSlots {
         Ok(())
     }
 
-    /// Copies `src` into the start of `slot`.
+    /// Copies `src` into the start of `slot` (the owner's mapping only).
     pub fn copy_in(&self, slot: u32, src: &[u8]) -> Result<(), String> {
+        if !self.writable {
+            return Err("a client's mapping of the pool is read-only".into());
+        }
         let start = self.start(slot, src.len())?;
         // SAFETY: inside the mapping (checked), which cannot shrink; `src` is the caller's memory.
         unsafe { copy_unaliased(self.map.as_mut_ptr().add(start), src.as_ptr(), src.len()) };
@@ -132,6 +144,13 @@ mod sys {
     const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 
     pub(super) fn sealed_memfd(len: usize) -> io::Result<File> {
+        let file = memfd(len)?;
+        add_seals(&file, SEALS)?;
+        Ok(file)
+    }
+
+    /// A memfd of `len` bytes with no seal yet (sealing allowed).
+    pub(super) fn memfd(len: usize) -> io::Result<File> {
         // SAFETY: a valid NUL-terminated name and flags; the returned descriptor is checked.
         let fd = unsafe {
             libc::memfd_create(c"tokenpath-kv".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
@@ -142,11 +161,15 @@ mod sys {
         // SAFETY: `fd` is a fresh descriptor nobody else owns.
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(len as u64)?;
+        Ok(file)
+    }
+
+    fn add_seals(file: &File, seals: libc::c_int) -> io::Result<()> {
         // SAFETY: fcntl on a descriptor we own with an integer argument.
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(file)
+        Ok(())
     }
 
     pub(super) fn sealed_against_shrinking(file: &File) -> io::Result<bool> {
@@ -156,6 +179,21 @@ mod sys {
             return Err(io::Error::last_os_error());
         }
         Ok(seals & libc::F_SEAL_SHRINK != 0)
+    }
+
+    /// No new writable mapping and no `write` from now on, by anyone (mappings made before
+    /// keep writing: the owner's).
+    pub(super) fn seal_future_writes(file: &File) -> io::Result<()> {
+        add_seals(file, SEALS | libc::F_SEAL_FUTURE_WRITE)
+    }
+
+    pub(super) fn sealed_for_readers(file: &File) -> io::Result<bool> {
+        // SAFETY: fcntl on a descriptor we own, no pointer argument.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(seals & libc::F_SEAL_SHRINK != 0 && seals & libc::F_SEAL_FUTURE_WRITE != 0)
     }
 }
 
@@ -169,6 +207,18 @@ mod sys {
     }
 
     pub(super) fn sealed_against_shrinking(_file: &File) -> io::Result<bool> {
+        Ok(false)
+    }
+
+    pub(super) fn memfd(_len: usize) -> io::Result<File> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+
+    pub(super) fn seal_future_writes(_file: &File) -> io::Result<()> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+
+    pub(super) fn sealed_for_readers(_file: &File) -> io::Result<bool> {
         Ok(false)
     }
 }
@@ -186,10 +236,28 @@ mod tests {
         peer.copy_out(2, &mut out).expect("out");
         assert_eq!(out, [7; 100], "the same memory in both mappings");
         assert!(peer.copy_out(3, &mut out).is_err(), "past the last slot");
-        assert!(peer.copy_in(0, &[0; 4097]).is_err(), "over a slot");
+        assert!(owner.copy_in(0, &[0; 4097]).is_err(), "over a slot");
+        assert!(peer.copy_in(0, &[1; 10]).is_err(), "a client's mapping is read-only");
         assert!(SharedSlots::open(&file, 4, 4096).is_err(), "a size it is not");
         let plain = tempfile_like();
         assert!(SharedSlots::open(&plain, 1, 4096).is_err(), "an unsealed file");
+    }
+
+    /// Once the owner has mapped it, nobody can write the memory another way: not a writable
+    /// mapping of the descriptor a client got, not `write` through a fresh open of it.
+    #[test]
+    fn only_the_owners_mapping_writes_a_pools_memory() {
+        use std::os::unix::fs::FileExt;
+        let (file, owner) = SharedSlots::create(1, 4096).expect("memfd");
+        let writable = memmap2::MmapOptions::new().len(4096).map_raw(&file);
+        assert!(writable.is_err(), "a writable mapping is refused");
+        let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file));
+        let reopened = std::fs::OpenOptions::new().write(true).open(&path);
+        assert!(reopened.and_then(|f| f.write_all_at(&[9; 8], 0)).is_err(), "a write is refused");
+        owner.copy_in(0, &[5; 8]).expect("the owner's mapping writes");
+        let mut out = [0u8; 8];
+        SharedSlots::open(&file, 1, 4096).expect("read-only map").copy_out(0, &mut out).expect("out");
+        assert_eq!(out, [5; 8]);
     }
 
     fn tempfile_like() -> File {

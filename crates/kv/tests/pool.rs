@@ -1,6 +1,6 @@
 //! The KV pool through its real socket and shared memory: clients in this process and in a
 //! child process (killed mid-lease), the host going away and the next client hosting it again
-//! from the SSD tier, a scribbled slot, and hellos that do not match.
+//! from the SSD tier, a client that tries to write a slot, and hellos that do not match.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -63,14 +63,21 @@ fn a_block_stored_by_one_client_is_loaded_by_another_and_survives_its_host() {
     let s = other.stats().expect("stats");
     assert_eq!((s.ram_blocks, s.hits_ram, s.leases, s.pinned), (4, 4, 0, 0));
 
-    // A slot scribbled on by a client (every client maps the RAM tier read-write): the reader's
-    // check fails and the block is never used.
+    // No client can write a slot (the RAM tier is mapped read-only by clients and sealed against
+    // any other write), and a copy that does not match the owner's check is never used.
     let lease = other.lookup(&keys(0..1));
     let mut buf = vec![0; BLOCK];
-    scribble(&d, lease.blocks[0].slot);
-    assert!(!other.load(&lease.blocks[0], &mut buf), "a scribbled slot is a failed load");
+    assert!(!scribble(&d, lease.blocks[0].slot), "a client's write is refused");
+    assert!(other.load(&lease.blocks[0], &mut buf), "the block is intact");
+    let mut wrong = lease.blocks[0].clone();
+    wrong.check ^= 1;
+    assert!(!other.load(&wrong, &mut buf), "a copy that fails its check is a failed load");
     other.release(lease, 0);
     assert_eq!(other.stats().expect("stats").hits_ram, 4, "and never a hit");
+    // A block of the wrong size is refused before anything is sent.
+    let r = other.reserve(&keys(40..41)).expect("a slot");
+    assert!(!other.write(r.lease, &[&[1u8; 7][..]]), "refused before it is sent");
+    other.abandon(r.lease);
 
     // The host goes away (its blocks written down to SSD as it stops); the other client loses
     // the connection, and a second later hosts the pool itself, from the SSD tier.
@@ -85,10 +92,10 @@ fn a_block_stored_by_one_client_is_loaded_by_another_and_survives_its_host() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// Writes garbage into a RAM slot the way a misbehaving client could.
-fn scribble(d: &std::path::Path, slot: u32) {
+/// Tries to write garbage into a RAM slot the way a misbehaving client would; whether it could.
+fn scribble(d: &std::path::Path, slot: u32) -> bool {
     let rogue = PoolClient::new(config(d), ns(), BLOCK);
-    rogue.slots().expect("mapped").copy_in(slot, &[0xA5; 64]).expect("in bounds");
+    rogue.slots().expect("mapped").copy_in(slot, &[0xA5; 64]).is_ok()
 }
 
 #[test]

@@ -342,10 +342,19 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     w.flush().await.map_err(io)
 }
 
-/// Reads one control frame from a blocking stream (the KV pool's clients live on the batcher's
-/// own thread, never on a runtime): the same checks as [`read_control_frame`], the kind refused
+/// Reads one control frame from a blocking stream (the KV pool's clients live on their own
+/// threads, never on a runtime): the same checks as [`read_control_frame`], the kind refused
 /// from the header before any payload is read. `Ok(None)` on a clean end of stream.
 pub fn read_control_frame_sync<R: std::io::Read>(r: &mut R) -> Result<Option<Vec<u8>>, ProtocolError> {
+    read_frame_sync(r, FrameKind::Control)
+}
+
+/// Reads one frame of `kind` from a blocking stream (any other kind is refused from its header,
+/// before any payload is read; the length is bounded by the kind). `Ok(None)` on a clean end.
+pub fn read_frame_sync<R: std::io::Read>(
+    r: &mut R,
+    kind: FrameKind,
+) -> Result<Option<Vec<u8>>, ProtocolError> {
     let mut h = [0u8; FRAME_HEADER_LEN];
     let mut got = 0;
     while got < FRAME_HEADER_LEN {
@@ -359,8 +368,8 @@ pub fn read_control_frame_sync<R: std::io::Read>(r: &mut R) -> Result<Option<Vec
         got += n;
     }
     let header = FrameHeader::decode(&h)?;
-    if header.kind != FrameKind::Control {
-        return Err(bad(format!("a {:?} frame where a control message belongs", header.kind)));
+    if header.kind != kind {
+        return Err(bad(format!("a {:?} frame where a {kind:?} frame belongs", header.kind)));
     }
     let mut payload = vec![0u8; header.len as usize];
     r.read_exact(&mut payload).map_err(io)?;
@@ -370,11 +379,25 @@ pub fn read_control_frame_sync<R: std::io::Read>(r: &mut R) -> Result<Option<Vec
 
 /// Writes one control frame to a blocking stream, header and payload in one write.
 pub fn write_control_frame_sync<W: std::io::Write>(w: &mut W, payload: &[u8]) -> Result<(), ProtocolError> {
-    let header = FrameHeader::for_payload(FrameKind::Control, payload)?.encode();
-    let mut all = Vec::with_capacity(FRAME_HEADER_LEN + payload.len());
-    all.extend_from_slice(&header);
-    all.extend_from_slice(payload);
-    w.write_all(&all).map_err(io)?;
+    write_frame_sync(w, FrameKind::Control, payload)
+}
+
+/// Writes one frame of `kind` to a blocking stream (header and payload in one vectored write).
+pub fn write_frame_sync<W: std::io::Write>(
+    w: &mut W,
+    kind: FrameKind,
+    payload: &[u8],
+) -> Result<(), ProtocolError> {
+    let header = FrameHeader::for_payload(kind, payload)?.encode();
+    let mut parts = [std::io::IoSlice::new(&header), std::io::IoSlice::new(payload)];
+    let mut slices: &mut [std::io::IoSlice<'_>] = &mut parts;
+    while !slices.is_empty() {
+        let n = w.write_vectored(slices).map_err(io)?;
+        if n == 0 {
+            return Err(io(std::io::ErrorKind::WriteZero.into()));
+        }
+        std::io::IoSlice::advance_slices(&mut slices, n);
+    }
     w.flush().map_err(io)
 }
 

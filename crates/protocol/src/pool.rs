@@ -1,10 +1,11 @@
 //! The KV pool's wire: what a worker asks its host's pool owner, and the answers.
 //!
-//! The pool owner holds the index of a host-RAM tier (one sealed memfd of fixed slots, mapped by
-//! every client; its descriptor passed once with [`PoolReply::Welcome`]) and of the SSD tier
-//! behind it. The bytes of a block never cross this connection: the connection carries keys,
-//! slot numbers, leases and checksums, and a client copies a leased slot straight into its own
-//! KV blocks (or its blocks into a reserved slot). Control frames of [`crate::frame`] carry one
+//! The pool owner holds the index of a host-RAM tier (one sealed memfd of fixed slots, mapped
+//! read-only by every client; its descriptor passed once with [`PoolReply::Welcome`]) and of the
+//! SSD tier behind it. A load's bytes never cross this connection: it carries keys, slot numbers,
+//! leases and checks, and a client copies a leased slot straight into its own KV blocks. A
+//! store's do — only the owner writes the RAM tier, so a client cannot change a block another
+//! reads — as KV-chunk frames after a [`PoolRequest::Write`]. Control frames of [`crate::frame`] carry one
 //! JSON message each; every list is bounded here ([`MAX_POOL_KEYS`]) so a decoder never holds
 //! more than a frame's worth for a peer.
 
@@ -13,12 +14,14 @@ use serde::{Deserialize, Serialize};
 use crate::ProtocolError;
 
 /// The pool protocol's version; a client of another version is refused at `Hello`.
-pub const POOL_VERSION: u32 = 1;
+pub const POOL_VERSION: u32 = 2;
 /// Longest pool id (a boot id and a socket path).
 pub const MAX_POOL_ID: usize = 512;
 /// The most keys one lookup or reservation names (64 Ki tokens of 16-token blocks): a prompt
 /// longer than that looks up its first blocks only.
 pub const MAX_POOL_KEYS: usize = 4096;
+/// Most blocks one [`PoolRequest::Write`] carries.
+pub const MAX_POOL_WRITE: usize = 64;
 
 /// A block's key on the wire: the 32 bytes of its chained BLAKE3 hash, as 64 hex digits
 /// (`tokenpath_kv::BlockHash` is converted to and from it at the edge).
@@ -92,6 +95,17 @@ pub enum PoolRequest {
         /// Per slot given (in key order), the BLAKE3 of what was written.
         checksums: Vec<WireKey>,
     },
+    /// Writes blocks of a write lease: `count` KV-chunk frames follow this message, each one
+    /// block's bytes, for the lease's slots `first..first + count` (clients map the RAM tier
+    /// read-only; the owner writes it).
+    Write {
+        /// The write lease.
+        lease: u64,
+        /// Index of the first block among the slots the lease gave.
+        first: u32,
+        /// Blocks that follow, at most [`MAX_POOL_WRITE`].
+        count: u32,
+    },
     /// Gives a write lease's slots back unwritten.
     Abandon {
         /// The write lease.
@@ -107,8 +121,9 @@ pub enum PoolRequest {
 pub struct LeasedBlock {
     /// Its slot in the shared RAM tier.
     pub slot: u32,
-    /// BLAKE3 of its payload: the client checks what it copied against it before use.
-    pub checksum: WireKey,
+    /// XXH3-64 of the bytes the pool wrote into the slot: the client checks what it copied
+    /// against it before use.
+    pub check: u64,
     /// Where the pool found it.
     pub tier: PoolTier,
 }
@@ -241,6 +256,13 @@ impl PoolRequest {
             Self::Lookup { keys } | Self::Reserve { keys } | Self::Commit { checksums: keys, .. } => {
                 bounded(keys)?
             }
+            Self::Write { count, .. } if *count as usize > MAX_POOL_WRITE => {
+                return Err(ProtocolError::TooLarge {
+                    what: "a KV pool write",
+                    len: u64::from(*count),
+                    max: MAX_POOL_WRITE as u64,
+                })
+            }
             _ => {}
         }
         Ok(req)
@@ -298,7 +320,7 @@ mod tests {
         }
         let reply = PoolReply::Lease {
             lease: 3,
-            blocks: vec![LeasedBlock { slot: 1, checksum: key, tier: PoolTier::Ssd }],
+            blocks: vec![LeasedBlock { slot: 1, check: 7, tier: PoolTier::Ssd }],
         };
         assert_eq!(PoolReply::decode(&reply.encode()).expect("decodes"), reply);
         let many = PoolRequest::Lookup { keys: vec![key; MAX_POOL_KEYS + 1] };

@@ -13,10 +13,11 @@ use std::time::{Duration, Instant};
 
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
 use tokenpath_protocol::frame::{
-    read_control_frame_sync, write_control_frame_sync, FrameHeader, FrameKind, FRAME_HEADER_LEN,
+    read_control_frame_sync, write_control_frame_sync, write_frame_sync, FrameHeader, FrameKind,
+    FRAME_HEADER_LEN,
 };
 use tokenpath_protocol::pool::{
-    LeasedBlock, PoolReply, PoolRequest, PoolStats, WireKey, MAX_POOL_KEYS, POOL_VERSION,
+    LeasedBlock, PoolReply, PoolRequest, PoolStats, WireKey, MAX_POOL_KEYS, MAX_POOL_WRITE, POOL_VERSION,
 };
 
 use super::{slot_bytes, socket_path, PoolConfig, PoolHost};
@@ -43,16 +44,15 @@ struct Conn {
 }
 
 /// Slots the pool gave a write lease for: `slots[i]` is where `keys[i]` goes (`None`: the pool
-/// holds it already, or had no room). Write the bytes into `ram`, then [`PoolClient::commit`]
-/// with their checksums or [`PoolClient::abandon`] — on the connection that reserved them.
+/// holds it already, or had no room). Send the blocks with [`PoolClient::write`], then
+/// [`PoolClient::commit`] with their checksums, or [`PoolClient::abandon`] — on the connection
+/// that reserved them.
 #[derive(Debug)]
 pub struct Reservation {
     /// The write lease.
     pub lease: u64,
     /// Per key asked for, its slot.
     pub slots: Vec<Option<u32>>,
-    /// The RAM tier the slots are in (this connection's mapping).
-    pub ram: Arc<SharedSlots>,
 }
 
 /// A connection to the host's pool, reconnecting (or hosting the pool) as needed.
@@ -145,8 +145,18 @@ impl PoolClient {
             return None;
         }
         let conn = self.conn.as_mut()?;
-        let result = write_control_frame_sync(&mut conn.stream, &req.encode())
-            .and_then(|()| read_control_frame_sync(&mut conn.stream))
+        if let Err(e) = write_control_frame_sync(&mut conn.stream, &req.encode()) {
+            tracing::warn!("KV pool connection lost: {e}");
+            self.lost();
+            return None;
+        }
+        self.answer()
+    }
+
+    /// Reads the pool's answer to what was sent.
+    fn answer(&mut self) -> Option<PoolReply> {
+        let conn = self.conn.as_mut()?;
+        let result = read_control_frame_sync(&mut conn.stream)
             .map_err(|e| e.to_string())
             .and_then(|b| b.ok_or_else(|| "the pool closed the connection".to_owned()))
             .and_then(|b| PoolReply::decode(&b).map_err(|e| e.to_string()));
@@ -158,11 +168,15 @@ impl PoolClient {
             Ok(reply) => Some(reply),
             Err(e) => {
                 tracing::warn!("KV pool connection lost: {e}");
-                self.conn = None;
-                self.retry_at = Some(Instant::now() + RETRY_AFTER);
+                self.lost();
                 None
             }
         }
+    }
+
+    fn lost(&mut self) {
+        self.conn = None;
+        self.retry_at = Some(Instant::now() + RETRY_AFTER);
     }
 
     /// Leases the longest run of held blocks from `keys[0]` (empty when none, or no pool).
@@ -188,7 +202,7 @@ impl PoolClient {
         let Some(conn) = &self.conn else { return false };
         dst.len() == self.block_bytes
             && conn.ram.copy_out(block.slot, dst).is_ok()
-            && blake3::hash(dst).as_bytes() == &block.checksum.0
+            && super::owner::fast_check(dst) == block.check
     }
 
     /// [`PoolClient::load`] of many blocks at once, spread over the machine's cores (copy and
@@ -220,15 +234,11 @@ impl PoolClient {
     /// is called only for the blocks the pool gave a slot. Returns how many it indexed.
     pub fn store(&mut self, keys: &[BlockHash], mut block: impl FnMut(usize) -> Vec<u8>) -> u32 {
         let Some(r) = self.reserve(keys) else { return 0 };
-        let mut checksums = Vec::new();
-        let mut ok = true;
-        for (i, slot) in r.slots.iter().enumerate() {
-            let Some(slot) = slot else { continue };
-            let bytes = block(i);
-            ok &= bytes.len() == self.block_bytes && r.ram.copy_in(*slot, &bytes).is_ok();
-            checksums.push(blake3::hash(&bytes));
-        }
-        if ok {
+        let blocks: Vec<Vec<u8>> =
+            r.slots.iter().enumerate().filter(|(_, s)| s.is_some()).map(|(i, _)| block(i)).collect();
+        let checksums: Vec<blake3::Hash> = blocks.iter().map(|b| blake3::hash(b)).collect();
+        let parts: Vec<&[u8]> = blocks.iter().map(Vec::as_slice).collect();
+        if self.write(r.lease, &parts) {
             self.commit(r.lease, &checksums)
         } else {
             self.abandon(r.lease);
@@ -251,15 +261,44 @@ impl PoolClient {
         if lease == 0 {
             return None;
         }
-        let ram = self.conn.as_ref().map(|c| Arc::clone(&c.ram));
-        match ram {
-            Some(ram) if slots.len() == asked => Some(Reservation { lease, slots, ram }),
+        match self.conn.is_some() {
+            true if slots.len() == asked => Some(Reservation { lease, slots }),
             _ => {
                 // Not an answer to this request (or the connection went): nothing is written.
                 self.abandon(lease);
                 None
             }
         }
+    }
+
+    /// Sends the blocks of write lease `lease`, one per slot it gave, in key order: the owner
+    /// writes them into the slots (clients map the RAM tier read-only). `false`: not all were
+    /// written (the lease is then only good to abandon).
+    pub fn write(&mut self, lease: u64, blocks: &[&[u8]]) -> bool {
+        if blocks.iter().any(|b| b.len() != self.block_bytes) || !self.ensure() {
+            return false;
+        }
+        for (n, chunk) in blocks.chunks(MAX_POOL_WRITE).enumerate() {
+            let first = u32::try_from(n * MAX_POOL_WRITE).unwrap_or(u32::MAX);
+            let count = chunk.len() as u32;
+            let Some(conn) = self.conn.as_mut() else { return false };
+            let sent = write_control_frame_sync(
+                &mut conn.stream,
+                &PoolRequest::Write { lease, first, count }.encode(),
+            )
+            .and_then(|()| {
+                chunk.iter().try_for_each(|b| write_frame_sync(&mut conn.stream, FrameKind::KvChunk, b))
+            });
+            if let Err(e) = sent {
+                tracing::warn!("KV pool connection lost: {e}");
+                self.lost();
+                return false;
+            }
+            if !matches!(self.answer(), Some(PoolReply::Done)) {
+                return false;
+            }
+        }
+        true
     }
 
     /// Ends a write lease: the blocks written into its slots, with `checksums` (one per slot

@@ -37,6 +37,9 @@ enum Slot {
     Held {
         key: BlockHash,
         checksum: [u8; 32],
+        /// XXH3-64 of the bytes this owner wrote into the slot (what a reader checks its copy
+        /// against: only the owner writes slots).
+        check: u64,
         /// Open read leases on it.
         pins: u32,
         /// Not yet written down to the SSD tier.
@@ -70,8 +73,8 @@ struct Lease {
 pub struct Leased {
     /// Slot in the RAM tier.
     pub slot: u32,
-    /// BLAKE3 of the block.
-    pub checksum: [u8; 32],
+    /// XXH3-64 of the bytes in the slot, as this owner wrote them.
+    pub check: u64,
     /// RAM, or read up from SSD for this lookup.
     pub tier: PoolTier,
 }
@@ -213,12 +216,12 @@ impl Owner {
             };
             let Some((slot, tier)) = found else { break };
             self.sighted_again(slot);
-            let Slot::Held { checksum, pins, tick, .. } = &mut self.slots[slot as usize] else { break };
+            let Slot::Held { check, pins, tick, .. } = &mut self.slots[slot as usize] else { break };
             if *pins == 0 {
                 self.lru.remove(tick);
             }
             *pins += 1;
-            got.push(Leased { slot, checksum: *checksum, tier });
+            got.push(Leased { slot, check: *check, tier });
         }
         if got.is_empty() {
             self.stats.misses += 1;
@@ -263,7 +266,9 @@ impl Owner {
         let tick = self.next_tick();
         // Read up from a remote tier: not on this host's SSD yet.
         let dirty = tier == PoolTier::Remote && self.lower.iter().any(|s| s.tier() == PoolTier::Ssd);
-        self.slots[slot as usize] = Slot::Held { key: *key, checksum, pins: 0, dirty, sighted: true, tick };
+        let check = fast_check(&self.buf);
+        self.slots[slot as usize] =
+            Slot::Held { key: *key, checksum, check, pins: 0, dirty, sighted: true, tick };
         self.lru.insert(tick, slot);
         self.index.insert(*key, slot);
         if dirty {
@@ -386,6 +391,34 @@ impl Owner {
         Some((id, out))
     }
 
+    /// Writes block `index` of write lease `lease` into its slot: only the owner writes the RAM
+    /// tier (clients map it read-only), so what a reader copies out is what was written here.
+    pub fn write(
+        &mut self,
+        client: ClientId,
+        lease: LeaseId,
+        index: usize,
+        bytes: &[u8],
+    ) -> Result<(), OwnerError> {
+        let slot = match self.leases.get(&lease) {
+            Some(Lease { client: c, kind: LeaseKind::Write(given), .. }) if *c == client => {
+                given.get(index).map(|(slot, _)| *slot)
+            }
+            _ => return Err(OwnerError::NoLease),
+        };
+        let Some(slot) = slot else {
+            return Err(OwnerError::BadCommit(format!("no slot {index} in this lease")));
+        };
+        if bytes.len() != self.buf.len() {
+            return Err(OwnerError::BadCommit(format!(
+                "{} bytes for a {}-byte block",
+                bytes.len(),
+                self.buf.len()
+            )));
+        }
+        self.ram.copy_in(slot, bytes).map_err(OwnerError::BadCommit)
+    }
+
     /// Indexes a write lease's slots whose bytes have the checksums the writer computed (in
     /// the order the slots were given); the others are freed. Returns (stored, failed).
     pub fn commit(
@@ -428,8 +461,9 @@ impl Owner {
             let tick = self.next_tick();
             let dirty = !self.lower.is_empty();
             let sighted = !dirty || self.seen_once.as_mut().is_none_or(|s| s.sight(*key));
+            let check = fast_check(&self.buf);
             self.slots[*slot as usize] =
-                Slot::Held { key: *key, checksum: *want, pins: 0, dirty, sighted, tick };
+                Slot::Held { key: *key, checksum: *want, check, pins: 0, dirty, sighted, tick };
             self.lru.insert(tick, *slot);
             self.index.insert(*key, *slot);
             if dirty && sighted {
@@ -572,3 +606,9 @@ impl Owner {
 #[cfg(test)]
 #[path = "owner_tests.rs"]
 mod tests;
+
+/// The check a reader makes of its copy of a RAM slot: XXH3-64 (memory speed; the slot's bytes
+/// can only be the owner's, so it guards against a bug, not an adversary).
+pub fn fast_check(bytes: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(bytes)
+}

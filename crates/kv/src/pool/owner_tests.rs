@@ -23,16 +23,15 @@ fn owner(slots: u32, ssd: Option<&std::path::Path>) -> (Owner, SharedSlots) {
     (Owner::new(ram, BLOCK, ssd.into_iter().collect(), Duration::from_secs(5)), client_view)
 }
 
-/// What a client does to store blocks: reserve, write, commit with its own checksums.
-fn store(o: &mut Owner, view: &SharedSlots, c: ClientId, ids: &[u32], now: Instant) -> (u32, u32) {
+/// What a client does to store blocks: reserve, send them (the owner writes them), commit with
+/// its own checksums. (`_view`: a client's read-only mapping, which cannot write.)
+fn store(o: &mut Owner, _view: &SharedSlots, c: ClientId, ids: &[u32], now: Instant) -> (u32, u32) {
     let keys: Vec<BlockHash> = ids.iter().map(|&i| key(i)).collect();
     let Some((lease, slots)) = o.reserve(c, &keys, now) else { return (0, 0) };
     let mut sums = Vec::new();
-    for (i, s) in ids.iter().zip(&slots) {
-        if let Some(s) = s {
-            view.copy_in(*s, &block(*i)).expect("in");
-            sums.push(*blake3::hash(&block(*i)).as_bytes());
-        }
+    for i in ids.iter().zip(&slots).filter(|(_, s)| s.is_some()).map(|(i, _)| *i) {
+        o.write(c, lease, sums.len(), &block(i)).expect("written");
+        sums.push(*blake3::hash(&block(i)).as_bytes());
     }
     o.commit(c, lease, &sums).expect("commit")
 }
@@ -45,7 +44,7 @@ fn load(o: &mut Owner, view: &SharedSlots, c: ClientId, ids: &[u32], now: Instan
     for (i, b) in ids.iter().zip(&got) {
         let mut buf = vec![0; BLOCK];
         view.copy_out(b.slot, &mut buf).expect("out");
-        assert_eq!(blake3::hash(&buf).as_bytes(), &b.checksum, "a leased block is the block");
+        assert_eq!(fast_check(&buf), b.check, "a leased block is the block");
         assert_eq!(buf, block(*i), "and it is the one stored under that key");
         out.push((*i, b.tier));
     }
@@ -71,8 +70,13 @@ fn a_commit_whose_bytes_do_not_match_is_not_indexed() {
     let (mut o, view) = owner(4, None);
     let (c, now) = (ClientId(1), Instant::now());
     let (lease, slots) = o.reserve(c, &[key(0), key(1)], now).expect("slots");
-    view.copy_in(slots[0].expect("slot"), &block(0)).expect("in");
-    view.copy_in(slots[1].expect("slot"), &block(7)).expect("in");
+    assert!(slots.iter().all(Option::is_some));
+    assert!(view.copy_in(slots[0].expect("slot"), &block(0)).is_err(), "a client cannot write a slot");
+    o.write(c, lease, 0, &block(0)).expect("in");
+    o.write(c, lease, 1, &block(7)).expect("in");
+    assert!(o.write(ClientId(2), lease, 0, &block(0)).is_err(), "nor another client's lease");
+    assert!(o.write(c, lease, 2, &block(0)).is_err(), "nor past the lease's slots");
+    assert!(o.write(c, lease, 0, &[0; 3]).is_err(), "nor a short block");
     let sums = [*blake3::hash(&block(0)).as_bytes(), *blake3::hash(&block(1)).as_bytes()];
     assert_eq!(o.commit(c, lease, &sums), Ok((1, 1)));
     assert_eq!(load(&mut o, &view, c, &[0, 1], now), vec![(0, PoolTier::Host)]);

@@ -18,7 +18,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
-use tokenpath_protocol::frame::{read_control_frame_sync, write_control_frame_sync, FrameHeader, FrameKind};
+use tokenpath_protocol::frame::{
+    read_control_frame_sync, read_frame_sync, write_control_frame_sync, FrameHeader, FrameKind,
+};
 use tokenpath_protocol::pool::{LeasedBlock, PoolReply, PoolRequest, WireKey, POOL_VERSION};
 
 use super::owner::{ClientId, LeaseId, Owner};
@@ -44,7 +46,19 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 enum Command {
-    Request { client: ClientId, req: PoolRequest, reply: mpsc::Sender<PoolReply> },
+    Request {
+        client: ClientId,
+        req: PoolRequest,
+        reply: mpsc::Sender<PoolReply>,
+    },
+    /// One block of a write lease, to be written into its slot by the owner.
+    Write {
+        client: ClientId,
+        lease: u64,
+        index: usize,
+        bytes: Vec<u8>,
+        reply: mpsc::Sender<PoolReply>,
+    },
     Gone(ClientId),
     Shutdown,
 }
@@ -288,6 +302,13 @@ fn run_owner(mut owner: Owner, rx: mpsc::Receiver<Command>) {
             Command::Request { client, req, reply } => {
                 let _ = reply.send(answer(&mut owner, client, req, now));
             }
+            Command::Write { client, lease, index, bytes, reply } => {
+                let r = match owner.write(client, LeaseId(lease), index, &bytes) {
+                    Ok(()) => PoolReply::Done,
+                    Err(e) => PoolReply::Error { message: e.to_string() },
+                };
+                let _ = reply.send(r);
+            }
             Command::Gone(client) => owner.drop_client(client),
             Command::Shutdown => break,
         }
@@ -311,7 +332,7 @@ fn answer(owner: &mut Owner, client: ClientId, req: PoolRequest, now: Instant) -
                 lease: lease.0,
                 blocks: got
                     .into_iter()
-                    .map(|b| LeasedBlock { slot: b.slot, checksum: WireKey(b.checksum), tier: b.tier })
+                    .map(|b| LeasedBlock { slot: b.slot, check: b.check, tier: b.tier })
                     .collect(),
             },
             None => PoolReply::Lease { lease: 0, blocks: Vec::new() },
@@ -336,6 +357,8 @@ fn answer(owner: &mut Owner, client: ClientId, req: PoolRequest, now: Instant) -
             Err(e) => refuse(e),
         },
         PoolRequest::Stats => PoolReply::Stats(owner.stats(now)),
+        // Its blocks come as frames of their own (`serve_client`).
+        PoolRequest::Write { .. } => PoolReply::Error { message: "a write without its blocks".into() },
     }
 }
 
@@ -433,6 +456,9 @@ fn serve_client(
     let (reply_tx, reply_rx) = mpsc::channel();
     while let Some(bytes) = read_control_frame_sync(&mut stream).map_err(io::Error::other)? {
         let reply = match PoolRequest::decode(&bytes) {
+            Ok(PoolRequest::Write { lease, first, count }) => {
+                write_blocks(&mut stream, client, tx, hello.block_bytes, (lease, first, count))?
+            }
             Ok(req) => {
                 tx.send(Command::Request { client, req, reply: reply_tx.clone() })
                     .map_err(|_| io::Error::other("the pool stopped"))?;
@@ -443,6 +469,36 @@ fn serve_client(
         write_control_frame_sync(&mut stream, &reply.encode()).map_err(io::Error::other)?;
     }
     Ok(())
+}
+
+/// Reads a write's `count` blocks (KV-chunk frames, each exactly one block) and has the owner
+/// write each into its slot; the answer is the first refusal, or `Done`. A frame that is not one
+/// block ends the connection (the stream is out of step).
+fn write_blocks(
+    stream: &mut UnixStream,
+    client: ClientId,
+    tx: &mpsc::Sender<Command>,
+    block_bytes: u64,
+    (lease, first, count): (u64, u32, u32),
+) -> io::Result<PoolReply> {
+    let (reply_tx, reply_rx) = mpsc::channel();
+    let mut answer = PoolReply::Done;
+    for i in 0..count {
+        let bytes = read_frame_sync(stream, FrameKind::KvChunk)
+            .map_err(io::Error::other)?
+            .ok_or_else(|| io::Error::other("closed inside a write"))?;
+        if bytes.len() as u64 != block_bytes {
+            return Err(io::Error::other(format!("a {}-byte block in a pool of {block_bytes}", bytes.len())));
+        }
+        let index = first as usize + i as usize;
+        tx.send(Command::Write { client, lease, index, bytes, reply: reply_tx.clone() })
+            .map_err(|_| io::Error::other("the pool stopped"))?;
+        let r = reply_rx.recv().map_err(|_| io::Error::other("the pool stopped"))?;
+        if matches!(answer, PoolReply::Done) && !matches!(r, PoolReply::Done) {
+            answer = r;
+        }
+    }
+    Ok(answer)
 }
 
 /// Sends one control frame with `fd` attached to its first bytes (`SCM_RIGHTS`).

@@ -7,9 +7,8 @@
 //! thread of its own, with its own connection, asks the owner for slots first (so blocks the
 //! pool holds already — every block a PD decode worker receives from a prefill worker on the
 //! same host — cost the batcher nothing), then hands the batcher a [`Fill`]: the blocks to copy
-//! into private buffers, one memcpy each, between its steps. The writer hashes those buffers (a
-//! checksum must cover the bytes the worker computed, never bytes read back from memory another
-//! client could write), copies them into the slots and commits.
+//! into private buffers, one memcpy each, between its steps. The writer sends those buffers to
+//! the owner (only the owner writes the RAM tier), hashes them and commits.
 //!
 //! Every write lease ends: committed, abandoned when a block is gone from the worker's cache
 //! by the time it is asked for (the [`Fill`]'s drop answers for every block it was not given),
@@ -25,7 +24,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{PoolClient, PoolConfig};
-use crate::shm::SharedSlots;
 use crate::BlockHash;
 
 /// Store jobs at most in flight: past it, new blocks are not stored (a cache may drop a write;
@@ -200,8 +198,8 @@ impl Drop for PoolWriter {
 }
 
 struct Pending {
-    slots: Vec<u32>,
-    ram: Arc<SharedSlots>,
+    /// Blocks asked for.
+    n: usize,
     asked: Instant,
 }
 
@@ -235,13 +233,8 @@ impl Thread {
     fn reserve(&mut self, items: Vec<FillItem>) {
         let keys: Vec<BlockHash> = items.iter().map(|i| i.key).collect();
         let Some(r) = self.client.reserve(&keys) else { return self.done() };
-        let (mut asked, mut slots) = (Vec::new(), Vec::new());
-        for (item, slot) in items.iter().zip(&r.slots) {
-            if let Some(s) = slot {
-                asked.push(*item);
-                slots.push(*s);
-            }
-        }
+        let asked: Vec<FillItem> =
+            items.iter().zip(&r.slots).filter(|(_, s)| s.is_some()).map(|(item, _)| *item).collect();
         if asked.is_empty() {
             // The pool holds every block already.
             self.client.abandon(r.lease);
@@ -255,7 +248,7 @@ impl Thread {
             lease: r.lease,
             back: self.back.clone(),
         };
-        self.pending.insert(r.lease, Pending { slots, ram: r.ram, asked: Instant::now() });
+        self.pending.insert(r.lease, Pending { n: fill.items.len(), asked: Instant::now() });
         // A worker gone drops the fill, whose answer ends the lease.
         let _ = self.fills.send(fill);
     }
@@ -270,15 +263,9 @@ impl Thread {
             self.keep(buffers);
             return;
         };
-        let whole = written.len() == p.slots.len() && written.iter().all(|w| *w);
-        let copied = whole
-            && buffers.len() == p.slots.len()
-            && p.slots
-                .iter()
-                .zip(&buffers)
-                .all(|(s, b)| b.len() == self.block_bytes && p.ram.copy_in(*s, b).is_ok());
-        if copied {
-            // Hashed from the worker's own bytes, not read back from the shared slots.
+        let whole = written.len() == p.n && buffers.len() == p.n && written.iter().all(|w| *w);
+        let parts: Vec<&[u8]> = buffers.iter().map(Vec::as_slice).collect();
+        if whole && self.client.write(lease, &parts) {
             let sums: Vec<blake3::Hash> = buffers.iter().map(|b| blake3::hash(b)).collect();
             let stored = self.client.commit(lease, &sums);
             self.counters.stored.fetch_add(u64::from(stored), Ordering::Relaxed);
