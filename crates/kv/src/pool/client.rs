@@ -1,8 +1,9 @@
-//! A worker's side of the pool: blocking calls from the batcher's own thread (a round trip is
-//! tens of microseconds on a Unix socket), the RAM tier mapped once per connection, and every
-//! failure a miss. A pool that cannot be reached — not started yet, its host gone — costs the
-//! worker nothing but its hits: the client retries a second later, and hosts the pool itself
-//! when nobody holds it.
+//! A worker's side of the pool: blocking calls from the batcher's own thread or the pool writer's
+//! (a round trip is tens of microseconds on a Unix socket), the RAM tier mapped read-only once
+//! per connection, blocks to store sent over the socket, and every failure a miss. A pool that
+//! cannot be reached — not started yet, its host gone — costs the worker nothing but its hits:
+//! the client retries a second later, and hosts the pool itself when nobody holds it (unless it
+//! only connects: [`PoolClient::connect_only`]).
 
 use std::fs::File;
 use std::io::{self, IoSliceMut, Read};
@@ -214,8 +215,8 @@ impl PoolClient {
         blocks.par_iter().zip(bufs.par_iter_mut()).map(|(b, dst)| self.load(b, dst.as_mut())).collect()
     }
 
-    /// The RAM tier's mapping: every client can write any slot of it (which is why nothing is
-    /// used before its checksum is checked); exposed for tests that play a rogue client.
+    /// The RAM tier's mapping, read-only (only the owner writes the tier); exposed for tests
+    /// that play a rogue client.
     pub fn slots(&self) -> Option<&SharedSlots> {
         self.conn.as_ref().map(|c| &*c.ram)
     }
