@@ -47,6 +47,25 @@ fn body(prompt: &[u32]) -> String {
         .to_string()
 }
 
+/// `tokenpath kv-pool` on `dir` (8 MiB of RAM, `ssd` of SSD; `abort_at`: the slab's testing-only
+/// crash point), once it says it hosts the pool.
+fn pool_host(model: &std::path::Path, dir: &str, ssd: &str, abort_at: Option<&str>) -> std::process::Child {
+    use std::io::BufRead as _;
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"));
+    cmd.args(["kv-pool", "--kv-pool", dir, "--kv-pool-ram", "8MiB", "--kv-pool-ssd", ssd])
+        .arg("--model")
+        .arg(model);
+    if let Some(n) = abort_at {
+        cmd.env("TOKENPATH_FAULT_SLAB_ABORT_AT", n);
+    }
+    let mut host =
+        cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let mut first_line = String::new();
+    std::io::BufReader::new(host.stdout.take().unwrap()).read_line(&mut first_line).unwrap();
+    assert!(first_line.starts_with("tokenpath kv-pool hosting "), "{first_line:?}");
+    host
+}
+
 /// Waits until the server at `port` has stored in the pool every block it computed so far
 /// (its workers write the pool behind their steps), at most 30 s.
 fn stored(port: u16) {
@@ -282,21 +301,9 @@ fn a_standalone_pool_keeps_its_ram_tier_across_server_restarts() {
 /// third and the fourth are computed, and the answer is the same.
 #[test]
 fn a_pool_killed_mid_write_loses_only_the_unfinished_write() {
-    use std::io::BufRead as _;
     let t = Setup::new("kvpool-crash");
     let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
-    let mut host = std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))
-        .args(["kv-pool", "--kv-pool", &dir_arg, "--kv-pool-ram", "8MiB", "--kv-pool-ssd", "16MiB"])
-        .arg("--model")
-        .arg(model)
-        .env("TOKENPATH_FAULT_SLAB_ABORT_AT", "3")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut first_line = String::new();
-    std::io::BufReader::new(host.stdout.take().unwrap()).read_line(&mut first_line).unwrap();
-    assert!(first_line.starts_with("tokenpath kv-pool hosting "), "{first_line:?}");
+    let mut host = pool_host(model, &dir_arg, "16MiB", Some("3"));
 
     let args = pool_args(&dir_arg, "16MiB");
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 59 % 200)).collect();
@@ -329,20 +336,9 @@ fn a_pool_killed_mid_write_loses_only_the_unfinished_write() {
 /// ever connects — and a second server then joins that pool and loads what the first computed.
 #[test]
 fn when_the_pool_host_dies_a_running_server_hosts_it_again() {
-    use std::io::BufRead as _;
     let t = Setup::new("kvpool-rehost");
     let (model, dir_arg) = (t.model.as_path(), t.dir_arg.clone());
-    let mut host = std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))
-        .args(["kv-pool", "--kv-pool", &dir_arg, "--kv-pool-ram", "8MiB", "--kv-pool-ssd", "0"])
-        .arg("--model")
-        .arg(model)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut first_line = String::new();
-    std::io::BufReader::new(host.stdout.take().unwrap()).read_line(&mut first_line).unwrap();
-    assert!(first_line.starts_with("tokenpath kv-pool hosting "), "{first_line:?}");
+    let mut host = pool_host(model, &dir_arg, "0", None);
     let args = pool_args(&dir_arg, "0");
     let mut a = support::serve(model, &args);
     host.kill().unwrap();
