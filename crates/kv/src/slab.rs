@@ -164,12 +164,18 @@ impl Slab {
             file.write_all_at(&head, 0).map_err(io)?;
         } else {
             let mut found = vec![0u8; head.len()];
-            file.read_exact_at(&mut found, 0).map_err(io)?;
-            if found != head || len != geometry.file_bytes() {
+            let read = file.read_exact_at(&mut found, 0);
+            if read.is_err() || found != head || len > geometry.file_bytes() {
                 return Err(KvError::SlabGeometry(format!(
                     "{} was made for another geometry than {geometry:?} (or is not a slab)",
                     path.display()
                 )));
+            }
+            if len < geometry.file_bytes() {
+                // Ours, cut short (a copy interrupted, a full disk): grown back; the scan keeps
+                // the slots whose headers survived, and a payload that was cut fails its check.
+                tracing::warn!(path = %path.display(), bytes = len, "the KV pool's slab file was cut short; keeping what is whole");
+                preallocate(&file, geometry.file_bytes()).map_err(io)?;
             }
         }
         let mut slab = Self {
@@ -537,6 +543,28 @@ mod tests {
         assert_eq!(r, OpenReport { blocks: 0, torn: 4, foreign: 0 });
         assert_eq!((s.get(&key(1)).unwrap(), s.get(&key(2)).unwrap()), (None, None));
         assert_eq!((s.stats().misses, s.stats().failed_loads), (2, 0));
+    }
+
+    /// A slab file cut short (a copy interrupted, a full disk): what is whole still loads, a block
+    /// whose payload was cut is a failed load, and nothing past the cut is served.
+    #[test]
+    fn a_truncated_slab_keeps_what_is_whole_and_never_serves_the_rest() {
+        let t = TempSlab::new();
+        let (mut s, _) = Slab::open(&t.0, G, ns("m")).unwrap();
+        for i in 0..3 {
+            s.put(key(i), &block(i)).unwrap();
+        }
+        drop(s);
+        let f = OpenOptions::new().write(true).open(&t.0).unwrap();
+        f.set_len(G.offset(1) + PAGE + 1000).unwrap();
+        drop(f);
+        let (mut s, r) = Slab::open(&t.0, G, ns("m")).unwrap();
+        assert_eq!(std::fs::metadata(&t.0).unwrap().len(), G.file_bytes(), "grown back to its size");
+        assert_eq!((r.blocks, r.torn), (2, 2), "two headers whole, the rest gone");
+        assert_eq!(s.get(&key(0)).unwrap(), Some(block(0)));
+        assert_eq!(s.get(&key(1)).unwrap(), None, "its payload was cut");
+        assert_eq!(s.get(&key(2)).unwrap(), None);
+        assert_eq!(s.stats().failed_loads, 1);
     }
 
     #[test]
