@@ -5,6 +5,7 @@ mod bench;
 mod bench_engine;
 mod bench_kv;
 mod compare;
+mod config;
 mod demo;
 mod generate;
 mod kv_pool;
@@ -19,7 +20,7 @@ mod upstream;
 mod worker;
 
 use anyhow::Context as _;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use std::path::PathBuf;
 use tokenpath_bench::html::{self, HtmlOptions, RunView};
 use tokenpath_bench::report::{load_records, Report, ReportOptions};
@@ -141,7 +142,13 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let expanded = config::expand(&Cli::command(), std::env::args_os().collect())?;
+    let command = with_config_flags(Cli::command());
+    if expanded.print {
+        print!("{}", config::render(command, &expanded.args, &expanded.from_file)?);
+        return Ok(());
+    }
+    let cli = Cli::from_arg_matches(&command.get_matches_from(&expanded.args)).unwrap_or_else(|e| e.exit());
     if matches!(cli.command, Command::RenderTemplate) {
         return Ok(sandbox::serve_stdio()?);
     }
@@ -168,6 +175,27 @@ fn main() -> anyhow::Result<()> {
         Command::Calibrate(args) => sim::calibrate(args),
         Command::Plan(args) => plan::run(*args),
     }
+}
+
+/// `--config` and `--print-config` on every subcommand, for `--help` (both are taken out of the
+/// arguments before clap parses them: see `config.rs`).
+fn with_config_flags(cmd: clap::Command) -> clap::Command {
+    cmd.mut_subcommands(|s| {
+        s.arg(
+            clap::Arg::new("config")
+                .long("config")
+                .value_name("FILE")
+                .help_heading("Configuration")
+                .help("A TOML file of settings: each key a long flag of this command (`kv-pool-ram = \"1GiB\"`); flags and environment variables override it [env: TOKENPATH_CONFIG]"),
+        )
+        .arg(
+            clap::Arg::new("print_config")
+                .long("print-config")
+                .action(clap::ArgAction::SetTrue)
+                .help_heading("Configuration")
+                .help("Print the effective configuration as TOML (where each setting came from; secrets redacted) and exit"),
+        )
+    })
 }
 
 /// Every chat template this process builds renders in children of this same binary.
