@@ -74,7 +74,7 @@ pub(crate) fn expand(cmd: &Command, mut args: Vec<OsString>) -> anyhow::Result<E
         let sub = built.find_subcommand(&name).context("the subcommand")?;
         let given = &args[at + 1..];
         let set = file_args(sub, Path::new(&file), given, |v| std::env::var_os(v).is_some())?;
-        from_file = set.iter().filter_map(|a| long_of(a)).collect();
+        from_file = set.iter().filter_map(long_of).collect();
         args.splice(at + 1..at + 1, set);
     }
     Ok(Expanded { args, print, from_file })
