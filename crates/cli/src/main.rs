@@ -143,7 +143,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let expanded = config::expand(&Cli::command(), std::env::args_os().collect())?;
-    let command = with_config_flags(Cli::command());
+    let command = with_config_flags(Cli::command()).long_version(long_version());
     if expanded.print {
         print!("{}", config::render(command, &expanded.args, &expanded.from_file)?);
         return Ok(());
@@ -175,6 +175,21 @@ fn main() -> anyhow::Result<()> {
         Command::Calibrate(args) => sim::calibrate(args),
         Command::Plan(args) => plan::run(*args),
     }
+}
+
+/// `tokenpath --version`: the version, then what this build runs on this CPU.
+fn long_version() -> String {
+    use tokenpath_engine::quant::{Kernel, KERNEL_ENV};
+    let runs: Vec<&str> = Kernel::ALL.into_iter().filter(|k| k.is_available()).map(Kernel::name).collect();
+    format!(
+        "{}\nkernels: {} (this CPU runs {}; {KERNEL_ENV} caps the choice, `amx` opts in to AMX tiles)\nbuild: {} {}, {} profile",
+        env!("CARGO_PKG_VERSION"),
+        Kernel::best().name(),
+        runs.join(", "),
+        std::env::consts::ARCH,
+        std::env::consts::OS,
+        if cfg!(debug_assertions) { "debug" } else { "release" },
+    )
 }
 
 /// `--config` and `--print-config` on every subcommand, for `--help` (both are taken out of the

@@ -1,6 +1,7 @@
-//! `--config FILE` and `--print-config` through the real binary: a server started from a file
-//! serves with the file's settings; a flag and an environment variable each override the file;
-//! an unknown key is an error that names it; the annotated example in `deploy/` is a valid file.
+//! The command line's own surface through the real binary: `--config FILE` and `--print-config`
+//! (a server started from a file serves with the file's settings; a flag and an environment
+//! variable each override the file; an unknown key is an error that names it; the annotated
+//! example in `deploy/` is a valid file) and `--version` (which kernels this CPU gets).
 
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
@@ -93,4 +94,26 @@ fn the_annotated_example_is_a_valid_file() {
         "{out}"
     );
     let _ = std::fs::remove_file(model);
+}
+
+#[test]
+fn version_says_which_kernels_this_cpu_runs() {
+    let run = |cap: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tokenpath"));
+        cmd.arg("--version").env_remove("TOKENPATH_KERNEL");
+        if let Some(c) = cap {
+            cmd.env("TOKENPATH_KERNEL", c);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let best = tokenpath_engine::quant::Kernel::best().name();
+    let text = run(None);
+    assert!(text.starts_with(concat!("tokenpath ", env!("CARGO_PKG_VERSION"))), "{text}");
+    assert!(text.contains("this CPU runs scalar"), "{text}");
+    if std::env::var_os("TOKENPATH_KERNEL").is_none() {
+        assert!(text.contains(&format!("kernels: {best} ")), "{text}");
+    }
+    assert!(run(Some("scalar")).contains("kernels: scalar "), "the cap shows");
 }
