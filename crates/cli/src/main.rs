@@ -96,6 +96,12 @@ enum Command {
     /// Run one engine instance as a worker process (role prefill, decode or both) for a gateway
     /// started with --prefill/--decode, --cluster or --accept-workers.
     Worker(worker::WorkerArgs),
+    /// Print a shell completion script: `tokenpath completions bash > /etc/bash_completion.d/tokenpath`
+    /// (or zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
     /// Internal: the chat-template sandbox child (`tokenpath_engine::tokenizer::sandbox`).
     #[command(name = "__render-template", hide = true)]
     RenderTemplate,
@@ -174,6 +180,11 @@ fn main() -> anyhow::Result<()> {
         Command::Sim(args) => sim::run(*args),
         Command::Calibrate(args) => sim::calibrate(args),
         Command::Plan(args) => plan::run(*args),
+        Command::Completions { shell } => {
+            let mut cmd = with_config_flags(Cli::command());
+            clap_complete::generate(shell, &mut cmd, "tokenpath", &mut std::io::stdout());
+            Ok(())
+        }
     }
 }
 

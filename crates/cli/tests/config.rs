@@ -1,7 +1,8 @@
 //! The command line's own surface through the real binary: `--config FILE` and `--print-config`
 //! (a server started from a file serves with the file's settings; a flag and an environment
 //! variable each override the file; an unknown key is an error that names it; the annotated
-//! example in `deploy/` is a valid file) and `--version` (which kernels this CPU gets).
+//! example in `deploy/` is a valid file), `--version` (which kernels this CPU gets) and shell
+//! completions.
 
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
@@ -116,4 +117,16 @@ fn version_says_which_kernels_this_cpu_runs() {
         assert!(text.contains(&format!("kernels: {best} ")), "{text}");
     }
     assert!(run(Some("scalar")).contains("kernels: scalar "), "the cap shows");
+}
+
+#[test]
+fn completions_cover_every_command_and_the_config_flags() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenpath")).args(["completions", "bash"]).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for word in ["serve", "bench", "worker", "kv-pool", "--kv-pool-ram", "--config", "--print-config"] {
+        assert!(text.contains(word), "{word} missing from the bash completions");
+    }
+    let bad = Command::new(env!("CARGO_BIN_EXE_tokenpath")).args(["completions", "tcsh"]).output().unwrap();
+    assert!(!bad.status.success());
 }
