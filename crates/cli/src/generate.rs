@@ -12,6 +12,7 @@ use tokenpath_protocol::backend::ModelInfo;
 
 /// Model selection shared by every command that loads the engine.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Model")]
 pub struct ModelArgs {
     /// GGUF model file (default: the model `scripts/setup` fetched).
     #[arg(long, env = "TOKENPATH_MODEL")]

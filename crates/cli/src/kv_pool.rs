@@ -21,6 +21,7 @@ const KV_POOL_REMOTE_ENV: &str = "TOKENPATH_KV_POOL_REMOTE";
 
 /// The KV pool's flags.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "KV pool")]
 pub(crate) struct KvPoolArgs {
     /// Share prefix KV blocks through the host's KV pool in this directory: a host-RAM tier every
     /// worker on the host reads and writes, and an SSD tier behind it that outlives the process

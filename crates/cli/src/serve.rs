@@ -98,6 +98,7 @@ impl SpanExportArgs {
 /// Which processes run the model: one colocated worker in this process (the default), worker
 /// processes started here (`--prefill N --decode M`), or workers listed in a cluster file.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Prefill/decode workers")]
 struct TopologyArgs {
     /// Prefill worker processes to start (prefill/decode disaggregation; needs --decode ≥ 1).
     #[arg(long, default_value_t = 0, env = "TOKENPATH_PREFILL")]
@@ -129,6 +130,7 @@ impl TopologyArgs {
 
 /// Where to listen and who may call.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Listening and access")]
 struct ListenArgs {
     /// Address to bind. Without API keys only loopback is allowed (see --allow-open-public).
     #[arg(long, default_value = "127.0.0.1", env = "TOKENPATH_HOST")]
@@ -158,6 +160,7 @@ struct ListenArgs {
 
 /// How the worker batches and what it may hold.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Batching and KV cache")]
 pub(crate) struct BatchingArgs {
     /// Most prompt tokens prefilled per engine step (chunked prefill; a prompt whose rest would be
     /// at most an eighth of this is finished in the same step).
@@ -250,6 +253,7 @@ impl BatchingArgs {
 
 /// HTTP-side limits and names.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "HTTP limits")]
 struct HttpArgs {
     /// Largest request body accepted (larger: 413).
     #[arg(long, default_value_t = tokenpath_gateway::DEFAULT_MAX_BODY_BYTES, env = "TOKENPATH_MAX_BODY_BYTES")]

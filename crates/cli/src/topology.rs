@@ -21,6 +21,7 @@ pub const CLUSTER_SECRET_ENV: &str = "TOKENPATH_CLUSTER_SECRET";
 
 /// The secret gateway and workers share.
 #[derive(Debug, clap::Args)]
+#[command(next_help_heading = "Cluster secret")]
 pub struct SecretArgs {
     /// The cluster secret every connection between gateway and workers proves (challenge-
     /// response, at least 16 characters). `serve --prefill/--decode` generates one for its

@@ -19,6 +19,7 @@ use tokenpath_protocol::backend::ModelInfo;
 
 /// Where the engine is, when it is not ours.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Gateway in front of your engines (--upstream)")]
 pub(crate) struct UpstreamArgs {
     /// Serve through these running engines instead of loading the model here
     /// (`http://host:port`, comma-separated; the OpenAI paths are appended).
