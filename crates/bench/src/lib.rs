@@ -21,6 +21,7 @@ pub mod spans;
 pub mod text;
 pub mod tokens;
 pub mod trace;
+pub mod verdict;
 pub mod workload;
 
 pub use error::BenchError;

@@ -273,6 +273,19 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     for (label, b) in &busy {
         println!("  {label}: {:.0}%", b * 100.0);
     }
+    if let (Some(first), Some(last)) = (views.first(), views.last().filter(|_| views.len() > 1)) {
+        println!();
+        print!(
+            "{}",
+            tokenpath_bench::verdict::render(
+                (first.label.as_str(), &first.report),
+                (last.label.as_str(), &last.report),
+                &args.workload,
+                args.rate,
+                &args.slo,
+            )
+        );
+    }
     let page = args.out_dir.join("report.html");
     let html_opts = HtmlOptions { title: "tokenpath demo: colocated vs PD".into(), ..HtmlOptions::default() };
     html::write_html(&page, &html::render(&views, &html_opts))?;

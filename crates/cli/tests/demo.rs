@@ -26,6 +26,10 @@ fn demo_quick_compares_colocated_and_disaggregated() {
     assert!(stdout.contains("colocated") && stdout.contains("pd-1p1d"), "{stdout}");
     assert!(stdout.contains("chunk gap ms p99") && stdout.contains("where each p99 comes from"), "{stdout}");
     assert!(stdout.contains("tokenpath compare"), "{stdout}");
+    // The verdict, in sentences from the run's own numbers, and the fleet question's command.
+    assert!(stdout.contains("Verdict (from the numbers above):"), "{stdout}");
+    assert!(stdout.contains("TTFT p99") && stdout.contains("with pd-1p1d"), "{stdout}");
+    assert!(stdout.contains("tokenpath plan --model"), "{stdout}");
 
     for (label, pd) in [("colocated", false), ("pd-1p1d", true)] {
         let doc: Value =
