@@ -148,6 +148,14 @@ pub fn render(runs: &[RunView], opts: &HtmlOptions) -> String {
         let upper =
             gaps.iter().filter_map(|s| Summary::from_samples(&s.values)).map(|s| s.p999).fold(0.0, f64::max);
         out.push_str(&plots::histogram("plot-chunk-gap-hist", "Chunk gap, histogram", "ms", upper, &gaps));
+        out.push_str("</div><h2>Tails (log scales)</h2><div class=\"plots\">");
+        out.push_str(&plots::ccdf(
+            "plot-ccdf-ttft",
+            "TTFT (from send), tail",
+            "ms",
+            &series(runs, Metric::Ttft),
+        ));
+        out.push_str(&plots::ccdf("plot-ccdf-chunk-gap", "Chunk gap, tail", "ms", &gaps));
         out.push_str("</div><h2>Server stages</h2><div class=\"plots\">");
         out.push_str(&stage_plot(runs));
         out.push_str("</div><h2>Slowest requests</h2><div class=\"plots\">");

@@ -148,6 +148,10 @@ fn report_html_of_three_runs_is_drawn_in_headless_chromium() {
     for id in ["plot-cdf-ttft", "plot-cdf-tpot", "plot-cdf-e2e"] {
         assert_eq!(drawn(id), 3, "{id}: one curve per run");
     }
+    // The tails on log scales: a curve and its p50 / p99 / p99.9 marks per run.
+    for id in ["plot-ccdf-ttft", "plot-ccdf-chunk-gap"] {
+        assert_eq!(drawn(id), 3 * 4, "{id}: a curve and three marks per run");
+    }
     assert!(drawn("plot-chunk-gap-hist") >= 3, "histogram bars");
     // Two runs with timing: 2 bars (p50, p99) each, plus their stage rectangles.
     assert!(drawn("plot-stages") >= 2 * 2 * 5, "stage bars");
@@ -157,6 +161,23 @@ fn report_html_of_three_runs_is_drawn_in_headless_chromium() {
     assert!(dom.contains(r#"data-series="pd &lt;disagg&gt;" data-stage="kv_transfer""#));
     assert!(dom.contains("llama.cpp: no server timing"));
     assert!(dom.contains(r#"id="summary-table""#) && dom.contains("errors stream_error: 1"));
+    // And looked at: a screenshot of the whole page, kept in the tests' output directory.
+    let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("report.png");
+    let _ = std::fs::remove_file(&shot);
+    let status = Command::new(&browser)
+        .args(["--headless", "--disable-gpu", "--no-sandbox", "--no-first-run", "--hide-scrollbars"])
+        .arg(format!("--user-data-dir={}", d.join("profile-shot").display()))
+        .arg("--window-size=1300,3600")
+        .arg(format!("--screenshot={}", shot.display()))
+        .arg(format!("file://{}", page.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "chromium's screenshot failed: {status}");
+    let png = std::fs::read(&shot).unwrap();
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 20_000, "a real picture: {} bytes", png.len());
+    eprintln!("screenshot of the report: {}", shot.display());
     std::fs::remove_dir_all(d).unwrap();
 }
 

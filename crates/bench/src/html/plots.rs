@@ -109,6 +109,17 @@ fn legend(out: &mut String, items: &[(&str, &str)]) {
 
 /// Axes, grid and labels of an x–y frame.
 fn frame(out: &mut String, x: &Axis, y: &Axis, xt: &[f64], yt: &[f64], x_label: &str, y_label: &str) {
+    frame_with(out, (x, y), (xt, yt), (x_label, y_label), num);
+}
+
+/// [`frame`], each tick labelled `label(value)`.
+fn frame_with(
+    out: &mut String,
+    (x, y): (&Axis, &Axis),
+    (xt, yt): (&[f64], &[f64]),
+    (x_label, y_label): (&str, &str),
+    label: fn(f64) -> String,
+) {
     out.push_str(r#"<g class="axes">"#);
     for v in yt {
         let py = y.at(*v);
@@ -119,7 +130,7 @@ fn frame(out: &mut String, x: &Axis, y: &Axis, xt: &[f64], yt: &[f64], x_label: 
             x.px_hi,
             x.px_lo - 6.0,
             py + 4.0,
-            num(*v)
+            label(*v)
         );
     }
     for v in xt {
@@ -130,7 +141,7 @@ fn frame(out: &mut String, x: &Axis, y: &Axis, xt: &[f64], yt: &[f64], x_label: 
             y.px_lo,
             y.px_lo + 4.0,
             y.px_lo + 16.0,
-            num(*v)
+            label(*v)
         );
     }
     let _ = write!(
@@ -207,6 +218,102 @@ pub(super) fn cdf(id: &str, title: &str, unit: &str, series: &[Series<'_>]) -> S
     }
     out.push_str("</figure>");
     out
+}
+
+/// Decades `10^k` covering `[lo, hi]` (both > 0), as tick values.
+fn decades(lo: f64, hi: f64) -> Vec<f64> {
+    let (a, b) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+    (a..=b.max(a + 1)).map(|k| 10f64.powi(k)).collect()
+}
+
+/// The tail of one metric, every run overlaid: the share of requests slower than x (a CCDF) on
+/// log–log axes, so the p99 and p99.9 — a few pixels at the right edge of a linear plot — get
+/// as much room as the median. Each run's p50, p99 and p99.9 are marked (`data-mark`).
+pub(super) fn ccdf(id: &str, title: &str, unit: &str, series: &[Series<'_>]) -> String {
+    let mut out = String::new();
+    open_figure(&mut out, id, "ccdf", title);
+    let positive = |s: &Series<'_>| -> Vec<f64> {
+        let mut v: Vec<f64> = s.values.iter().copied().filter(|v| v.is_finite() && *v > 0.0).collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let sorted: Vec<Vec<f64>> = series.iter().map(positive).collect();
+    if sorted.iter().all(Vec::is_empty) {
+        note(&mut out, "no samples above zero: nothing to draw on a log axis");
+        out.push_str("</figure>");
+        return out;
+    }
+    let lo = sorted.iter().filter_map(|v| v.first().copied()).fold(f64::INFINITY, f64::min);
+    let hi = sorted.iter().filter_map(|v| v.last().copied()).fold(0.0, f64::max);
+    let n_max = sorted.iter().map(Vec::len).max().unwrap_or(1).max(2) as f64;
+    let xt = decades(lo, hi);
+    let yt = decades(1.0 / n_max, 1.0);
+    let (x_lo, x_hi) = (xt[0].log10(), xt[xt.len() - 1].log10());
+    let h = 300.0;
+    let x = Axis { lo: x_lo, hi: x_hi, px_lo: LEFT, px_hi: W - RIGHT };
+    let y = Axis { lo: yt[0].log10(), hi: 0.0, px_lo: h - BOTTOM, px_hi: TOP };
+    svg_open(&mut out, h, title);
+    let xl: Vec<f64> = xt.iter().map(|v| v.log10()).collect();
+    let yl: Vec<f64> = yt.iter().map(|v| v.log10()).collect();
+    frame_log(&mut out, &x, &y, &xl, &yl, &format!("{unit} (log)"), "share slower than x (log)");
+    for (s, v) in series.iter().zip(&sorted) {
+        if v.is_empty() {
+            continue;
+        }
+        let n = v.len();
+        let keep = n.min(CDF_POINTS);
+        let mut d = String::new();
+        for k in 0..keep {
+            let i = if keep == 1 { 0 } else { k * (n - 1) / (keep - 1) };
+            // Share strictly slower than v[i]; the slowest sample is drawn at 1/n.
+            let share = ((n - 1 - i) as f64 / n as f64).max(1.0 / n as f64);
+            let cmd = if d.is_empty() { 'M' } else { 'L' };
+            let _ = write!(d, "{cmd}{:.1},{:.1} ", x.at(v[i].log10()), y.at(share.log10()));
+        }
+        let _ = write!(
+            out,
+            r#"<path class="series" fill="none" stroke="{}" stroke-width="2" data-series="{}" data-points="{n}" d="{}"><title>{}: {n} samples</title></path>"#,
+            esc(s.color),
+            esc(s.label),
+            d.trim_end(),
+            esc(s.label)
+        );
+        for (name, q) in [("p50", 0.50), ("p99", 0.99), ("p99.9", 0.999)] {
+            let i = ((q * n as f64).ceil() as usize).clamp(1, n) - 1;
+            let share = (1.0 - q).max(1.0 / n as f64);
+            let _ = write!(
+                out,
+                r#"<circle class="mark" r="4" fill="{}" cx="{:.1}" cy="{:.1}" data-series="{}" data-mark="{name}" data-value="{:.3}"><title>{}: {name} {} {}</title></circle>"#,
+                esc(s.color),
+                x.at(v[i].log10()),
+                y.at(share.log10()),
+                esc(s.label),
+                v[i],
+                esc(s.label),
+                num(v[i]),
+                esc(unit)
+            );
+        }
+    }
+    out.push_str("</svg>");
+    let items: Vec<(&str, &str)> = series.iter().map(|s| (s.label, s.color)).collect();
+    legend(&mut out, &items);
+    note(&mut out, "dots: each run's p50, p99 and p99.9");
+    out.push_str("</figure>");
+    out
+}
+
+/// [`frame`] with its tick values given as log10s, labelled with the values themselves.
+fn frame_log(out: &mut String, x: &Axis, y: &Axis, xl: &[f64], yl: &[f64], x_label: &str, y_label: &str) {
+    frame_with(out, (x, y), (xl, yl), (x_label, y_label), |v| {
+        // A decade: 0.001, 0.01, 0.1, 1, 10, 100, ...
+        let k = v.round() as i32;
+        if k < 0 {
+            format!("{:.*}", k.unsigned_abs() as usize, 10f64.powi(k))
+        } else {
+            format!("{:.0}", 10f64.powi(k))
+        }
+    });
 }
 
 /// A histogram of one metric per run, bars side by side within each bin, heights as the share of

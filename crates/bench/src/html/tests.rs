@@ -42,8 +42,8 @@ fn every_plot_has_a_stable_id_and_drawn_elements_per_run() {
         assert_eq!(count(&html, &format!(r#"id="{id}""#)), 1, "{id}");
     }
     assert!(html.contains(r#"id="plot-waterfall-0""#) && html.contains(r#"id="plot-waterfall-1""#));
-    // One CDF path per run and metric.
-    assert_eq!(count(&html, r#"data-series="pd" data-points="30""#), 3);
+    // One CDF path per run and metric, and the TTFT tail's.
+    assert_eq!(count(&html, r#"data-series="pd" data-points="30""#), 4);
     // p50 and p99 bars with four stages each, per run.
     assert_eq!(count(&html, r#"data-stage="prefill" data-stat="p99""#), 2);
     // 20 slowest requests per run, each with its stages and the remainder.
@@ -51,6 +51,20 @@ fn every_plot_has_a_stable_id_and_drawn_elements_per_run() {
     assert_eq!(count(&html, r#"<g class="bar" data-series="colocated""#), 2 + 20);
     assert!(html.contains(r#"id="summary-table""#));
     assert!(!html.contains("no server timing"));
+    // The tails on log scales, with each run's p50 / p99 / p99.9 marked in that order.
+    for id in ["plot-ccdf-ttft", "plot-ccdf-chunk-gap"] {
+        assert_eq!(count(&html, &format!(r#"id="{id}""#)), 1, "{id}");
+    }
+    let marks: Vec<f64> = ["p50", "p99", "p99.9"]
+        .iter()
+        .map(|m| {
+            let at = html.find(&format!(r#"data-series="pd" data-mark="{m}" data-value=""#)).unwrap();
+            let rest = &html[at..];
+            let v = rest.split("data-value=\"").nth(1).unwrap().split('"').next().unwrap();
+            v.parse().unwrap()
+        })
+        .collect();
+    assert!(marks[0] > 0.0 && marks[0] <= marks[1] && marks[1] <= marks[2], "{marks:?}");
     // Nothing the browser would fetch.
     assert!(!html.contains("http://") && !html.contains("https://") && !html.contains(" src="));
 }
