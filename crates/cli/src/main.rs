@@ -148,8 +148,9 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let expanded = config::expand(&Cli::command(), std::env::args_os().collect())?;
-    let command = with_config_flags(Cli::command()).long_version(long_version());
+    let base = Cli::command();
+    let expanded = config::expand(&base, std::env::args_os().collect())?;
+    let command = with_config_flags(base).long_version(long_version());
     if expanded.print {
         print!("{}", config::render(command, &expanded.args, &expanded.from_file)?);
         return Ok(());

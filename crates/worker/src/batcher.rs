@@ -107,9 +107,9 @@ pub(crate) struct Batcher {
     closed: bool,
     step_log: Option<StepLog>,
     /// The host's KV pool, when configured: lookups and loads on this thread...
-    pub(crate) pool: Option<tokenpath_kv::pool::PoolClient>,
+    pool: Option<tokenpath_kv::pool::PoolClient>,
     /// ...stores on the writer's (see `tokenpath_kv::pool::PoolWriter`).
-    pub(crate) pool_writer: Option<tokenpath_kv::pool::PoolWriter>,
+    pool_writer: Option<tokenpath_kv::pool::PoolWriter>,
     /// When the pool's counters were last asked for (at most once a second).
     pool_stats_at: Option<Instant>,
 }

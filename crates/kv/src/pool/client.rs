@@ -9,7 +9,6 @@ use std::fs::File;
 use std::io::{self, IoSliceMut, Read};
 use std::mem::MaybeUninit;
 use std::os::unix::net::UnixStream;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
@@ -41,7 +40,7 @@ pub struct ReadLease {
 #[derive(Debug)]
 struct Conn {
     stream: UnixStream,
-    ram: Arc<SharedSlots>,
+    ram: SharedSlots,
 }
 
 /// Slots the pool gave a write lease for: `slots[i]` is where `keys[i]` goes (`None`: the pool
@@ -72,18 +71,18 @@ pub struct PoolClient {
 impl PoolClient {
     /// A client of the pool of `namespace` in `cfg.dir`; connects (or hosts it) at once.
     pub fn new(cfg: PoolConfig, namespace: BlockHash, block_bytes: usize) -> Self {
-        let mut me =
-            Self { cfg, namespace, block_bytes, conn: None, host: None, may_host: true, retry_at: None };
-        me.ensure();
-        me
+        Self::start(cfg, namespace, block_bytes, true)
     }
 
     /// A client that only ever connects: it never hosts the pool itself, so a thread that must
     /// not stall (the batcher's) leaves hosting — scanning an SSD slab when the host died — to
     /// another client of the process.
     pub fn connect_only(cfg: PoolConfig, namespace: BlockHash, block_bytes: usize) -> Self {
-        let mut me =
-            Self { cfg, namespace, block_bytes, conn: None, host: None, may_host: false, retry_at: None };
+        Self::start(cfg, namespace, block_bytes, false)
+    }
+
+    fn start(cfg: PoolConfig, namespace: BlockHash, block_bytes: usize, may_host: bool) -> Self {
+        let mut me = Self { cfg, namespace, block_bytes, conn: None, host: None, may_host, retry_at: None };
         me.ensure();
         me
     }
@@ -218,7 +217,7 @@ impl PoolClient {
     /// The RAM tier's mapping, read-only (only the owner writes the tier); exposed for tests
     /// that play a rogue client.
     pub fn slots(&self) -> Option<&SharedSlots> {
-        self.conn.as_ref().map(|c| &*c.ram)
+        self.conn.as_ref().map(|c| &c.ram)
     }
 
     /// Ends a read lease (a lease of a lost connection ended with it).
@@ -237,14 +236,20 @@ impl PoolClient {
         let Some(r) = self.reserve(keys) else { return 0 };
         let blocks: Vec<Vec<u8>> =
             r.slots.iter().enumerate().filter(|(_, s)| s.is_some()).map(|(i, _)| block(i)).collect();
-        let checksums: Vec<blake3::Hash> = blocks.iter().map(|b| blake3::hash(b)).collect();
         let parts: Vec<&[u8]> = blocks.iter().map(Vec::as_slice).collect();
-        if self.write(r.lease, &parts) {
-            self.commit(r.lease, &checksums)
-        } else {
-            self.abandon(r.lease);
-            0
+        self.put(r.lease, &parts).unwrap_or(0)
+    }
+
+    /// Ends write lease `lease` with `blocks` (one per slot it gave, in key order): written,
+    /// hashed and committed — `Some(indexed)` — or, when they could not all be written, abandoned
+    /// (`None`).
+    pub fn put(&mut self, lease: u64, blocks: &[&[u8]]) -> Option<u32> {
+        if !self.write(lease, blocks) {
+            self.abandon(lease);
+            return None;
         }
+        let sums: Vec<blake3::Hash> = blocks.iter().map(|b| blake3::hash(b)).collect();
+        Some(self.commit(lease, &sums))
     }
 
     /// Asks for slots to write the blocks of `keys` into (at most [`MAX_POOL_KEYS`] of them);
@@ -262,21 +267,20 @@ impl PoolClient {
         if lease == 0 {
             return None;
         }
-        match self.conn.is_some() {
-            true if slots.len() == asked => Some(Reservation { lease, slots }),
-            _ => {
-                // Not an answer to this request (or the connection went): nothing is written.
-                self.abandon(lease);
-                None
-            }
+        if self.conn.is_some() && slots.len() == asked {
+            return Some(Reservation { lease, slots });
         }
+        // Not an answer to this request (or the connection went): nothing is written.
+        self.abandon(lease);
+        None
     }
 
     /// Sends the blocks of write lease `lease`, one per slot it gave, in key order: the owner
     /// writes them into the slots (clients map the RAM tier read-only). `false`: not all were
     /// written (the lease is then only good to abandon).
     pub fn write(&mut self, lease: u64, blocks: &[&[u8]]) -> bool {
-        if blocks.iter().any(|b| b.len() != self.block_bytes) || !self.ensure() {
+        // The lease lives on this connection: a new one could not write it.
+        if blocks.iter().any(|b| b.len() != self.block_bytes) || self.conn.is_none() {
             return false;
         }
         for (n, chunk) in blocks.chunks(MAX_POOL_WRITE).enumerate() {
@@ -304,7 +308,7 @@ impl PoolClient {
 
     /// Ends a write lease: the blocks written into its slots, with `checksums` (one per slot
     /// given, in key order), are indexed. Returns how many were.
-    pub fn commit(&mut self, lease: u64, checksums: &[blake3::Hash]) -> u32 {
+    fn commit(&mut self, lease: u64, checksums: &[blake3::Hash]) -> u32 {
         let checksums = checksums.iter().map(|h| WireKey(*h.as_bytes())).collect();
         match self.call(&PoolRequest::Commit { lease, checksums }) {
             Some(PoolReply::Committed { stored, .. }) => stored,
@@ -347,7 +351,7 @@ fn connect(socket: &std::path::Path, namespace: BlockHash, block_bytes: usize) -
                     "the pool's slots are {sb} bytes, blocks here {block_bytes}"
                 )));
             }
-            let ram = Arc::new(SharedSlots::open(&file, slots, sb as usize)?);
+            let ram = SharedSlots::open(&file, slots, sb as usize)?;
             Ok(Conn { stream, ram })
         }
         PoolReply::Error { message } => Err(io::Error::other(message)),

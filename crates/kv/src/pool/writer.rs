@@ -265,14 +265,16 @@ impl Thread {
         };
         let whole = written.len() == p.n && buffers.len() == p.n && written.iter().all(|w| *w);
         let parts: Vec<&[u8]> = buffers.iter().map(Vec::as_slice).collect();
-        if whole && self.client.write(lease, &parts) {
-            let sums: Vec<blake3::Hash> = buffers.iter().map(|b| blake3::hash(b)).collect();
-            let stored = self.client.commit(lease, &sums);
-            self.counters.stored.fetch_add(u64::from(stored), Ordering::Relaxed);
+        let stored = if whole {
+            self.client.put(lease, &parts)
         } else {
             self.client.abandon(lease);
-            self.counters.abandoned.fetch_add(1, Ordering::Relaxed);
-        }
+            None
+        };
+        match stored {
+            Some(n) => self.counters.stored.fetch_add(u64::from(n), Ordering::Relaxed),
+            None => self.counters.abandoned.fetch_add(1, Ordering::Relaxed),
+        };
         self.keep(buffers);
         self.done();
     }
