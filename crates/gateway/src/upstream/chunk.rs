@@ -13,6 +13,9 @@ use std::borrow::Cow;
 
 /// Members passed on untouched and never read as a tree (the relay parses all others).
 const UNREAD: [&str; 4] = ["id", "created", "model", "system_fingerprint"];
+/// `object` is read only when it says the chunk is an error (old vLLM's `{"object": "error"}`);
+/// `chat.completion.chunk` and `text_completion` pass untouched like the [`UNREAD`] members.
+const ERROR_OBJECT: &str = "\"error\"";
 /// The member read from its bytes (`parse_stream_parts`), never as a tree.
 const CHOICES: &str = "choices";
 
@@ -36,7 +39,7 @@ impl<'a> Chunk<'a> {
         for (k, raw) in &members.0 {
             if k == CHOICES {
                 choices = Some(raw.get());
-            } else if !UNREAD.contains(&k.as_ref()) {
+            } else if !UNREAD.contains(&k.as_ref()) && !(k == "object" && raw.get() != ERROR_OBJECT) {
                 value.insert(k.to_string(), serde_json::from_str(raw.get())?);
             }
         }
@@ -150,6 +153,16 @@ mod tests {
         assert_eq!(back["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
         assert_eq!(back["timing"]["stages_ms"]["gateway"], 0.1);
         assert_eq!(out.matches("timing").count(), 1, "the engine's timing is replaced: {out}");
+    }
+
+    #[test]
+    fn an_error_object_is_read_and_an_ordinary_one_passes_untouched() {
+        let c = Chunk::parse(r#"{"object":"chat.completion.chunk","choices":[]}"#).unwrap();
+        assert!(c.value.get("object").is_none());
+        assert_eq!(c.render("m", None), r#"{"object":"chat.completion.chunk","choices":[]}"#);
+        let e = Chunk::parse(r#"{"object":"error","message":"boom","code":400}"#).unwrap();
+        let view = tokenpath_protocol::parse_stream_value(&e.value).unwrap();
+        assert_eq!(view.error.map(|d| d.message), Some("boom".to_owned()));
     }
 
     #[test]

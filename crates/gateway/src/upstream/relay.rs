@@ -543,3 +543,7 @@ fn ms(d: Duration) -> f64 {
 fn cached(u: &Usage) -> u64 {
     u.prompt_tokens_details.as_ref().map_or(0, |d| d.cached_tokens)
 }
+
+#[cfg(test)]
+#[path = "relay_tests.rs"]
+mod tests;

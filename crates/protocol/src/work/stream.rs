@@ -20,6 +20,13 @@ pub struct WorkStream {
     backlog: Backlog,
 }
 
+/// Whether an event counts in the [`Backlog`]: the ones a stream carries many of — a worker's
+/// text and an upstream's chunks. (Counting only text once let the gateway's relay of an upstream
+/// read a stalled client's whole answer into memory instead of pausing the upstream.)
+fn paced(e: &WorkEvent) -> bool {
+    matches!(e, WorkEvent::Text { .. } | WorkEvent::Chunk { .. })
+}
+
 /// A sequence pauses (is not stepped) while this many of its text events wait unread.
 pub const PAUSE_AT: usize = 64;
 /// A paused sequence resumes once its reader is down to this many.
@@ -83,7 +90,7 @@ pub struct StreamSender {
 impl StreamSender {
     /// Sends `event`; `false` when the reader is gone.
     pub fn send(&self, event: WorkEvent) -> bool {
-        if let WorkEvent::Text { .. } = event {
+        if paced(&event) {
             self.backlog.sent();
         }
         self.tx.send(event).is_ok()
@@ -116,7 +123,7 @@ impl WorkStream {
     }
 
     fn took(&self, e: &Option<WorkEvent>) {
-        if let Some(WorkEvent::Text { .. }) = e {
+        if e.as_ref().is_some_and(paced) {
             self.backlog.taken();
         }
     }
@@ -159,8 +166,10 @@ mod tests {
     async fn a_relay_waits_while_its_reader_is_behind() {
         let (tx, mut stream) = WorkStream::channel(tokenpath_timeline::RequestId(1));
         let text = || WorkEvent::Text { delta: "x".into(), tokens: 1 };
-        for _ in 0..PAUSE_AT {
-            assert!(tx.send(text()));
+        // An upstream's chunks count as a worker's text does (regression: they did not).
+        let chunk = || WorkEvent::Chunk { json: "{}".into(), tokens: 1 };
+        for i in 0..PAUSE_AT {
+            assert!(tx.send(if i % 2 == 0 { text() } else { chunk() }));
         }
         let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), tx.room()).await;
         assert!(waiting.is_err(), "room while the reader is {} behind", PAUSE_AT);
