@@ -303,6 +303,9 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
         calib.digest(),
         out.display()
     );
+    if let Some(why) = f.distrust() {
+        eprintln!("calibrate: distrusted: {why}");
+    }
     for (name, c) in calib.step.terms.iter().zip(&calib.step.coef_us) {
         eprintln!("  step {name:>15}: {c:.4} µs");
     }

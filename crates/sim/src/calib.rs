@@ -165,6 +165,31 @@ pub struct FitQuality {
     pub noise: Noise,
 }
 
+/// A fit whose error on its own steps passes this many times their noise floor is not trusted.
+pub const DISTRUST_RATIO: f64 = 2.0;
+
+impl FitQuality {
+    /// Why this fit should not be used, if it should not: its error on the very steps it was
+    /// fitted on is more than [`DISTRUST_RATIO`] times their noise floor, which happens when the
+    /// machine's speed moved while the log was written (a neighbour on a shared host, a build) so
+    /// that one part of the log ran slower than another doing the same work. Such a calibration
+    /// predicts neither part: measured here, one whose training log ran 2× slow in its second half
+    /// (16.8% against a 7.3% floor) was 22–26% off on every held-out cell; the healthy fits on this
+    /// machine sit at 1.0–1.5× their floor.
+    pub fn distrust(&self) -> Option<String> {
+        let floor = self.noise.median_ape;
+        (floor > 0.0 && self.median_ape > DISTRUST_RATIO * floor).then(|| {
+            format!(
+                "the step model's median error on its own steps ({:.1}%) is {:.1}× their noise floor ({:.1}%): \
+                 the machine's speed probably changed while the log was written; measure again on a quiet machine",
+                self.median_ape,
+                self.median_ape / floor,
+                floor
+            )
+        })
+    }
+}
+
 /// The scatter of steps that did the same work: each step's absolute percentage distance from
 /// the median of the steps of its shape (same rows, prompt tokens within 32, decode rows,
 /// context within 64 tokens per row; shapes seen at least 3 times). No point prediction of a
@@ -430,6 +455,21 @@ fn names(terms: &[&str]) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_fit_far_above_its_noise_floor_is_distrusted() {
+        let fit = |median_ape, floor| FitQuality {
+            median_ape,
+            noise: Noise { steps: 100, median_ape: floor, p90_ape: 0.0 },
+            ..FitQuality::default()
+        };
+        // This machine's healthy calibrations, and the one whose training log drifted.
+        for (m, f) in [(5.4, 4.5), (7.4, 4.9), (6.6, 4.8), (2.9, 2.7)] {
+            assert_eq!(fit(m, f).distrust(), None, "{m} on {f}");
+        }
+        assert!(fit(16.8, 7.3).distrust().is_some_and(|w| w.contains("2.3×")));
+        assert_eq!(fit(16.8, 0.0).distrust(), None, "no floor measured: nothing to compare with");
+    }
     use super::*;
     use rand_chacha::rand_core::SeedableRng;
 
