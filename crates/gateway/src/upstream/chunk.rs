@@ -39,7 +39,7 @@ impl<'a> Chunk<'a> {
         for (k, raw) in &members.0 {
             if k == CHOICES {
                 choices = Some(raw.get());
-            } else if !UNREAD.contains(&k.as_ref()) && !(k == "object" && raw.get() != ERROR_OBJECT) {
+            } else if parsed(k, raw) {
                 value.insert(k.to_string(), serde_json::from_str(raw.get())?);
             }
         }
@@ -85,6 +85,14 @@ impl<'a> Chunk<'a> {
         }
         out.push('}');
         out
+    }
+}
+
+/// Whether a top-level member other than `choices` is parsed into [`Chunk::value`].
+fn parsed(name: &str, raw: &RawValue) -> bool {
+    match name {
+        "object" => raw.get() == ERROR_OBJECT,
+        _ => !UNREAD.contains(&name),
     }
 }
 
