@@ -33,12 +33,9 @@ fn moved(a: f64, b: f64) -> String {
     }
 }
 
-fn stage_p50(r: &Report, stage: &str) -> Option<f64> {
-    r.stages.get(&format!("{stage}_ms")).map(|s| s.p50)
-}
-
-fn stage_p99(r: &Report, stage: &str) -> Option<f64> {
-    r.stages.get(&format!("{stage}_ms")).map(|s| s.p99)
+/// A server stage's distribution in a run.
+fn stage<'r>(r: &'r Report, name: &str) -> Option<&'r Summary> {
+    r.stages.get(&format!("{name}_ms"))
 }
 
 /// "TTFT p99 X: 62% prefill, 30% queue" for one run.
@@ -79,7 +76,8 @@ pub fn render(base: (&str, &Report), other: (&str, &Report), workload: &str, rat
     }
     if let (Some(a), Some(c)) = (b.summary.ttft_ms.as_ref(), o.summary.ttft_ms.as_ref()) {
         let mut why = Vec::new();
-        if let (Some(pa), Some(pc)) = (stage_p50(b, "prefill"), stage_p50(o, "prefill")) {
+        if let (Some(pa), Some(pc)) = (stage(b, "prefill").map(|s| s.p50), stage(o, "prefill").map(|s| s.p50))
+        {
             if pc > pa * (1.0 + NOTABLE) {
                 why.push(format!("prefill ran on fewer cores (prefill stage p50 {} → {})", ms(pa), ms(pc)));
             } else if pc < pa * (1.0 - NOTABLE) {
@@ -90,7 +88,7 @@ pub fn render(base: (&str, &Report), other: (&str, &Report), workload: &str, rat
                 ));
             }
         }
-        if let (Some(qa), Some(qc)) = (stage_p99(b, "queue"), stage_p99(o, "queue")) {
+        if let (Some(qa), Some(qc)) = (stage(b, "queue").map(|s| s.p99), stage(o, "queue").map(|s| s.p99)) {
             if (qc - qa).abs() > NOTABLE * qa.max(1.0) && (qc - qa).abs() >= 1.0 {
                 why.push(format!(
                     "requests waited {} for a slot (queue p99 {} → {})",
@@ -100,7 +98,7 @@ pub fn render(base: (&str, &Report), other: (&str, &Report), workload: &str, rat
                 ));
             }
         }
-        if let Some(k) = stage_p50(o, "kv_transfer") {
+        if let Some(k) = stage(o, "kv_transfer").map(|s| s.p50) {
             why.push(format!("moving the KV cost {} per request (kv_transfer p50)", ms(k)));
         }
         let because = if why.is_empty() { String::new() } else { format!(": {}", why.join("; ")) };

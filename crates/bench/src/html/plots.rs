@@ -278,19 +278,25 @@ pub(super) fn ccdf(id: &str, title: &str, unit: &str, series: &[Series<'_>]) -> 
             d.trim_end(),
             esc(s.label)
         );
-        for (name, q) in [("p50", 0.50), ("p99", 0.99), ("p99.9", 0.999)] {
-            let i = ((q * n as f64).ceil() as usize).clamp(1, n) - 1;
-            let share = (1.0 - q).max(1.0 / n as f64);
+        // The run's own percentiles, as the summary table defines them (`tokenpath_timeline`).
+        let Some(stats) = tokenpath_timeline::Summary::from_samples(&s.values) else { continue };
+        for (name, q, value) in
+            [("p50", 0.50, stats.p50), ("p99", 0.99, stats.p99), ("p99.9", 0.999, stats.p999)]
+        {
+            if value <= 0.0 {
+                continue; // not on a log axis
+            }
+            let share = (1.0_f64 - q).max(1.0 / n as f64);
             let _ = write!(
                 out,
                 r#"<circle class="mark" r="4" fill="{}" cx="{:.1}" cy="{:.1}" data-series="{}" data-mark="{name}" data-value="{:.3}"><title>{}: {name} {} {}</title></circle>"#,
                 esc(s.color),
-                x.at(v[i].log10()),
+                x.at(value.log10()),
                 y.at(share.log10()),
                 esc(s.label),
-                v[i],
+                value,
                 esc(s.label),
-                num(v[i]),
+                num(value),
                 esc(unit)
             );
         }
