@@ -33,7 +33,7 @@ pub fn body_stages(v: &Value, out: &mut BTreeMap<Stage, f64>) {
     // Dynamo's frontend, when the request asked `nvext.extra_fields: ["timing"]`: its queue
     // (`prefill_wait_time_ms`), prefill, and decode as total minus time to first token (both on
     // its one clock).
-    if let Some(t) = v.pointer("/nvext/timing") {
+    if let Some(t) = v.get("nvext").and_then(|n| n.get("timing")) {
         take(Stage::Queue, t.get("prefill_wait_time_ms"));
         take(Stage::Prefill, t.get("prefill_time_ms"));
         let f = |k: &str| t.get(k).and_then(Value::as_f64);
@@ -41,7 +41,7 @@ pub fn body_stages(v: &Value, out: &mut BTreeMap<Stage, f64>) {
             take(Stage::Decode, Some(&Value::from(total - ttft)));
         }
     }
-    if let Some(stages) = v.pointer("/timing/stages_ms").and_then(Value::as_object) {
+    if let Some(stages) = v.get("timing").and_then(|t| t.get("stages_ms")).and_then(Value::as_object) {
         // A tokenpath upstream's own gateway stage is not ours: ours is measured here.
         for stage in Stage::ALL.into_iter().filter(|s| *s != Stage::Gateway) {
             take(stage, stages.get(stage.name()));

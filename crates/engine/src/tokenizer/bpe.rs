@@ -12,8 +12,9 @@
 //! maps the space byte to `Ġ`, so a symbol never contains a raw space and `left + ' ' + right`
 //! is an unambiguous key, with no per-merge tuple of strings to allocate.
 
+use ahash::AHashMap as HashMap;
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::ops::Range;
 
 /// Merge ranks from `tokenizer.ggml.merges` (line index = rank; first occurrence wins).

@@ -10,12 +10,23 @@
 //! of the supported pre-tokenizer families uses them.
 
 use super::vocab::TokenType;
+use memchr::memmem::Finder;
 
 /// The special tokens of a vocabulary in matching order.
 #[derive(Debug, Default)]
 pub(crate) struct SpecialTokens {
-    /// (id, text, control-or-unknown)
-    list: Vec<(u32, String, bool)>,
+    list: Vec<Special>,
+}
+
+/// One special token and its searcher, built once (building a substring searcher per token per
+/// prompt was a tenth of a gateway request's tokenization).
+#[derive(Debug)]
+struct Special {
+    id: u32,
+    /// Its text's bytes (a UTF-8 needle matches a UTF-8 haystack only at char boundaries).
+    finder: Finder<'static>,
+    /// Control or unknown: matched only when parsing specials.
+    control: bool,
 }
 
 impl SpecialTokens {
@@ -30,6 +41,14 @@ impl SpecialTokens {
             .map(|(id, (text, ty))| (id as u32, text.clone(), ty.is_special()))
             .collect();
         list.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(&b.0)));
+        let list = list
+            .into_iter()
+            .map(|(id, text, control)| Special {
+                id,
+                finder: Finder::new(text.as_bytes()).into_owned(),
+                control,
+            })
+            .collect();
         Self { list }
     }
 }
@@ -104,11 +123,12 @@ pub(crate) fn partition<'a>(
         return Vec::new();
     }
     let mut frags = vec![Fragment::Text(text)];
-    for (id, special, is_control) in &specials.list {
-        if (*is_control && !parse_special) || special.is_empty() {
+    for Special { id, finder, control } in &specials.list {
+        let len = finder.needle().len();
+        if (*control && !parse_special) || len == 0 {
             continue;
         }
-        if !frags.iter().any(|f| matches!(f, Fragment::Text(t) if t.contains(special.as_str()))) {
+        if !frags.iter().any(|f| matches!(f, Fragment::Text(t) if finder.find(t.as_bytes()).is_some())) {
             continue;
         }
         let mut next = Vec::with_capacity(frags.len() + 2);
@@ -117,12 +137,12 @@ pub(crate) fn partition<'a>(
                 next.push(f);
                 continue;
             };
-            while let Some(at) = t.find(special.as_str()) {
+            while let Some(at) = finder.find(t.as_bytes()) {
                 if at > 0 {
                     next.push(Fragment::Text(&t[..at]));
                 }
                 next.push(Fragment::Token(*id));
-                t = &t[at + special.len()..];
+                t = &t[at + len..];
             }
             if !t.is_empty() {
                 next.push(Fragment::Text(t));

@@ -9,7 +9,7 @@
 //! fallback, optional EOS. Decoding pieces are precomputed once per token, as llama.cpp's
 //! `cache_token_to_piece` is. The type is `Send + Sync`; the per-word cache sits behind a mutex.
 
-use std::collections::HashMap;
+use ahash::AHashMap as HashMap;
 use std::sync::Mutex;
 
 use super::bpe::MergeRanks;
