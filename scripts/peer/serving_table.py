@@ -54,12 +54,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
     ap.add_argument("--kernels", default="?")
+    ap.add_argument("--vllm-dtype", default="?")
     a = ap.parse_args()
     closed, rates = load(a.out_dir)
     servers = [s for s in SERVERS if any(k[0] == s for k in closed) or s in rates]
     concs = sorted({c for (_, c) in closed})
     fmt = lambda v, p=1: "-" if v is None else f"{v:,.{p}f}"
-    print(f"tokenpath kernels: {a.kernels}")
+    print(f"tokenpath kernels: {a.kernels}; vllm dtype: {a.vllm_dtype}")
     print(f"{'server':<14}{'conc':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
           f"{'TPOT p99':>10}{'failed':>8}{'TTFT p50/p99 after the first wave':>36}")
     for s in servers:

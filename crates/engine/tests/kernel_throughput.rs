@@ -129,3 +129,60 @@ fn matvec_throughput() {
         bench(ty);
     }
 }
+
+/// A `rows × cols` matrix of `ty` from pseudo-random block bytes with small f16 scales (every
+/// bit pattern of a block's quants is valid; `quantize` does not write Q5_0 or Q6_K).
+fn random_blocks(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let (bs, n) = (ty.type_size(), rows * cols / ty.block_size());
+    let mut data: Vec<u8> =
+        (0..n * bs).map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+    let scale = half::f16::from_f32(0.003).to_le_bytes();
+    for blk in data.chunks_exact_mut(bs) {
+        match ty {
+            GgmlType::Q6_K => blk[208..210].copy_from_slice(&scale),
+            // Q4_1's and Q4_K's second f16 (the minimum) too: random bits may be subnormal,
+            // which slows the float unit and measures that instead of the kernel.
+            GgmlType::Q4_K | GgmlType::Q4_1 => {
+                blk[0..2].copy_from_slice(&scale);
+                blk[2..4].copy_from_slice(&scale);
+            }
+            _ => blk[0..2].copy_from_slice(&scale),
+        }
+    }
+    data
+}
+
+/// The repacked tiles of each weight type on a prefill-sized product (1536 × 512 weights, 512
+/// activations), on every kernel path this CPU has: what the prefill of a model file of that
+/// type can reach.
+#[test]
+#[ignore = "benchmark; run in release with --ignored --nocapture"]
+fn interleaved_prefill_throughput() {
+    let (rows, cols, n) = (1536, 512, 512);
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        let w = random_blocks(ty, rows, cols);
+        let m = QMatrix::new(ty, rows, cols, &w).expect("matrix");
+        let il = tokenpath_engine::quant::Interleaved::from_matrix(&m).expect("repackable");
+        let acts: Vec<_> = (0..n).map(|_| il.prepare_rows(&x).expect("acts").remove(0)).collect();
+        let mut out = vec![0f32; rows * n];
+        for kernel in Kernel::ALL.into_iter().filter(|k| k.is_available()) {
+            let run = |out: &mut Vec<f32>| {
+                tokenpath_engine::quant::matmul_group_interleaved_with(kernel, &[&il], &acts, &mut [out])
+                    .expect("product")
+            };
+            run(&mut out);
+            let iters = 5;
+            let t = Instant::now();
+            for _ in 0..iters {
+                run(&mut out);
+            }
+            let s = t.elapsed().as_secs_f64() / iters as f64;
+            println!(
+                "{ty} {rows}x{cols} x{n}, {kernel}: {:.1} ms, {:.1} GOP/s",
+                s * 1e3,
+                2.0 * (rows * cols * n) as f64 / s / 1e9
+            );
+        }
+    }
+}

@@ -249,7 +249,7 @@ pub fn matmul_group_interleaved_with(
                     }
                 } else {
                     let mut res = [[0f32; GROUP]; C];
-                    one_group(avx2, m.kind, m.group(g), &ys[c..c + k], &mut res);
+                    one_group(avx2, m.kind, m.ty == GgmlType::Q5_0, m.group(g), &ys[c..c + k], &mut res);
                     for (kk, r) in res.iter().enumerate().take(k) {
                         buf[(c + kk) * rows + at..][..GROUP].copy_from_slice(r);
                     }
@@ -275,16 +275,24 @@ pub fn matmul_group_interleaved_with(
     Ok(())
 }
 
-/// One group's eight rows × `ys.len()` (1 to 4) activations, on AVX2 when `avx2` (detected).
-fn one_group(avx2: bool, kind: u8, w: &[u8], ys: &[&[BlockQ8x32]], res: &mut [[f32; GROUP]]) {
+/// One group's eight rows × `ys.len()` (1 to 4) activations, on AVX2 when `avx2` (detected);
+/// `from_q5_0`: repacked from Q5_0 (the AVX2 tiles add more of its smaller products in 16 bits).
+fn one_group(
+    avx2: bool,
+    kind: u8,
+    from_q5_0: bool,
+    w: &[u8],
+    ys: &[&[BlockQ8x32]],
+    res: &mut [[f32; GROUP]],
+) {
     #[cfg(target_arch = "x86_64")]
     if avx2 {
         // SAFETY: AVX2/FMA/F16C detected by the caller; `w` holds one group unit per activation
-        // unit (checked by the caller).
-        unsafe { super::interleave_avx2::tile_any(kind, w, ys, res) };
+        // unit (checked by the caller); a group repacked from Q5_0 holds bytes within ±16.
+        unsafe { super::interleave_avx2::tile_any(kind, from_q5_0, w, ys, res) };
         return;
     }
-    let _ = avx2;
+    let _ = (avx2, from_q5_0);
     for (r, y) in res.iter_mut().zip(ys) {
         *r = portable_group(kind, w, y);
     }
@@ -458,6 +466,55 @@ mod tests {
             }
         }
         paths
+    }
+
+    /// The AVX2 tiles add Q6_K's products four steps at a time and Q5_0's eight in 16 bits: the
+    /// largest magnitudes (every weight at its minimum, every activation at ±127) reach 32,512
+    /// and must not wrap. Every path gives the scalar path's bits, and the value is the f32 dot's.
+    #[test]
+    fn extreme_q5_0_and_q6_k_blocks_do_not_overflow_the_16_bit_sums() {
+        let (rows, cols) = (16, 512);
+        for ty in [GgmlType::Q5_0, GgmlType::Q6_K, GgmlType::Q8_0] {
+            let (bs, n) = (ty.type_size(), rows * cols / ty.block_size());
+            // All-zero quants: Q5_0's value -16, Q6_K's -32, Q8_0's 0 (then -128 below).
+            let mut data = vec![0u8; n * bs];
+            let one = half::f16::from_f32(0.5).to_le_bytes();
+            for blk in data.chunks_exact_mut(bs) {
+                match ty {
+                    GgmlType::Q6_K => {
+                        blk[192..208].fill(127); // the sixteen i8 scales
+                        blk[208..210].copy_from_slice(&one);
+                    }
+                    GgmlType::Q8_0 => {
+                        blk[0..2].copy_from_slice(&one);
+                        blk[2..].fill(0x81); // -127
+                    }
+                    _ => blk[0..2].copy_from_slice(&one),
+                }
+            }
+            let m = QMatrix::new(ty, rows, cols, &data).unwrap();
+            let il = Interleaved::from_matrix(&m).unwrap();
+            for sign in [1.0f32, -1.0] {
+                let a =
+                    vec![QuantizedActivation::new(crate::quant::ActivationKind::Q8x32, &vec![sign; cols])
+                        .unwrap()];
+                let QuantizedActivation::Q8x32(ys) = &a[0] else { unreachable!() };
+                assert!(ys.iter().all(|b| b.qs.iter().all(|&q| q == (127.0 * sign) as i8)));
+                let mut want = vec![0f32; rows];
+                matmul_group_interleaved_with(Kernel::Scalar, &[&il], &a, &mut [&mut want]).unwrap();
+                let (f, mag) = f32_dot(ty, m.row(0).unwrap(), ys);
+                assert!((want[0] - f).abs() <= 1e-3 * mag, "{ty}: {} vs f32 {f}", want[0]);
+                for k in Kernel::ALL.into_iter().filter(|k| k.is_available()) {
+                    let mut got = vec![0f32; rows];
+                    matmul_group_interleaved_with(k, &[&il], &a, &mut [&mut got]).unwrap();
+                    assert_eq!(
+                        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "{ty}, activations {sign}: {k}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
