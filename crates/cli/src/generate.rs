@@ -18,8 +18,8 @@ pub struct ModelArgs {
     #[arg(long, env = "TOKENPATH_MODEL")]
     pub model: Option<PathBuf>,
     /// Arithmetic of the forward pass: `fast` (the engine's kernels) or `ggml` (llama.cpp's CPU
-    /// arithmetic reproduced rounding for rounding: its greedy output token for token, about a
-    /// tenth of the speed; Q4_1/Q8_0 models).
+    /// arithmetic reproduced rounding for rounding: its greedy output token for token; about a
+    /// fifteenth of the prefill speed and a sixth of decode's; Q4_1/Q8_0 models).
     #[arg(long, env = "TOKENPATH_NUMERICS", value_enum, default_value_t = NumericsArg::Fast)]
     pub numerics: NumericsArg,
 }
