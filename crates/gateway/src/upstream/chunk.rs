@@ -22,6 +22,8 @@ const CHOICES: &str = "choices";
 /// A chunk: its top-level members as sent, and the parsed ones the relay reads and may change.
 #[derive(Debug)]
 pub(super) struct Chunk<'a> {
+    /// The chunk as it came.
+    data: &'a str,
     members: Members<'a>,
     /// Every member but [`UNREAD`] ones and `choices`, parsed (what the view and the
     /// engine-stage readers look at; `usage` is written back from here).
@@ -43,7 +45,7 @@ impl<'a> Chunk<'a> {
                 value.insert(k.to_string(), serde_json::from_str(raw.get())?);
             }
         }
-        Ok(Self { members, value: Value::Object(value), choices })
+        Ok(Self { data, members, value: Value::Object(value), choices })
     }
 
     /// The `choices` member's JSON text (absent: the chunk had none).
@@ -55,6 +57,10 @@ impl<'a> Chunk<'a> {
     /// `timing` appended when given, `usage` as it is in [`value`](Self::value) now (absent when
     /// removed there).
     pub(super) fn render(&self, model: &str, timing: Option<&Value>) -> String {
+        if timing.is_none() && self.unchanged(model) {
+            // Nothing to rewrite (most chunks when the engine's model name is ours): as it came.
+            return self.data.to_owned();
+        }
         let mut out = String::with_capacity(self.members.len() + 64);
         out.push('{');
         let member = |out: &mut String, key: &str, value: &str| {
@@ -85,6 +91,20 @@ impl<'a> Chunk<'a> {
         }
         out.push('}');
         out
+    }
+}
+
+impl Chunk<'_> {
+    /// Whether [`render`](Self::render) without a timing would write the chunk's own bytes: its
+    /// `model` already `model` (as written), no `timing`, and `usage` (if any) not changed in
+    /// [`value`](Self::value).
+    fn unchanged(&self, model: &str) -> bool {
+        self.members.0.iter().all(|(k, raw)| match k.as_ref() {
+            "timing" => false,
+            "model" => raw.get().len() == model.len() + 2 && raw.get()[1..raw.get().len() - 1] == *model,
+            "usage" => serde_json::from_str::<Value>(raw.get()).ok().as_ref() == self.value.get("usage"),
+            _ => true,
+        })
     }
 }
 
@@ -171,6 +191,30 @@ mod tests {
         let e = Chunk::parse(r#"{"object":"error","message":"boom","code":400}"#).unwrap();
         let view = tokenpath_protocol::parse_stream_value(&e.value).unwrap();
         assert_eq!(view.error.map(|d| d.message), Some("boom".to_owned()));
+    }
+
+    #[test]
+    fn a_chunk_with_nothing_to_rewrite_passes_as_it_came_and_any_change_is_written() {
+        let data = r#"{"id":"c","model":"m","choices":[{"index":0,"delta":{"content":"x"}}], "x" : 1}"#;
+        let c = Chunk::parse(data).unwrap();
+        assert_eq!(c.render("m", None), data, "unchanged: the engine's own bytes");
+        assert_eq!(
+            c.render("n", None),
+            r#"{"id":"c","model":"n","choices":[{"index":0,"delta":{"content":"x"}}],"x":1}"#
+        );
+        assert!(c.render("m", Some(&serde_json::json!({"a": 1}))).ends_with(r#","timing":{"a":1}}"#));
+        // A model name spelled with an escape is rewritten, not compared byte for byte.
+        let c = Chunk::parse(r#"{"model":"m"}"#).unwrap();
+        assert_eq!(c.render("m", None), r#"{"model":"m"}"#);
+        // The engine's timing is dropped; usage changed in `value` is written.
+        let c = Chunk::parse(r#"{"model":"m","timing":{"x":1}}"#).unwrap();
+        assert_eq!(c.render("m", None), r#"{"model":"m"}"#);
+        let mut c = Chunk::parse(r#"{"model":"m","usage":{"prompt_tokens":3}}"#).unwrap();
+        assert_eq!(c.render("m", None), r#"{"model":"m","usage":{"prompt_tokens":3}}"#);
+        c.value["usage"]["prompt_tokens_details"] = serde_json::json!({"cached_tokens": 2});
+        assert!(c.render("m", None).contains("cached_tokens"));
+        c.value.as_object_mut().unwrap().remove("usage");
+        assert_eq!(c.render("m", None), r#"{"model":"m"}"#);
     }
 
     #[test]
