@@ -18,7 +18,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 use tokenpath_protocol::work::{TokenUsage, WorkEvent, WorkStream};
-use tokenpath_protocol::{sse_event, ApiError, ChatStream, CompletionStream, SSE_DONE};
+use tokenpath_protocol::{sse_data, sse_event, ApiError, ChatStream, CompletionStream, SSE_DONE};
 use tokenpath_timeline::{ClientRecord, RequestId, ServerTiming, StreamEvent};
 
 /// Most bytes of ready pieces sent in one body frame.
@@ -142,7 +142,7 @@ impl SseState {
                 if tokens > 0 {
                     self.sent.events.push(StreamEvent { at_ns: since(self.arrived), tokens });
                 }
-                data_event(&json)
+                sse_data(&json)
             }
             Some(WorkEvent::Finished { reason, usage: u, timing }) => {
                 self.closed = true;
@@ -212,45 +212,4 @@ pub(crate) fn sse_response(
         Body::from_stream(body),
     )
         .into_response()
-}
-
-/// One SSE event carrying `json` (an engine's chunk, relayed): one `data:` line per line of it, so
-/// the line breaks JSON allows between tokens (a hostile or pretty-printing engine's) cannot end
-/// the event early — the client joins the lines back with `\n`, still the same JSON.
-fn data_event(json: &str) -> String {
-    if memchr::memchr2(b'\n', b'\r', json.as_bytes()).is_none() {
-        let mut out = String::with_capacity(json.len() + 8);
-        out.push_str("data: ");
-        out.push_str(json);
-        out.push_str("\n\n");
-        return out;
-    }
-    let mut out = String::with_capacity(json.len() + 16);
-    for line in json.split(['\n', '\r']).filter(|l| !l.is_empty()) {
-        out.push_str("data: ");
-        out.push_str(line);
-        out.push('\n');
-    }
-    out.push('\n');
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::data_event;
-    use tokenpath_protocol::SseDecoder;
-
-    /// Regression: a relayed chunk with line breaks between its tokens was written as one
-    /// `data:` line, so a client read the event cut at the first break.
-    #[test]
-    fn a_chunk_with_line_breaks_is_one_event_with_the_same_json() {
-        for json in [r#"{"a":1}"#, "{\"a\":\n [1,\r\n2]\r}", "\n{\"b\": \"x\"}\n\n"] {
-            let mut events = Vec::new();
-            SseDecoder::new().feed(data_event(json).as_bytes(), &mut events).unwrap();
-            assert_eq!(events.len(), 1, "{json:?}");
-            let (got, want): (serde_json::Value, serde_json::Value) =
-                (serde_json::from_str(&events[0].data).unwrap(), serde_json::from_str(json).unwrap());
-            assert_eq!(got, want);
-        }
-    }
 }

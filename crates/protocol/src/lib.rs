@@ -44,8 +44,8 @@ pub use response::{
 };
 pub use sse::{SseDecoder, SseEvent, DEFAULT_MAX_EVENT_BYTES};
 pub use stream::{
-    sse_event, ChatChunkChoice, ChatCompletionChunk, ChatStream, CompletionChunk, CompletionStream, Delta,
-    SSE_DONE,
+    sse_data, sse_event, ChatChunkChoice, ChatCompletionChunk, ChatStream, CompletionChunk, CompletionStream,
+    Delta, SSE_DONE,
 };
 pub use view::{
     parse_response_body, parse_stream_chunk, parse_stream_parts, parse_stream_value, StreamChunkView,

@@ -18,22 +18,42 @@ use tokenpath_timeline::ServerTiming;
 /// The terminating SSE event of every OpenAI stream.
 pub const SSE_DONE: &str = "data: [DONE]\n\n";
 
-/// Frames a value as one SSE event: `data: <compact JSON>\n\n`. Compact JSON never contains a
-/// raw newline, so one `data:` line always suffices. Serialization of our types cannot fail; if a
-/// foreign `Serialize` impl does, the event carries an OpenAI `server_error` body instead of
-/// panicking.
+/// Frames a value as one SSE event: `data: <compact JSON>\n\n` ([`sse_data`]). Serialization of
+/// our types cannot fail; if a foreign `Serialize` impl does, the event carries an OpenAI
+/// `server_error` body instead of panicking.
 pub fn sse_event(value: &impl Serialize) -> String {
     match serde_json::to_string(value) {
-        Ok(json) => format!("data: {json}\n\n"),
+        Ok(json) => sse_data(&json),
         Err(e) => {
             let body = crate::ApiError::server_error(format!("failed to serialize event: {e}")).body;
             let json = serde_json::to_string(&body).unwrap_or_else(|_| {
                 r#"{"error":{"message":"failed to serialize event","type":"server_error","param":null,"code":null}}"#
                     .to_owned()
             });
-            format!("data: {json}\n\n")
+            sse_data(&json)
         }
     }
+}
+
+/// Frames JSON text as one SSE event: one `data:` line — compact JSON (ours) never contains a raw
+/// line break — or, for text that does (an engine's chunk relayed as it came: JSON allows line
+/// breaks between tokens), one `data:` line per line, which a client joins back with `\n` into
+/// the same JSON, so a break cannot end the event early.
+pub fn sse_data(json: &str) -> String {
+    let mut out = String::with_capacity(json.len() + 8);
+    if memchr::memchr2(b'\n', b'\r', json.as_bytes()).is_none() {
+        out.push_str("data: ");
+        out.push_str(json);
+        out.push('\n');
+    } else {
+        for line in json.split(['\n', '\r']).filter(|l| !l.is_empty()) {
+            out.push_str("data: ");
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out.push('\n');
+    out
 }
 
 /// A chat chunk's `delta`.
@@ -337,6 +357,20 @@ mod tests {
         assert_eq!(views[4].usage.map(|u| u.completion_tokens), Some(2));
         assert_eq!(views[4].timing, Some(timing()));
         assert!(views[5].done);
+    }
+
+    /// Regression: a relayed chunk with line breaks between its tokens was written as one
+    /// `data:` line, so a client read the event cut at the first break.
+    #[test]
+    fn a_chunk_with_line_breaks_is_one_event_with_the_same_json() {
+        for json in [r#"{"a":1}"#, "{\"a\":\n [1,\r\n2]\r}", "\n{\"b\": \"x\"}\n\n"] {
+            let mut events = Vec::new();
+            crate::SseDecoder::new().feed(sse_data(json).as_bytes(), &mut events).unwrap();
+            assert_eq!(events.len(), 1, "{json:?}");
+            let (got, want): (serde_json::Value, serde_json::Value) =
+                (serde_json::from_str(&events[0].data).unwrap(), serde_json::from_str(json).unwrap());
+            assert_eq!(got, want);
+        }
     }
 
     #[test]

@@ -101,7 +101,7 @@ impl Chunk<'_> {
     fn unchanged(&self, model: &str) -> bool {
         self.members.0.iter().all(|(k, raw)| match k.as_ref() {
             "timing" => false,
-            "model" => raw.get().len() == model.len() + 2 && raw.get()[1..raw.get().len() - 1] == *model,
+            "model" => raw.get().strip_prefix('"').and_then(|r| r.strip_suffix('"')) == Some(model),
             "usage" => serde_json::from_str::<Value>(raw.get()).ok().as_ref() == self.value.get("usage"),
             _ => true,
         })
@@ -204,7 +204,7 @@ mod tests {
         );
         assert!(c.render("m", Some(&serde_json::json!({"a": 1}))).ends_with(r#","timing":{"a":1}}"#));
         // A model name spelled with an escape is rewritten, not compared byte for byte.
-        let c = Chunk::parse(r#"{"model":"m"}"#).unwrap();
+        let c = Chunk::parse(r#"{"model":"\u006d"}"#).unwrap();
         assert_eq!(c.render("m", None), r#"{"model":"m"}"#);
         // The engine's timing is dropped; usage changed in `value` is written.
         let c = Chunk::parse(r#"{"model":"m","timing":{"x":1}}"#).unwrap();
