@@ -10,6 +10,9 @@ use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
 
+mod weights;
+use crate::model::math;
+
 pub use tokenpath_protocol::sampling::{SamplerState, SamplingParams};
 
 /// A sampler for one sequence: its parameters, its random stream and the counts of the tokens it
@@ -21,6 +24,7 @@ pub struct Sampler {
     rng: ChaCha8Rng,
     counts: HashMap<u32, u32>,
     scratch: Vec<(u32, f32)>,
+    weights: weights::Weights,
 }
 
 impl Sampler {
@@ -38,6 +42,7 @@ impl Sampler {
             rng: ChaCha8Rng::seed_from_u64(seed),
             counts: HashMap::new(),
             scratch: Vec::new(),
+            weights: weights::Weights::default(),
         })
     }
 
@@ -87,52 +92,94 @@ impl Sampler {
         Ok(tok)
     }
 
-    /// Temperature, top-k and top-p over the candidates in descending logit order (ties by
-    /// token id), walked until the draw lands. Only the walked prefix is ever sorted: most draws
-    /// land among the first few dozen of the 49k candidates, and a full sort per token was a
-    /// measurable part of a decode step.
+    /// Temperature, top-k and top-p. A plain draw (no top-k, no top-p) walks the candidates in
+    /// token-id order — every order gives the same distribution, this one needs no sort — with
+    /// [`weights::Weights::land`]. With top-k or top-p the candidates are walked in descending
+    /// logit order (ties by token id), and only what the walk needs is ever ordered: the
+    /// candidates within [`NEAR`] of the best are gathered in the weighing pass and sorted
+    /// lazily; the rest (weights under `e^-NEAR` each: at most half a percent of the mass over
+    /// 49k candidates) are gathered only when a walk reaches them.
     fn sample_random(&mut self, logits: &[f32]) -> u32 {
+        let u = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        self.pick(logits, u)
+    }
+
+    /// The candidate a uniform draw `u` in `[0, 1)` lands on.
+    fn pick(&mut self, logits: &[f32], u: f64) -> u32 {
         let p = &self.params;
+        let t = p.temperature;
         let c = &mut self.scratch;
         c.clear();
-        c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)));
-        if p.top_k > 0 && p.top_k < c.len() {
+        let (max, mut sum, mut complete) = if p.top_k > 0 && p.top_k < logits.len() {
+            c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t)));
             c.select_nth_unstable_by(p.top_k - 1, order);
             c.truncate(p.top_k);
-        }
-        let max = c.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.1));
-        let weight = |x: &(u32, f32)| f64::from((x.1 - max).exp());
+            let max = c.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.1));
+            let sum = c.iter().map(|x| weight(x, max)).sum();
+            (max, sum, true)
+        } else {
+            let w = &mut self.weights;
+            if p.top_p >= 1.0 {
+                w.weigh(logits, t, None);
+                return w.land(u * w.sum());
+            }
+            w.weigh(logits, t, Some((c, NEAR)));
+            (w.max, w.sum(), false)
+        };
+        let near = c.len();
+        // The candidate at `i` in order, gathering the ones under the cut when a walk reaches
+        // them; `None` past the last.
+        let mut reach = |c: &mut Vec<(u32, f32)>, i: usize, sorted: &mut usize| {
+            if i == c.len() && !complete {
+                complete = true;
+                let far = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t));
+                c.extend(far.filter(|x| !weights::is_close(x.1 - max, NEAR)));
+            }
+            if i >= c.len() {
+                return None;
+            }
+            sort_through(c, i, sorted, near);
+            Some(c[i])
+        };
         let mut sorted = 0;
-        let mut sum: f64 = c.iter().map(weight).sum();
         if p.top_p < 1.0 {
             let (mut acc, mut kept) = (0.0f64, 0.0f64);
-            let mut keep = c.len();
-            for i in 0..c.len() {
-                sort_through(c, i, &mut sorted);
-                let w = weight(&c[i]);
+            let mut i = 0;
+            while let Some(x) = reach(c, i, &mut sorted) {
+                let w = weight(&x, max);
                 acc += w / sum;
                 kept += w;
+                i += 1;
                 if acc >= f64::from(p.top_p) {
-                    keep = i + 1;
                     break;
                 }
             }
-            c.truncate(keep);
+            c.truncate(i);
             sum = kept;
         }
-        let r = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * sum;
+        let r = u * sum;
         let mut acc = 0.0f64;
-        for i in 0..c.len() {
-            sort_through(c, i, &mut sorted);
-            acc += weight(&c[i]);
+        let mut i = 0;
+        while let Some(x) = reach(c, i, &mut sorted) {
+            acc += weight(&x, max);
             if r < acc {
-                return c[i].0;
+                return x.0;
             }
+            i += 1;
         }
-        let last = c.len() - 1;
-        sort_through(c, last, &mut sorted);
-        c[last].0
+        // Rounding left the draw past the last candidate's cumulative weight: the last one.
+        c.last().map_or(0, |x| x.0)
     }
+}
+
+/// How far under the best candidate's (temperature-scaled) logit a candidate is gathered before
+/// any draw: weights under `e^-16` ≈ 1.1e-7 each are left out until a walk reaches them.
+const NEAR: f32 = 16.0;
+
+/// A candidate's weight: `exp(logit − max)` (the forward pass's [`math::exp`]), as
+/// [`weights::Weights::weigh`] computes it.
+fn weight(x: &(u32, f32), max: f32) -> f64 {
+    f64::from(math::exp(x.1 - max))
 }
 
 /// Candidate order: larger logit first, ties by token id, so the order is fully determined.
@@ -140,18 +187,19 @@ fn order(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
 }
 
-/// Makes `c[..=i]` the first `i + 1` candidates in [`order`], given `c[..*sorted]` already is:
-/// the sorted prefix grows fourfold (at least 64) by a selection and a sort of the new part.
-fn sort_through(c: &mut [(u32, f32)], i: usize, sorted: &mut usize) {
-    if i < *sorted {
-        return;
+/// Makes `c[..=i]` the first `i + 1` candidates in [`order`], given `c[..*sorted]` already is
+/// and every candidate of `c[..near]` comes before every one after it: the sorted prefix grows
+/// fourfold (at least 64) by a selection and a sort of the new part, within `c[..near]` first.
+fn sort_through(c: &mut [(u32, f32)], i: usize, sorted: &mut usize, near: usize) {
+    while i >= *sorted {
+        let end = if *sorted < near { near.min(c.len()) } else { c.len() };
+        let next = (*sorted * 4).max(64).max(i + 1).min(end);
+        if next < end {
+            c[*sorted..end].select_nth_unstable_by(next - *sorted - 1, order);
+        }
+        c[*sorted..next].sort_unstable_by(order);
+        *sorted = next;
     }
-    let (n, next) = (c.len(), (*sorted * 4).max(64).max(i + 1).min(c.len()));
-    if next < n {
-        c[*sorted..].select_nth_unstable_by(next - *sorted - 1, order);
-    }
-    c[*sorted..next].sort_unstable_by(order);
-    *sorted = next;
 }
 
 /// Index of the largest logit (the first one on ties), as llama.cpp's greedy sampler picks.
@@ -196,16 +244,29 @@ mod tests {
         assert!(nucleus.iter().all(|&t| t == 1), "{nucleus:?}");
     }
 
-    /// The sampler before the lazy sort: every candidate sorted, then walked.
+    /// The draw as defined, plainly: a plain draw walks every candidate in token-id order;
+    /// with top-k or top-p every candidate is sorted, then walked.
     fn full_sort_pick(logits: &[f32], p: &SamplingParams, u: f64) -> u32 {
         let mut c: Vec<(u32, f32)> =
             logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
-        if p.top_k > 0 && p.top_k < c.len() {
+        let top_k = p.top_k > 0 && p.top_k < c.len();
+        if !top_k && p.top_p >= 1.0 {
+            let max = c.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.1));
+            let w: Vec<f64> = c.iter().map(|x| weight(x, max)).collect();
+            let r = u * w.iter().sum::<f64>();
+            let mut acc = 0.0;
+            return w.iter().position(|x| {
+                acc += x;
+                r < acc
+            })
+            .map_or(c.len() as u32 - 1, |i| i as u32);
+        }
+        if top_k {
             c.select_nth_unstable_by(p.top_k - 1, order);
             c.truncate(p.top_k);
         }
         c.sort_unstable_by(order);
-        let w: Vec<f64> = c.iter().map(|x| f64::from((x.1 - c[0].1).exp())).collect();
+        let w: Vec<f64> = c.iter().map(|x| weight(x, c[0].1)).collect();
         let mut n = c.len();
         let total: f64 = w.iter().sum();
         if p.top_p < 1.0 {
@@ -231,7 +292,7 @@ mod tests {
 
     proptest::proptest! {
         #[test]
-        fn the_lazy_walk_picks_what_a_full_sort_picks(
+        fn every_draw_picks_what_the_plain_definition_picks(
             raw in proptest::collection::vec(-40i32..40, 1..400),
             temperature in 0.2f32..2.0,
             top_k in 0usize..80,
@@ -251,6 +312,31 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_walk_past_the_gathered_candidates_picks_what_a_full_sort_picks() {
+        // Two candidates within reach of the best, the rest far under it (some tied): a nucleus
+        // of almost everything, and draws that land in the tail, walk into the candidates
+        // gathered late.
+        let mut logits = vec![-40.0f32; 300];
+        logits[17] = 0.0;
+        logits[3] = -1.0;
+        for (i, l) in logits.iter_mut().enumerate().skip(100).step_by(7) {
+            *l = -17.0 - (i % 5) as f32;
+        }
+        let mut tail = 0;
+        for top_p in [0.999_999_99f32, 0.999_9, 1.0] {
+            let params = SamplingParams { temperature: 1.0, top_p, seed: Some(1), ..Default::default() };
+            for k in 0..400 {
+                // Draws spread over [0, 1), the last ones packed against 1.
+                let u = if k < 200 { k as f64 / 200.0 } else { 1.0 - 1e-9 * f64::from(400 - k) * 3.0 };
+                let got = Sampler::new(params.clone()).unwrap().pick(&logits, u);
+                assert_eq!(got, full_sort_pick(&logits, &params, u), "top_p {top_p}, u {u}");
+                tail += usize::from(logits[got as usize] < -16.0);
+            }
+        }
+        assert!(tail > 100, "the tail was reached {tail} times");
     }
 
     #[test]

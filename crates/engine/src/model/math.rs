@@ -44,7 +44,7 @@ pub(crate) fn exp(x: f32) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+pub(crate) unsafe fn exp8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
     let s = _mm256_set1_ps;
     let xc = _mm256_min_ps(_mm256_max_ps(x, s(LO)), s(HI));
@@ -132,7 +132,7 @@ unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], h: &mut [f32]) {
     }
 }
 
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")

@@ -12,7 +12,7 @@ mod attention_avx2;
 mod config;
 mod forward;
 mod ggml;
-mod math;
+pub(crate) mod math;
 
 pub use config::{ModelConfig, SUPPORTED_ARCHITECTURES};
 pub(crate) use forward::gemm_xwt;
