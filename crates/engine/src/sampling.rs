@@ -111,7 +111,13 @@ impl Sampler {
         let c = &mut self.scratch;
         c.clear();
         let (max, mut sum, mut complete) = if p.top_k > 0 && p.top_k < logits.len() {
-            c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t)));
+            // The best k are among the close ones when there are k of those (they are a prefix
+            // of the order); else among all.
+            self.weights.weigh(logits, t, Some((c, NEAR)));
+            if c.len() < p.top_k {
+                c.clear();
+                c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t)));
+            }
             c.select_nth_unstable_by(p.top_k - 1, order);
             c.truncate(p.top_k);
             let max = c.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.1));
