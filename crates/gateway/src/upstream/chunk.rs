@@ -102,7 +102,11 @@ impl Chunk<'_> {
         self.members.0.iter().all(|(k, raw)| match k.as_ref() {
             "timing" => false,
             "model" => raw.get().strip_prefix('"').and_then(|r| r.strip_suffix('"')) == Some(model),
-            "usage" => serde_json::from_str::<Value>(raw.get()).ok().as_ref() == self.value.get("usage"),
+            // Taken off (no parse needed to know it changed), or compared as parsed.
+            "usage" => self
+                .value
+                .get("usage")
+                .is_some_and(|u| serde_json::from_str::<Value>(raw.get()).ok().as_ref() == Some(u)),
             _ => true,
         })
     }

@@ -272,20 +272,22 @@ impl Relay {
             }
         }
         let usage_only = view.usage.is_some() && !any_choice;
-        if let Some(u) = view.usage {
-            seen.usage = Some(u);
-            self.rewrite_cached(v);
-        }
         if let Some(r) = view.finish_reason.clone() {
             seen.reason = Some(r);
         }
-        if usage_only && !self.client_usage {
-            // The usage chunk we forced on: counted, not passed on.
-            return Flow::More;
-        }
-        if self.strip_chunk_usage && !usage_only {
-            if let Some(o) = chunk.value.as_object_mut() {
-                o.remove("usage");
+        if let Some(u) = view.usage {
+            seen.usage = Some(u);
+            if usage_only && !self.client_usage {
+                // The usage chunk we forced on: counted, not passed on.
+                return Flow::More;
+            }
+            if self.strip_chunk_usage && !usage_only {
+                // Counted, and taken off before the client sees it: nothing to rewrite.
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("usage");
+                }
+            } else {
+                self.rewrite_cached(v);
             }
         }
         // Ours goes on the last chunk the client gets: the usage chunk when it asked for usage,
