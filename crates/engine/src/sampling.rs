@@ -110,7 +110,7 @@ impl Sampler {
         let t = p.temperature;
         let c = &mut self.scratch;
         c.clear();
-        let (max, mut sum, mut complete) = if p.top_k > 0 && p.top_k < logits.len() {
+        let (max, mut sum, complete) = if p.top_k > 0 && p.top_k < logits.len() {
             // The best k are among the close ones when there are k of those (they are a prefix
             // of the order); else among all.
             self.weights.weigh(logits, t, Some((c, NEAR)));
@@ -132,26 +132,11 @@ impl Sampler {
             w.weigh(logits, t, Some((c, NEAR)));
             (w.max, w.sum(), false)
         };
-        let near = c.len();
-        // The candidate at `i` in order, gathering the ones under the cut when a walk reaches
-        // them; `None` past the last.
-        let mut reach = |c: &mut Vec<(u32, f32)>, i: usize, sorted: &mut usize| {
-            if i == c.len() && !complete {
-                complete = true;
-                let far = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t));
-                c.extend(far.filter(|x| !weights::is_close(x.1 - max, NEAR)));
-            }
-            if i >= c.len() {
-                return None;
-            }
-            sort_through(c, i, sorted, near);
-            Some(c[i])
-        };
-        let mut sorted = 0;
+        let mut walk = Walk { logits, t, max, near: c.len(), sorted: 0, complete };
         if p.top_p < 1.0 {
             let (mut acc, mut kept) = (0.0f64, 0.0f64);
             let mut i = 0;
-            while let Some(x) = reach(c, i, &mut sorted) {
+            while let Some(x) = walk.reach(c, i) {
                 let w = weight(&x, max);
                 acc += w / sum;
                 kept += w;
@@ -160,13 +145,15 @@ impl Sampler {
                     break;
                 }
             }
+            // The nucleus is all there is to draw from.
             c.truncate(i);
+            walk.complete = true;
             sum = kept;
         }
         let r = u * sum;
         let mut acc = 0.0f64;
         let mut i = 0;
-        while let Some(x) = reach(c, i, &mut sorted) {
+        while let Some(x) = walk.reach(c, i) {
             acc += weight(&x, max);
             if r < acc {
                 return x.0;
@@ -175,6 +162,35 @@ impl Sampler {
         }
         // Rounding left the draw past the last candidate's cumulative weight: the last one.
         c.last().map_or(0, |x| x.0)
+    }
+}
+
+/// A walk over the candidates in [`order`]: `c[..near]` (the close ones, or every candidate
+/// when `complete`) sorted as far as the walk has gone, the others gathered when it reaches them.
+struct Walk<'a> {
+    logits: &'a [f32],
+    t: f32,
+    max: f32,
+    near: usize,
+    sorted: usize,
+    /// Every candidate that may be drawn is in the list.
+    complete: bool,
+}
+
+impl Walk<'_> {
+    /// The candidate at `i` in order (`None` past the last).
+    fn reach(&mut self, c: &mut Vec<(u32, f32)>, i: usize) -> Option<(u32, f32)> {
+        if i == c.len() && !self.complete {
+            self.complete = true;
+            let (t, max) = (self.t, self.max);
+            let far = self.logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t));
+            c.extend(far.filter(|x| !weights::is_close(x.1 - max, NEAR)));
+        }
+        if i >= c.len() {
+            return None;
+        }
+        sort_through(c, i, &mut self.sorted, self.near);
+        Some(c[i])
     }
 }
 
