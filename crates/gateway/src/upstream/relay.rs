@@ -275,20 +275,21 @@ impl Relay {
         if let Some(r) = view.finish_reason.clone() {
             seen.reason = Some(r);
         }
+        let has_usage = view.usage.is_some();
         if let Some(u) = view.usage {
             seen.usage = Some(u);
-            if usage_only && !self.client_usage {
-                // The usage chunk we forced on: counted, not passed on.
-                return Flow::More;
+        }
+        if usage_only && !self.client_usage {
+            // The usage chunk we forced on: counted, not passed on.
+            return Flow::More;
+        }
+        if self.strip_chunk_usage && !usage_only {
+            // Counted, and taken off before the client sees it: nothing to rewrite.
+            if let Some(o) = v.as_object_mut() {
+                o.remove("usage");
             }
-            if self.strip_chunk_usage && !usage_only {
-                // Counted, and taken off before the client sees it: nothing to rewrite.
-                if let Some(o) = v.as_object_mut() {
-                    o.remove("usage");
-                }
-            } else {
-                self.rewrite_cached(v);
-            }
+        } else if has_usage {
+            self.rewrite_cached(v);
         }
         // Ours goes on the last chunk the client gets: the usage chunk when it asked for usage,
         // else the finishing one. (An engine's own `timing` was absorbed above; `render` drops
