@@ -277,11 +277,13 @@ mod tests {
             let w: Vec<f64> = c.iter().map(|x| weight(x, max)).collect();
             let r = u * w.iter().sum::<f64>();
             let mut acc = 0.0;
-            return w.iter().position(|x| {
-                acc += x;
-                r < acc
-            })
-            .map_or(c.len() as u32 - 1, |i| i as u32);
+            return w
+                .iter()
+                .position(|x| {
+                    acc += x;
+                    r < acc
+                })
+                .map_or(c.len() as u32 - 1, |i| i as u32);
         }
         if top_k {
             c.select_nth_unstable_by(p.top_k - 1, order);

@@ -61,7 +61,10 @@ fn sampling_throughput() {
     println!("before (libm exp, serial sum, select over all): {:.1} us/draw", was * 1e6);
     for (name, params) in [
         ("temperature 1", SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() }),
-        ("temperature 0.7, top-p 0.9", SamplingParams { temperature: 0.7, top_p: 0.9, seed: Some(7), ..Default::default() }),
+        (
+            "temperature 0.7, top-p 0.9",
+            SamplingParams { temperature: 0.7, top_p: 0.9, seed: Some(7), ..Default::default() },
+        ),
         ("top-k 40", SamplingParams { temperature: 1.0, top_k: 40, seed: Some(7), ..Default::default() }),
     ] {
         let mut s = Sampler::new(params).expect("valid");

@@ -41,7 +41,8 @@ impl Weights {
     /// the block whose running total passes it, then the candidate within it. Where rounding
     /// leaves `r` past a block's or the whole walk, the last candidate with a weight there.
     pub(crate) fn land(&self, r: f64) -> u32 {
-        let last_weighted = |lo: usize, hi: usize| (lo..hi).rev().find(|&i| self.w[i] > 0.0).unwrap_or(hi - 1);
+        let last_weighted =
+            |lo: usize, hi: usize| (lo..hi).rev().find(|&i| self.w[i] > 0.0).unwrap_or(hi - 1);
         let mut acc = 0.0f64;
         for (b, &s) in self.blocks.iter().enumerate() {
             if r < acc + s {
@@ -181,8 +182,10 @@ mod tests {
                 assert_eq!(want.max, l.iter().map(|&x| x / t).fold(f32::NEG_INFINITY, f32::max));
                 let libm: f64 = l.iter().map(|&x| f64::from(x / t - want.max).exp()).sum();
                 assert!((want.sum() / libm - 1.0).abs() < 1e-6, "{} vs {libm}", want.sum());
-                let close: Vec<(u32, f32)> =
-                    (0..n as u32).map(|i| (i, l[i as usize] / t)).filter(|x| x.1 - want.max >= -3.0).collect();
+                let close: Vec<(u32, f32)> = (0..n as u32)
+                    .map(|i| (i, l[i as usize] / t))
+                    .filter(|x| x.1 - want.max >= -3.0)
+                    .collect();
                 assert_eq!(want_close, close);
                 let (mut got, mut got_close) = (Weights::default(), Vec::new());
                 got.weigh(l, t, Some((&mut got_close, 3.0)));
