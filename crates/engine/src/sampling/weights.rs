@@ -108,6 +108,7 @@ impl Weights {
     unsafe fn weigh_avx2(&mut self, logits: &[f32], t: f32, near: f32, close: &mut Vec<(u32, f32)>) {
         use std::arch::x86_64::*;
         let (tv, mv, floor) = (_mm256_set1_ps(t), _mm256_set1_ps(self.max), _mm256_set1_ps(-near));
+        let unit = t == 1.0;
         for (b, block) in logits.chunks(BLOCK).enumerate() {
             if block.len() < BLOCK {
                 self.weigh_block(b, block, t, near, close);
@@ -122,7 +123,9 @@ impl Weights {
                 // SAFETY: `block` holds BLOCK floats, `w` one per logit and `sv` BLOCK; exp8
                 // needs the features this function is compiled for.
                 unsafe {
-                    let s = _mm256_div_ps(_mm256_loadu_ps(block.as_ptr().add(k * LANES)), tv);
+                    let l = _mm256_loadu_ps(block.as_ptr().add(k * LANES));
+                    // `l / 1` is `l` exactly: the default temperature skips the division.
+                    let s = if unit { l } else { _mm256_div_ps(l, tv) };
                     let x = _mm256_sub_ps(s, mv);
                     let e = math::exp8(x);
                     _mm256_storeu_ps(self.w.as_mut_ptr().add(b * BLOCK + k * LANES), e);
