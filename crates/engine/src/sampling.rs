@@ -113,14 +113,16 @@ impl Sampler {
         let (max, mut sum, complete) = if p.top_k > 0 && p.top_k < logits.len() {
             // The best k are among the close ones when there are k of those (they are a prefix
             // of the order); else among all.
-            self.weights.weigh(logits, t, Some((c, NEAR)));
+            let w = &mut self.weights;
+            w.weigh(logits, t, Some((c, NEAR)));
             if c.len() < p.top_k {
                 c.clear();
-                c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t)));
+                c.extend(candidates(logits, t));
             }
             c.select_nth_unstable_by(p.top_k - 1, order);
             c.truncate(p.top_k);
-            let max = c.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.1));
+            // The best candidate is always among the k: the max is the weighing pass's.
+            let max = w.max;
             let sum = c.iter().map(|x| weight(x, max)).sum();
             (max, sum, true)
         } else {
@@ -182,9 +184,8 @@ impl Walk<'_> {
     fn reach(&mut self, c: &mut Vec<(u32, f32)>, i: usize) -> Option<(u32, f32)> {
         if i == c.len() && !self.complete {
             self.complete = true;
-            let (t, max) = (self.t, self.max);
-            let far = self.logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t));
-            c.extend(far.filter(|x| !weights::is_close(x.1 - max, NEAR)));
+            let max = self.max;
+            c.extend(candidates(self.logits, self.t).filter(|x| !weights::is_close(x.1 - max, NEAR)));
         }
         if i >= c.len() {
             return None;
@@ -192,6 +193,11 @@ impl Walk<'_> {
         sort_through(c, i, &mut self.sorted, self.near);
         Some(c[i])
     }
+}
+
+/// Every candidate: its token id and its logit at temperature `t`.
+fn candidates(logits: &[f32], t: f32) -> impl Iterator<Item = (u32, f32)> + '_ {
+    logits.iter().enumerate().map(move |(i, &l)| (i as u32, l / t))
 }
 
 /// How far under the best candidate's (temperature-scaled) logit a candidate is gathered before

@@ -65,6 +65,11 @@ impl Weights {
     /// `(i, logits[i] / t)` that [`is_close`] to the best within `near` is pushed to it, in
     /// token-id order.
     pub(crate) fn weigh(&mut self, logits: &[f32], t: f32, close: Option<(&mut Vec<(u32, f32)>, f32)>) {
+        self.weigh_on(math::has_avx2(), logits, t, close);
+    }
+
+    /// [`weigh`](Self::weigh) on the AVX2 path or, with `avx2` false, element by element.
+    fn weigh_on(&mut self, avx2: bool, logits: &[f32], t: f32, close: Option<(&mut Vec<(u32, f32)>, f32)>) {
         self.w.clear();
         self.w.resize(logits.len(), 0.0);
         self.blocks.clear();
@@ -74,11 +79,13 @@ impl Weights {
         // Nothing is close to within a negative distance (`x − max ≤ 0`): no candidate is pushed.
         let (close, near) = close.unwrap_or((&mut none, -1.0));
         #[cfg(target_arch = "x86_64")]
-        if math::has_avx2() {
-            // SAFETY: the CPU has the features the function is compiled for (checked just above).
+        if avx2 {
+            // SAFETY: `avx2` is only true where the CPU has the features the function is
+            // compiled for (`math::has_avx2`).
             unsafe { self.weigh_avx2(logits, t, near, close) };
             return;
         }
+        let _ = avx2; // read only on x86_64
         for (b, block) in logits.chunks(BLOCK).enumerate() {
             self.weigh_block(b, block, t, near, close);
         }
@@ -167,11 +174,7 @@ mod tests {
     /// The element-by-element definition, whatever the CPU.
     fn portable(logits: &[f32], t: f32, near: f32) -> (Weights, Vec<(u32, f32)>) {
         let (mut w, mut close) = (Weights::default(), Vec::new());
-        w.w.resize(logits.len(), 0.0);
-        w.max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) / t;
-        for (b, block) in logits.chunks(BLOCK).enumerate() {
-            w.weigh_block(b, block, t, near, &mut close);
-        }
+        w.weigh_on(false, logits, t, Some((&mut close, near)));
         (w, close)
     }
 

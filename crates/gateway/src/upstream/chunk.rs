@@ -92,9 +92,7 @@ impl<'a> Chunk<'a> {
         out.push('}');
         out
     }
-}
 
-impl Chunk<'_> {
     /// Whether [`render`](Self::render) without a timing would write the chunk's own bytes: its
     /// `model` already `model` (as written), no `timing`, and `usage` (if any) not changed in
     /// [`value`](Self::value).
