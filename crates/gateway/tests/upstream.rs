@@ -32,6 +32,8 @@ type Received = (Option<String>, Option<String>, Value);
 struct Seen {
     requests: Mutex<Vec<Received>>,
     dropped: AtomicBool,
+    /// A redirect was followed.
+    stolen: AtomicBool,
 }
 
 struct DropFlag(Arc<Seen>);
@@ -58,6 +60,10 @@ async fn completions(
         }
         Some("500") => return (StatusCode::INTERNAL_SERVER_ERROR, "engine crashed").into_response(),
         Some("busy") => return (StatusCode::SERVICE_UNAVAILABLE, "full").into_response(),
+        // A redirect that would carry the body (and the gateway's key) elsewhere.
+        Some("redirect") => {
+            return (StatusCode::TEMPORARY_REDIRECT, [("location", "/stolen")], "").into_response();
+        }
         _ => {}
     }
     let model = v["model"].as_str().unwrap_or("").to_owned();
@@ -130,6 +136,10 @@ async fn fake_upstream() -> (String, Arc<Seen>) {
         )
         .route("/v1/chat/completions", post(completions))
         .route("/v1/completions", post(completions))
+        .route(
+            "/stolen",
+            post(|State(seen): State<Arc<Seen>>| async move { seen.stolen.store(true, Ordering::SeqCst) }),
+        )
         .with_state(Arc::clone(&seen));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
@@ -267,6 +277,18 @@ async fn upstream_failures_are_the_right_errors_and_nothing_hangs() {
     let ready = dead.client.get(dead.url("/ready")).send().await.unwrap().status();
     assert_eq!(ready, 503, "not ready while the upstream is down");
     dead.shutdown().await.unwrap();
+}
+
+/// Regression: reqwest follows ten redirects by default, so an upstream could send the client's
+/// body (and our upstream key) anywhere; its redirect is now its failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_redirect_is_not_followed() {
+    let (url, seen) = fake_upstream().await;
+    let server = gateway_over(&url, Duration::from_secs(1)).await;
+    let resp = chat(&server, &base(json!({"fail": "redirect"}))).await;
+    assert!(resp.status().is_server_error(), "{}", resp.status());
+    assert!(!seen.stolen.load(Ordering::SeqCst), "the body went where the upstream redirected it");
+    server.shutdown().await.unwrap();
 }
 
 async fn gateway_over_dead() -> common::Server {

@@ -4,9 +4,11 @@
 
 use super::load::{self, Load};
 use super::UpstreamSpec;
+use reqwest::Url;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokenpath_protocol::forward::ApiEndpoint;
 use tokenpath_timeline::TraceParent;
 
 /// How often each upstream's health is asked.
@@ -21,6 +23,10 @@ pub(super) struct Endpoint {
     pub(super) client: reqwest::Client,
     /// The key sent to it (its own, else the pool's).
     pub(super) api_key: Option<String>,
+    /// Its two generation URLs, parsed once (a parse per request was ~2% of a relayed request's
+    /// instructions).
+    chat_url: Url,
+    completions_url: Url,
     healthy: AtomicBool,
     in_flight: AtomicUsize,
     /// Its own load, published by the health task after each scrape.
@@ -39,13 +45,23 @@ impl Drop for InFlight {
 
 impl Endpoint {
     /// An endpoint whose health and load are polled (on the current runtime) from now until
-    /// the last reference to it is gone.
-    pub(super) fn start(spec: UpstreamSpec, client: reqwest::Client, api_key: Option<String>) -> Arc<Self> {
+    /// the last reference to it is gone. `Err` when its URL does not take the API paths.
+    pub(super) fn start(
+        spec: UpstreamSpec,
+        client: reqwest::Client,
+        api_key: Option<String>,
+    ) -> Result<Arc<Self>, String> {
+        let url_of = |e: ApiEndpoint| {
+            Url::parse(&format!("{}{}", spec.url, e.path())).map_err(|err| format!("{}: {err}", spec.url))
+        };
+        let (chat_url, completions_url) = (url_of(ApiEndpoint::Chat)?, url_of(ApiEndpoint::Completions)?);
         let (publish, load) = tokio::sync::watch::channel(Load::default());
         let ep = Arc::new(Self {
             spec,
             client,
             api_key,
+            chat_url,
+            completions_url,
             healthy: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
             load,
@@ -62,7 +78,7 @@ impl Endpoint {
                 tokio::time::sleep(HEALTH_INTERVAL).await;
             }
         });
-        ep
+        Ok(ep)
     }
 
     pub(super) fn url(&self) -> &str {
@@ -129,19 +145,22 @@ impl Endpoint {
         load::parse(&String::from_utf8_lossy(&body))
     }
 
-    /// A POST of `body` to `path` with the request id, its trace context and this upstream's key. No reqwest
+    /// A POST of `body` to `endpoint` with the request id, its trace context and this upstream's key. No reqwest
     /// timeout: that one covers the whole body, and a stream may rightly run for longer than
     /// its first byte may take (the legs bound the headers and each silence themselves).
     pub(super) fn post(
         &self,
-        path: &str,
+        endpoint: ApiEndpoint,
         request_id: &str,
         trace: Option<&TraceParent>,
         body: &serde_json::Map<String, serde_json::Value>,
     ) -> reqwest::RequestBuilder {
         let mut req = self
             .client
-            .post(format!("{}{path}", self.spec.url))
+            .post(match endpoint {
+                ApiEndpoint::Chat => self.chat_url.clone(),
+                ApiEndpoint::Completions => self.completions_url.clone(),
+            })
             .header("x-request-id", request_id)
             .json(body);
         // Every leg continues the request's trace: an engine that exports spans (vLLM) parents

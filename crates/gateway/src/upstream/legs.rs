@@ -155,7 +155,7 @@ impl Call<'_> {
     /// Sends `body`, bounded until the response headers; a non-2xx is the upstream's refusal.
     async fn send(&self, ep: &Endpoint, body: &Map<String, Value>) -> Result<reqwest::Response, Failure> {
         let (first_byte, _) = self.timeouts();
-        let req = ep.post(self.fwd.endpoint.path(), &self.request_id, self.work.trace.as_ref(), body);
+        let req = ep.post(self.fwd.endpoint, &self.request_id, self.work.trace.as_ref(), body);
         let resp = match tokio::time::timeout(first_byte, req.send()).await {
             Err(_) => {
                 let message =

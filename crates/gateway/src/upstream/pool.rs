@@ -168,6 +168,9 @@ impl UpstreamPool {
             .connect_timeout(config.first_byte_timeout.min(Duration::from_secs(10)))
             .tcp_nodelay(true)
             .pool_idle_timeout(Duration::from_secs(60))
+            // An upstream's redirect is its failure, not a place to send the client's body (and
+            // our upstream key) to; following none also spares the per-request redirect policy.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ProtocolError::Unavailable { message: format!("HTTP client: {e}") })?;
         let (tx, rx) = mpsc::unbounded_channel();
@@ -361,9 +364,13 @@ impl State {
         if self.members.len() >= MAX_UPSTREAMS {
             return Added::Full;
         }
-        tracing::info!(upstream = %spec.url, kind = %spec.kind, role = %spec.role, "upstream added");
         let key = spec.api_key.clone().or_else(|| self.api_key.clone());
-        let ep = Endpoint::start(spec, self.client.clone(), key);
+        let ep = match Endpoint::start(spec, self.client.clone(), key) {
+            Ok(ep) => ep,
+            Err(why) => return Added::Conflict(why),
+        };
+        let spec = &ep.spec;
+        tracing::info!(upstream = %spec.url, kind = %spec.kind, role = %spec.role, "upstream added");
         self.members.push(Member { ep, source, failures: 0, ejections: 0, ejected_until: None });
         Added::Added
     }
