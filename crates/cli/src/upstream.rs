@@ -98,21 +98,23 @@ impl UpstreamArgs {
         let path = self.tokenizer.clone().or(file_tokenizer).unwrap_or(default_tokenizer);
         let tokenizer = FileTokenizer::open(&path)?;
         tracing::info!(tokenizer = %path.display(), "{}", tokenizer.describe());
+        let upstream_key = self.upstream_api_key.as_ref().map(|k| k.expose().to_owned());
         let probe = entries
             .iter()
             .find(|e| e.spec.role != tokenpath_protocol::cluster::WorkerRole::Prefill)
             .or(entries.first())
-            .map(|e| e.spec.url.clone())
             .context("no upstream listed")?;
+        let key = probe.spec.api_key.clone().or_else(|| upstream_key.clone());
+        let probe = probe.spec.url.clone();
         let n_ctx = match self.max_model_len {
             Some(n) => n,
-            None => max_model_len(&probe)
+            None => max_model_len(&probe, key.as_deref())
                 .await
                 .with_context(|| format!("{probe}/v1/models gives no max_model_len; pass --max-model-len"))?,
         };
         let pool = PoolConfig {
             served_model_name: config.served_model_name.clone(),
-            api_key: self.upstream_api_key.as_ref().map(|k| k.expose().to_owned()),
+            api_key: upstream_key,
             // Token ids are the upstream's to check.
             model_info: ModelInfo { n_ctx, n_vocab: u32::MAX as usize },
             first_byte_timeout: Duration::from_secs(self.upstream_first_byte_timeout_s.max(1)),
@@ -136,16 +138,29 @@ impl UpstreamArgs {
     }
 }
 
-/// The context length of the first model the upstream lists.
-async fn max_model_len(url: &str) -> anyhow::Result<usize> {
-    let v: serde_json::Value = reqwest::Client::new()
-        .get(format!("{}/v1/models", url.trim_end_matches('/')))
-        .timeout(Duration::from_secs(10))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
+/// The most of an upstream's `/v1/models` answer read (a list of a few models is a few KiB).
+const MAX_MODELS_BYTES: usize = 1 << 20;
+
+/// The context length of the first model the upstream lists, asked with its key (an engine
+/// started with an API key guards `/v1/models` too), following no redirect, reading at most
+/// [`MAX_MODELS_BYTES`].
+async fn max_model_len(url: &str, key: Option<&str>) -> anyhow::Result<usize> {
+    let client = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build()?;
+    let mut req =
+        client.get(format!("{}/v1/models", url.trim_end_matches('/'))).timeout(Duration::from_secs(10));
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    let mut resp = req.send().await?.error_for_status()?;
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        anyhow::ensure!(
+            body.len() + chunk.len() <= MAX_MODELS_BYTES,
+            "its /v1/models is over {MAX_MODELS_BYTES} bytes"
+        );
+        body.extend_from_slice(&chunk);
+    }
+    let v: serde_json::Value = serde_json::from_slice(&body)?;
     // vLLM, SGLang and tokenpath say `max_model_len`; llama.cpp's server its per-slot context
     // under `meta.n_ctx`.
     v.pointer("/data/0/max_model_len")

@@ -11,6 +11,23 @@ mod support;
 use serde_json::{json, Value};
 use support::{default_model, http, serve, vm_hwm_kib};
 
+/// Regression: the gateway learned the upstream's context from `/v1/models` without the
+/// upstream's key, so in front of an engine started with an API key it would not start unless
+/// told `--max-model-len`.
+#[test]
+fn the_gateway_learns_the_context_of_an_upstream_that_wants_a_key() {
+    let Some(model) = default_model() else { return };
+    let engine = serve(&model, &["--api-keys", "ops:sk-upstream-test"]);
+    let url = format!("http://127.0.0.1:{}", engine.port);
+    let (status, _) = http(engine.port, "GET", "/v1/models", "");
+    assert_eq!(status, 401, "the engine wants its key");
+    let gateway = serve(&model, &["--upstream", &url, "--upstream-api-key", "sk-upstream-test"]);
+    let (status, models) = http(gateway.port, "GET", "/v1/models", "");
+    assert_eq!(status, 200, "{models}");
+    let n_ctx = serde_json::from_str::<Value>(&models).unwrap()["data"][0]["max_model_len"].as_u64().unwrap();
+    assert!(n_ctx >= 2048, "{models}");
+}
+
 #[test]
 fn the_gateway_in_front_of_a_running_engine_serves_its_answers() {
     let Some(model) = default_model() else { return };
