@@ -36,6 +36,9 @@ pub struct ChatTemplate {
     sandbox: Option<Sandbox>,
     /// BLAKE3 of the source (what `--trust-template` takes).
     digest: String,
+    /// The reviewed template's render written out in Rust (`reviewed.rs`), used instead of
+    /// the interpreter.
+    native: Option<reviewed::Native>,
 }
 
 impl ChatTemplate {
@@ -89,7 +92,23 @@ impl ChatTemplate {
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| TokenizerError::TemplateSyntax(describe(&e)))?;
         let digest = reviewed::template_digest(source);
-        Ok(Self { env, bos_token: bos_token.clone(), eos_token: eos_token.clone(), sandbox: None, digest })
+        let native = reviewed::native(&digest);
+        Ok(Self {
+            env,
+            bos_token: bos_token.clone(),
+            eos_token: eos_token.clone(),
+            sandbox: None,
+            digest,
+            native,
+        })
+    }
+
+    /// `source` rendered by the interpreter always, even when it has a native render (what
+    /// the native renders are tested against).
+    #[cfg(test)]
+    pub(crate) fn interpreted(source: &str, bos_token: &str, eos_token: &str) -> Self {
+        let init = Init { source: source.into(), bos_token: bos_token.into(), eos_token: eos_token.into() };
+        Self { native: None, ..Self::in_process(&init).expect("the template compiles") }
     }
 
     /// Renders `messages`; with `add_generation_prompt` the template appends the opening of
@@ -99,6 +118,12 @@ impl ChatTemplate {
         messages: &[PromptMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
+        if let Some(render) = self.native {
+            let mut out =
+                String::with_capacity(messages.iter().map(|m| m.content.len() + 32).sum::<usize>() + 128);
+            render(messages, add_generation_prompt, &mut out);
+            return Ok(out);
+        }
         if self.sandbox.is_none() {
             // In-process: the messages go to the template as they are, not through a JSON tree
             // and its copy (what `render_json` needs for the sandbox's wire).
