@@ -9,7 +9,7 @@ use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, GgufIndex};
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use tokenpath_protocol::tokenize::{too_long, PromptTokenizer};
 use tokenpath_protocol::{PromptMessage, ProtocolError, Role};
 
@@ -101,8 +101,21 @@ impl ModelTokenizer {
         if tok.add_bos() {
             out.extend(tok.bos());
         }
-        for (piece, template) in pieces.iter().filter(|(p, _)| !p.is_empty()) {
-            out.extend(tok.encode_at_most(piece, false, *template, n_ctx)?);
+        // The template's own pieces are the skeleton's, the same on every use: their ids are
+        // remembered with it (a piece is tokenized on its own, so its ids do not depend on the
+        // contents around it). Only the contents are tokenized per request.
+        let template_ids = match skeleton.as_deref() {
+            Some(sk) => Some(sk.template_ids(&pieces, |p| tok.encode_at_most(p, false, true, n_ctx))?),
+            None => None,
+        };
+        let mut template_pieces = template_ids.iter().flat_map(|ids| ids.iter());
+        for (piece, template) in &pieces {
+            let remembered = if *template { template_pieces.next() } else { None };
+            match remembered {
+                Some(ids) => out.extend_from_slice(ids),
+                None if piece.is_empty() => {}
+                None => out.extend(tok.encode_at_most(piece, false, *template, n_ctx)?),
+            }
             if out.len() > n_ctx {
                 return Err(TokenizerError::TooLong { limit: n_ctx }.into());
             }
@@ -128,7 +141,7 @@ impl ModelTokenizer {
         let chat = self.chat.as_ref().ok_or_else(|| {
             EngineError::InvalidModel("the model file has no tokenizer.chat_template".into())
         })?;
-        Ok(Skeleton { text: chat.render(&marked, true)?, tag })
+        Ok(Skeleton { text: chat.render(&marked, true)?, tag, template_ids: OnceLock::new() })
     }
 }
 
@@ -137,6 +150,8 @@ impl ModelTokenizer {
 struct Skeleton {
     text: String,
     tag: String,
+    /// The ids of its template pieces, in order, once a render has used it.
+    template_ids: OnceLock<Arc<Vec<Vec<u32>>>>,
 }
 
 impl Skeleton {
@@ -165,6 +180,21 @@ impl Skeleton {
         pieces.push((rest, true));
         rebuilt.push_str(rest);
         (rebuilt == text).then_some(pieces)
+    }
+
+    /// The ids of the template pieces among `pieces` (what [`Self::spans`] gave), encoded by
+    /// `encode` the first time and remembered. `pieces` must come from this skeleton, so its
+    /// template pieces are the same strings each time.
+    fn template_ids<E>(
+        &self,
+        pieces: &[(&str, bool)],
+        encode: impl Fn(&str) -> std::result::Result<Vec<u32>, E>,
+    ) -> std::result::Result<Arc<Vec<Vec<u32>>>, E> {
+        if let Some(ids) = self.template_ids.get() {
+            return Ok(Arc::clone(ids));
+        }
+        let ids = pieces.iter().filter(|(_, t)| *t).map(|(p, _)| encode(p)).collect::<std::result::Result<Vec<_>, E>>()?;
+        Ok(Arc::clone(self.template_ids.get_or_init(|| Arc::new(ids))))
     }
 }
 
