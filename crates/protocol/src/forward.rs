@@ -11,6 +11,7 @@
 
 use crate::params::{GenerationRequest, Limits};
 use crate::{ChatCompletionRequest, CompletionRequest, ProtocolError};
+use serde::Deserialize;
 use serde_json::{Map, Value};
 
 /// The two OpenAI generation endpoints.
@@ -77,29 +78,66 @@ pub fn parse_forwarded(
     limits: &Limits,
 ) -> Result<(GenerationRequest, Forwarded), ProtocolError> {
     let value: Value = serde_json::from_slice(body).map_err(|e| crate::wire::request_json_error(&e))?;
-    let Value::Object(map) = value else {
-        return Err(ProtocolError::InvalidRequest {
-            param: None,
-            message: "The request body must be a JSON object.".into(),
-        });
-    };
+    let Value::Object(map) = &value else { return Err(not_an_object()) };
+    let req = if only_core(map) { as_is(endpoint, &value, limits)? } else { picked(endpoint, map, limits)? };
+    let Value::Object(map) = value else { return Err(not_an_object()) };
+    Ok((req, Forwarded { endpoint, body: map }))
+}
+
+/// The request read from a body that is only core fields ([`only_core`]): the strict parser
+/// reads the body's own tree, no copy of it.
+fn as_is(endpoint: ApiEndpoint, body: &Value, limits: &Limits) -> Result<GenerationRequest, ProtocolError> {
+    let json = |e: serde_json::Error| crate::wire::request_json_error(&e);
+    match endpoint {
+        ApiEndpoint::Chat => ChatCompletionRequest::deserialize(body).map_err(json)?.validate(limits),
+        ApiEndpoint::Completions => CompletionRequest::deserialize(body).map_err(json)?.validate(limits),
+    }
+}
+
+/// The request read from the core fields picked out of `body` ([`core_value`]).
+fn picked(
+    endpoint: ApiEndpoint,
+    body: &Map<String, Value>,
+    limits: &Limits,
+) -> Result<GenerationRequest, ProtocolError> {
     let mut core = Map::new();
     for key in CORE_FIELDS {
-        if let Some(v) = map.get(key) {
+        if let Some(v) = body.get(key) {
             core.insert(key.to_owned(), core_value(key, v));
         }
     }
-    // Straight from the value: the body is parsed once.
     let core = Value::Object(core);
-    let req = match endpoint {
-        ApiEndpoint::Chat => serde_json::from_value::<ChatCompletionRequest>(core)
-            .map_err(|e| crate::wire::request_json_error(&e))?
-            .validate(limits)?,
-        ApiEndpoint::Completions => serde_json::from_value::<CompletionRequest>(core)
-            .map_err(|e| crate::wire::request_json_error(&e))?
-            .validate(limits)?,
-    };
-    Ok((req, Forwarded { endpoint, body: map }))
+    let json = |e: serde_json::Error| crate::wire::request_json_error(&e);
+    match endpoint {
+        ApiEndpoint::Chat => {
+            serde_json::from_value::<ChatCompletionRequest>(core).map_err(json)?.validate(limits)
+        }
+        ApiEndpoint::Completions => {
+            serde_json::from_value::<CompletionRequest>(core).map_err(json)?.validate(limits)
+        }
+    }
+}
+
+fn not_an_object() -> ProtocolError {
+    ProtocolError::InvalidRequest { param: None, message: "The request body must be a JSON object.".into() }
+}
+
+/// Whether `body` is already what [`core_value`] would pick out of it: core fields only,
+/// `stream_options` with at most `include_usage`, every message an object of `role`, `name`
+/// and a string `content` (the shape of nearly every request; anything else takes the copy).
+fn only_core(body: &Map<String, Value>) -> bool {
+    body.iter().all(|(k, v)| match (k.as_str(), v) {
+        ("messages", Value::Array(msgs)) => msgs.iter().all(|m| {
+            m.as_object().is_some_and(|o| {
+                o.iter().all(|(k, v)| {
+                    matches!((k.as_str(), v), ("role" | "name", _) | ("content", Value::String(_)))
+                }) && o.contains_key("content")
+            })
+        }),
+        ("messages", _) => true,
+        ("stream_options", Value::Object(o)) => o.keys().all(|k| k == "include_usage"),
+        (k, _) => CORE_FIELDS.contains(&k),
+    })
 }
 
 /// The part of a core field the strict parser checks.
@@ -143,6 +181,119 @@ fn message_text(m: &Value) -> Value {
 mod tests {
     use super::*;
     use crate::Prompt;
+    use proptest::prelude::*;
+
+    /// A body of core fields only for `chat` or completions, each absent, valid (mostly) or not.
+    fn core_body() -> impl Strategy<Value = (bool, Value)> {
+        let role =
+            prop_oneof![4 => Just("user"), 2 => Just("system"), 2 => Just("assistant"), 1 => Just("bogus")];
+        let message = (role, ".{0,12}", proptest::option::of("[a-z]{1,4}")).prop_map(|(r, c, n)| match n {
+            Some(n) => serde_json::json!({"role": r, "content": c, "name": n}),
+            None => serde_json::json!({"role": r, "content": c}),
+        });
+        let number = prop_oneof![
+            4 => (0u32..20).prop_map(Value::from),
+            2 => (0.0f64..1.0).prop_map(Value::from),
+            1 => Just(Value::from(-1)),
+            1 => Just(Value::from(2.5)),
+            1 => Just(Value::from(1_000_000_000u64)),
+            1 => Just(Value::from("x")),
+            1 => Just(Value::Null),
+        ];
+        let fields = (
+            any::<bool>(),
+            prop_oneof![9 => Just(Value::from("m")), 1 => Just(Value::from(3))],
+            proptest::collection::vec(message, 1..3),
+            prop_oneof![Just(Value::from("once upon")), Just(serde_json::json!([1, 2]))],
+            (
+                proptest::option::of(number.clone()),
+                proptest::option::of(number.clone()),
+                proptest::option::of(number.clone()),
+            ),
+            (
+                proptest::option::of(number.clone()),
+                proptest::option::of(number),
+                proptest::option::of(any::<bool>()),
+            ),
+            proptest::option::of(prop_oneof![
+                Just(serde_json::json!({"include_usage": true})),
+                Just(serde_json::json!({})),
+                Just(Value::Null)
+            ]),
+            proptest::option::of(prop_oneof![Just(Value::from("\n")), Just(serde_json::json!(["a", "b"]))]),
+        );
+        fields.prop_map(
+            |(
+                chat,
+                model,
+                messages,
+                prompt,
+                (max_tokens, temperature, top_p),
+                (n, seed, stream),
+                opts,
+                stop,
+            )| {
+                let mut m = Map::new();
+                let mut put = |k: &str, v: Option<Value>| {
+                    if let Some(v) = v {
+                        m.insert(k.to_owned(), v);
+                    }
+                };
+                put("model", Some(model));
+                if chat {
+                    put("messages", Some(Value::from(messages)));
+                } else {
+                    put("prompt", Some(prompt));
+                }
+                put("max_tokens", max_tokens);
+                put("temperature", temperature);
+                put("top_p", top_p);
+                put("n", n);
+                put("seed", seed);
+                put("stream", stream.map(Value::from));
+                put("stream_options", opts);
+                put("stop", stop);
+                (chat, Value::Object(m))
+            },
+        )
+    }
+
+    proptest! {
+        /// The body read as it is and the core fields picked out of it are the same request
+        /// (or both refused), whenever the body is only core fields.
+        #[test]
+        fn a_core_only_body_reads_as_its_picked_core_does((chat, body) in core_body()) {
+            let Value::Object(map) = &body else { unreachable!() };
+            prop_assume!(only_core(map));
+            let endpoint = if chat { ApiEndpoint::Chat } else { ApiEndpoint::Completions };
+            let limits = Limits { max_tokens_cap: 10 };
+            match (as_is(endpoint, &body, &limits), picked(endpoint, map, &limits)) {
+                (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
+                (Err(_), Err(_)) => {}
+                (a, b) => prop_assert!(false, "{a:?} against {b:?} for {body}"),
+            }
+        }
+    }
+
+    #[test]
+    fn only_a_body_of_core_fields_in_their_plain_shape_is_read_as_it_is() {
+        let only = |v: Value| only_core(v.as_object().unwrap());
+        assert!(only(
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi", "name": "a"}],
+            "stream": true, "stream_options": {"include_usage": true}})
+        ));
+        assert!(!only(serde_json::json!({"model": "m", "min_tokens": 2})));
+        assert!(!only(
+            serde_json::json!({"stream_options": {"include_usage": true, "continuous_usage_stats": true}})
+        ));
+        assert!(!only(
+            serde_json::json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]})
+        ));
+        assert!(!only(
+            serde_json::json!({"messages": [{"role": "assistant", "content": null, "tool_calls": []}]})
+        ));
+        assert!(!only(serde_json::json!({"messages": [{"role": "assistant"}]})));
+    }
 
     #[test]
     fn unknown_fields_are_kept_and_known_ones_still_checked() {

@@ -193,7 +193,11 @@ impl Skeleton {
         if let Some(ids) = self.template_ids.get() {
             return Ok(Arc::clone(ids));
         }
-        let ids = pieces.iter().filter(|(_, t)| *t).map(|(p, _)| encode(p)).collect::<std::result::Result<Vec<_>, E>>()?;
+        let ids = pieces
+            .iter()
+            .filter(|(_, t)| *t)
+            .map(|(p, _)| encode(p))
+            .collect::<std::result::Result<Vec<_>, E>>()?;
         Ok(Arc::clone(self.template_ids.get_or_init(|| Arc::new(ids))))
     }
 }
