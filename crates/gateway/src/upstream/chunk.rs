@@ -153,7 +153,8 @@ impl<'de> Deserialize<'de> for Members<'de> {
                 f.write_str("a JSON object")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                let mut out = Vec::new();
+                // A chunk has five to eight members: one allocation, not three.
+                let mut out = Vec::with_capacity(8);
                 while let Some((Name(k), v)) = map.next_entry::<Name<'de>, &'de RawValue>()? {
                     out.push((k, v));
                 }
