@@ -334,8 +334,11 @@ struct State {
 impl State {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Cmd>) {
         while let Some(cmd) = rx.recv().await {
-            self.handle(cmd);
-            self.publish();
+            // The view changes with the members and their ejections, not with every request
+            // routed or every leg that went well (it was rebuilt and sent for each).
+            if self.handle(cmd) {
+                self.publish();
+            }
         }
     }
 
@@ -387,7 +390,8 @@ impl State {
         before != self.members.len()
     }
 
-    fn handle(&mut self, cmd: Cmd) {
+    /// Carries out `cmd`; whether the members or their ejections may have changed.
+    fn handle(&mut self, cmd: Cmd) -> bool {
         match cmd {
             Cmd::Add { spec, source, reply } => {
                 let outcome = self.add(spec, source);
@@ -417,23 +421,25 @@ impl State {
             }
             Cmd::Route { prompt, scope, avoid, reply } => {
                 let _ = reply.send(self.route(&prompt, scope.as_deref(), &avoid));
+                return false;
             }
             Cmd::Outcome { url, ok } => {
-                if let Some(m) = self.find(&url) {
-                    if ok {
-                        m.failures = 0;
-                        m.ejections = 0;
-                        m.ejected_until = None;
-                    } else {
-                        m.failures = m.failures.saturating_add(1);
-                        if m.failures >= EJECT_AFTER {
-                            let pause = EJECTION.saturating_mul(1 << m.ejections.min(5)).min(MAX_EJECTION);
-                            m.ejections = m.ejections.saturating_add(1);
-                            m.ejected_until = Some(Instant::now() + pause);
-                            tracing::warn!(upstream = %url, failures = m.failures, seconds = pause.as_secs(), "upstream ejected");
-                        }
+                let Some(m) = self.find(&url) else { return false };
+                let before = m.ejected_until;
+                if ok {
+                    m.failures = 0;
+                    m.ejections = 0;
+                    m.ejected_until = None;
+                } else {
+                    m.failures = m.failures.saturating_add(1);
+                    if m.failures >= EJECT_AFTER {
+                        let pause = EJECTION.saturating_mul(1 << m.ejections.min(5)).min(MAX_EJECTION);
+                        m.ejections = m.ejections.saturating_add(1);
+                        m.ejected_until = Some(Instant::now() + pause);
+                        tracing::warn!(upstream = %url, failures = m.failures, seconds = pause.as_secs(), "upstream ejected");
                     }
                 }
+                return m.ejected_until != before;
             }
             Cmd::List { reply } => {
                 let now = Instant::now();
@@ -459,8 +465,10 @@ impl State {
                     })
                     .collect();
                 let _ = reply.send(views);
+                return false;
             }
         }
+        true
     }
 
     fn route(&mut self, prompt: &[u32], scope: Option<&str>, avoid: &[String]) -> Option<Pick> {
