@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokenpath_cli::cluster_file::{ClusterPlan, UpstreamEntry};
 use tokenpath_cli::tokenizer::FileTokenizer;
-use tokenpath_gateway::upstream::{PoolConfig, UpstreamKind, UpstreamPool, UpstreamSpec, DNS_INTERVAL};
+use tokenpath_gateway::upstream::{
+    max_model_len, PoolConfig, UpstreamKind, UpstreamPool, UpstreamSpec, DNS_INTERVAL,
+};
 use tokenpath_gateway::{Gateway, GatewayConfig};
 use tokenpath_protocol::backend::ModelInfo;
 
@@ -136,37 +138,4 @@ impl UpstreamArgs {
         tracing::info!(n_ctx, "serving through upstreams");
         Ok(Gateway::new(config, Arc::new(upstream), Arc::new(tokenizer))?)
     }
-}
-
-/// The most of an upstream's `/v1/models` answer read (a list of a few models is a few KiB).
-const MAX_MODELS_BYTES: usize = 1 << 20;
-
-/// The context length of the first model the upstream lists, asked with its key (an engine
-/// started with an API key guards `/v1/models` too), following no redirect, reading at most
-/// [`MAX_MODELS_BYTES`].
-async fn max_model_len(url: &str, key: Option<&str>) -> anyhow::Result<usize> {
-    let client = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build()?;
-    let mut req =
-        client.get(format!("{}/v1/models", url.trim_end_matches('/'))).timeout(Duration::from_secs(10));
-    if let Some(k) = key {
-        req = req.bearer_auth(k);
-    }
-    let mut resp = req.send().await?.error_for_status()?;
-    let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await? {
-        anyhow::ensure!(
-            body.len() + chunk.len() <= MAX_MODELS_BYTES,
-            "its /v1/models is over {MAX_MODELS_BYTES} bytes"
-        );
-        body.extend_from_slice(&chunk);
-    }
-    let v: serde_json::Value = serde_json::from_slice(&body)?;
-    // vLLM, SGLang and tokenpath say `max_model_len`; llama.cpp's server its per-slot context
-    // under `meta.n_ctx`.
-    v.pointer("/data/0/max_model_len")
-        .or_else(|| v.pointer("/data/0/meta/n_ctx"))
-        .and_then(serde_json::Value::as_u64)
-        .and_then(|n| usize::try_from(n).ok())
-        .filter(|&n| n > 0)
-        .context("no max_model_len")
 }

@@ -104,10 +104,10 @@ impl ModelTokenizer {
         // The template's own pieces are the skeleton's, the same on every use: their ids are
         // remembered with it (a piece is tokenized on its own, so its ids do not depend on the
         // contents around it). Only the contents are tokenized per request.
-        let template_ids = match skeleton.as_deref() {
-            Some(sk) => Some(sk.template_ids(&pieces, |p| tok.encode_at_most(p, false, true, n_ctx))?),
-            None => None,
-        };
+        let template_ids = skeleton
+            .as_deref()
+            .map(|sk| sk.template_ids(&pieces, |p| tok.encode_at_most(p, false, true, n_ctx)))
+            .transpose()?;
         let mut template_pieces = template_ids.iter().flat_map(|ids| ids.iter());
         for (piece, template) in &pieces {
             let remembered = if *template { template_pieces.next() } else { None };

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokenpath_protocol::forward::ApiEndpoint;
+use tokenpath_protocol::ProtocolError;
 use tokenpath_timeline::TraceParent;
 
 /// How often each upstream's health is asked.
@@ -129,20 +130,16 @@ impl Endpoint {
     /// has none or does not answer in time.
     async fn scrape_load(&self) -> Load {
         let url = format!("{}/metrics", self.spec.url);
-        let Ok(mut resp) = self.client.get(url).timeout(PROBE_TIMEOUT).send().await else {
+        let Ok(resp) = self.client.get(url).timeout(PROBE_TIMEOUT).send().await else {
             return Load::default();
         };
         if !resp.status().is_success() {
             return Load::default();
         }
-        let mut body = Vec::new();
-        while let Ok(Some(chunk)) = resp.chunk().await {
-            if body.len() + chunk.len() > load::MAX_METRICS_BYTES {
-                return Load::default();
-            }
-            body.extend_from_slice(&chunk);
+        match body_at_most(resp, load::MAX_METRICS_BYTES).await {
+            Ok(body) => load::parse(&String::from_utf8_lossy(&body)),
+            Err(_) => Load::default(),
         }
-        load::parse(&String::from_utf8_lossy(&body))
     }
 
     /// A POST of `body` to `endpoint` with the request id, its trace context and this upstream's key. No reqwest
@@ -173,4 +170,49 @@ impl Endpoint {
         }
         req
     }
+}
+
+/// The most of an upstream's `/v1/models` answer read (a list of a few models is a few KiB).
+const MAX_MODELS_BYTES: usize = 1 << 20;
+
+/// The context length of the first model the upstream at `url` lists, asked with its key (an
+/// engine started with an API key guards `/v1/models` too), following no redirect, reading at
+/// most [`MAX_MODELS_BYTES`]. vLLM, SGLang and tokenpath say `max_model_len`; llama.cpp's
+/// server its per-slot context under `meta.n_ctx`.
+pub async fn max_model_len(url: &str, api_key: Option<&str>) -> Result<usize, ProtocolError> {
+    let unavailable = |message: String| ProtocolError::Unavailable { message };
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| unavailable(format!("HTTP client: {e}")))?;
+    let url = format!("{}/v1/models", url.trim_end_matches('/'));
+    let mut req = client.get(&url).timeout(Duration::from_secs(10));
+    if let Some(k) = api_key {
+        req = req.bearer_auth(k);
+    }
+    let resp = req.send().await.map_err(|e| unavailable(format!("{url}: {e}")))?;
+    if !resp.status().is_success() {
+        return Err(unavailable(format!("{url} answered {}", resp.status())));
+    }
+    let body = body_at_most(resp, MAX_MODELS_BYTES).await.map_err(|e| unavailable(format!("{url}: {e}")))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|e| unavailable(format!("{url}: {e}")))?;
+    v.pointer("/data/0/max_model_len")
+        .or_else(|| v.pointer("/data/0/meta/n_ctx"))
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|&n| n > 0)
+        .ok_or_else(|| unavailable(format!("{url} gives no max_model_len")))
+}
+
+/// `resp`'s whole body, refused once it passes `limit` bytes or breaks off.
+async fn body_at_most(mut resp: reqwest::Response, limit: usize) -> Result<Vec<u8>, String> {
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+        if body.len() + chunk.len() > limit {
+            return Err(format!("the answer is over {limit} bytes"));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }

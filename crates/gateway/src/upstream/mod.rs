@@ -30,6 +30,7 @@ mod relay;
 
 pub use crate::route::BALANCE_THRESHOLD;
 pub use discover::DNS_INTERVAL;
+pub use endpoint::max_model_len;
 pub use pool::{Added, UpstreamPool, UpstreamView, EJECTION, EJECT_AFTER, MAX_UPSTREAMS};
 
 use std::time::Duration;
