@@ -31,6 +31,8 @@ pub struct BlockQ8x32 {
     pub d: f32,
     /// `d * Σ qs`.
     pub s: f32,
+    /// `Σ qs`, exact: the Q5_0 tiles multiply unsigned `q + 16` and take `16 · Σ qs` off.
+    pub sum: i32,
 }
 
 /// 256 activations as i8 with scale `d` and the sums of each 16-element group.
@@ -109,6 +111,7 @@ impl QuantizedActivation {
                             qs,
                             d: half::f16::from_f32(d).to_f32(),
                             s: half::f16::from_f32(d * sum as f32).to_f32(),
+                            sum,
                         }
                     })
                     .collect(),

@@ -1,4 +1,4 @@
-//! Q4_1, Q8_0, Q5_0 (as Q8_0), Q4_K and Q6_K weights repacked eight rows at a time: the kernel of every product
+//! Q4_1, Q8_0, Q5_0, Q4_K and Q6_K weights repacked eight rows at a time: the kernel of every product
 //! of those types, decode (one to a few dozen activations) and prefill alike.
 //!
 //! In ggml's row layout a 32-element block's dot product ends in an 8-lane vector per (row,
@@ -25,7 +25,7 @@ use super::activation::BlockQ8x32;
 pub use super::interleave_pack::GROUP;
 use super::interleave_pack::{
     blocks_per_unit, dequantize_group, element, kind_of, quants_at, repack, row_min, row_scale, unit_bytes,
-    unit_of, Q4_1_KIND, Q4_K_KIND, Q6_K_KIND, Q8_0_KIND,
+    unit_of, Q4_1_KIND, Q4_K_KIND, Q5_0_KIND, Q6_K_KIND, Q8_0_KIND,
 };
 use super::{ActivationKind, GgmlType, Kernel, QMatrix, QuantizedActivation};
 use crate::error::{EngineError, Result};
@@ -48,9 +48,10 @@ pub(super) use tile_width;
 /// and width to each path's const-generic tiles.
 macro_rules! tile_for {
     ($tile:ident, $kind:expr, $ys:expr, ($($w:expr),*), $out:expr) => {{
-        use $crate::quant::interleave_pack::{Q4_1_KIND, Q4_K_KIND, Q6_K_KIND, Q8_0_KIND};
+        use $crate::quant::interleave_pack::{Q4_1_KIND, Q4_K_KIND, Q5_0_KIND, Q6_K_KIND, Q8_0_KIND};
         match $kind {
             Q8_0_KIND => $crate::quant::interleave::tile_width!($tile, Q8_0_KIND, $ys, ($($w),*), $out),
+            Q5_0_KIND => $crate::quant::interleave::tile_width!($tile, Q5_0_KIND, $ys, ($($w),*), $out),
             Q4_K_KIND => $crate::quant::interleave::tile_width!($tile, Q4_K_KIND, $ys, ($($w),*), $out),
             Q6_K_KIND => $crate::quant::interleave::tile_width!($tile, Q6_K_KIND, $ys, ($($w),*), $out),
             _ => $crate::quant::interleave::tile_width!($tile, Q4_1_KIND, $ys, ($($w),*), $out),
@@ -169,10 +170,14 @@ pub fn matmul_group_interleaved_with(
     }
     // Resolved once per product: the AVX-512 tiles take two groups at a time, AVX2 one.
     let wide = kernel >= Kernel::Avx512 && Kernel::Avx512.is_available();
-    // Sixteen or more activations fill the AMX tiles: their biased bytes, made once here.
+    // Sixteen or more activations fill the AMX tiles: their biased bytes, made once here. (Not
+    // for Q5_0's layout: its tiles are the AVX-512 ones, which AMX does not beat here either.)
     #[cfg(target_arch = "x86_64")]
-    let amx =
-        wide && n >= super::interleave_amx::MIN_ACTS && kernel >= Kernel::Amx && Kernel::Amx.is_available();
+    let amx = wide
+        && n >= super::interleave_amx::MIN_ACTS
+        && kernel >= Kernel::Amx
+        && Kernel::Amx.is_available()
+        && mats.iter().all(|m| m.kind != Q5_0_KIND);
     #[cfg(not(target_arch = "x86_64"))]
     let amx = false;
     #[cfg(target_arch = "x86_64")]
@@ -249,7 +254,7 @@ pub fn matmul_group_interleaved_with(
                     }
                 } else {
                     let mut res = [[0f32; GROUP]; C];
-                    one_group(avx2, m.kind, m.ty == GgmlType::Q5_0, m.group(g), &ys[c..c + k], &mut res);
+                    one_group(avx2, m.kind, m.group(g), &ys[c..c + k], &mut res);
                     for (kk, r) in res.iter().enumerate().take(k) {
                         buf[(c + kk) * rows + at..][..GROUP].copy_from_slice(r);
                     }
@@ -275,24 +280,16 @@ pub fn matmul_group_interleaved_with(
     Ok(())
 }
 
-/// One group's eight rows × `ys.len()` (1 to 4) activations, on AVX2 when `avx2` (detected);
-/// `from_q5_0`: repacked from Q5_0 (the AVX2 tiles add more of its smaller products in 16 bits).
-fn one_group(
-    avx2: bool,
-    kind: u8,
-    from_q5_0: bool,
-    w: &[u8],
-    ys: &[&[BlockQ8x32]],
-    res: &mut [[f32; GROUP]],
-) {
+/// One group's eight rows × `ys.len()` (1 to 4) activations, on AVX2 when `avx2` (detected).
+fn one_group(avx2: bool, kind: u8, w: &[u8], ys: &[&[BlockQ8x32]], res: &mut [[f32; GROUP]]) {
     #[cfg(target_arch = "x86_64")]
     if avx2 {
         // SAFETY: AVX2/FMA/F16C detected by the caller; `w` holds one group unit per activation
-        // unit (checked by the caller); a group repacked from Q5_0 holds bytes within ±16.
-        unsafe { super::interleave_avx2::tile_any(kind, from_q5_0, w, ys, res) };
+        // unit (checked by the caller).
+        unsafe { super::interleave_avx2::tile_any(kind, w, ys, res) };
         return;
     }
-    let _ = (avx2, from_q5_0);
+    let _ = avx2;
     for (r, y) in res.iter_mut().zip(ys) {
         *r = portable_group(kind, w, y);
     }
@@ -468,15 +465,22 @@ mod tests {
         paths
     }
 
-    /// The AVX2 tiles add Q6_K's products four steps at a time and Q5_0's eight in 16 bits: the
-    /// largest magnitudes (every weight at its minimum, every activation at ±127) reach 32,512
-    /// and must not wrap. Every path gives the scalar path's bits, and the value is the f32 dot's.
+    /// The AVX2 tiles add Q6_K's products and Q5_0's (`q + 16`, up to 31) four steps at a time
+    /// in 16 bits: the largest magnitudes (every weight at its minimum, or Q5_0's at its
+    /// maximum, every activation at ±127) reach 32,512 and 31,496 and must not wrap. Every path
+    /// gives the scalar path's bits, and the value is the f32 dot's.
     #[test]
     fn extreme_q5_0_and_q6_k_blocks_do_not_overflow_the_16_bit_sums() {
         let (rows, cols) = (16, 512);
-        for ty in [GgmlType::Q5_0, GgmlType::Q6_K, GgmlType::Q8_0] {
+        for (ty, top) in [
+            (GgmlType::Q5_0, false),
+            (GgmlType::Q5_0, true),
+            (GgmlType::Q6_K, false),
+            (GgmlType::Q8_0, false),
+        ] {
             let (bs, n) = (ty.type_size(), rows * cols / ty.block_size());
-            // All-zero quants: Q5_0's value -16, Q6_K's -32, Q8_0's 0 (then -128 below).
+            // All-zero quants: Q5_0's value -16, Q6_K's -32, Q8_0's 0 (then -127 below); Q5_0's
+            // all-one quants (`top`): 15.
             let mut data = vec![0u8; n * bs];
             let one = half::f16::from_f32(0.5).to_le_bytes();
             for blk in data.chunks_exact_mut(bs) {
@@ -489,7 +493,12 @@ mod tests {
                         blk[0..2].copy_from_slice(&one);
                         blk[2..].fill(0x81); // -127
                     }
-                    _ => blk[0..2].copy_from_slice(&one),
+                    _ => {
+                        blk[0..2].copy_from_slice(&one);
+                        if top {
+                            blk[2..].fill(0xFF);
+                        }
+                    }
                 }
             }
             let m = QMatrix::new(ty, rows, cols, &data).unwrap();

@@ -8,42 +8,28 @@
 use std::arch::x86_64::*;
 
 use super::activation::BlockQ8x32;
-use super::interleave::{tile_for, tile_width, GROUP};
+use super::interleave::{tile_for, GROUP};
 use super::interleave_pack::{
-    min_bytes_at, quants_at, scale_bytes_at, unit_of, Q4_1_KIND as Q4_1, Q4_K_KIND as Q4_K,
-    Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
+    min_bytes_at, quants_at, scale_bytes_at, unit_of, Q4_1_KIND as Q4_1, Q4_K_KIND as Q4_K, Q5_0_HIGH,
+    Q5_0_KIND as Q5_0, Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
 };
 
-/// Q5_0's values in Q8_0's layout: the same bytes, but |w| ≤ 16, so the integer dots may add up
-/// more steps in 16 bits (an instantiation of this path only; the layout is Q8_0's everywhere).
-const Q5_0: u8 = 5;
-
-/// Eight rows (one group) × `ys.len()` (1 to 4) activations of kind `kind`; `from_q5_0`: the
-/// group was repacked from Q5_0 (its bytes are within ±16).
+/// Eight rows (one group) × `ys.len()` (1 to 4) activations of kind `kind`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn tile_any(
-    kind: u8,
-    from_q5_0: bool,
-    w: &[u8],
-    ys: &[&[BlockQ8x32]],
-    out: &mut [[f32; GROUP]],
-) {
-    if kind == Q8_0 && from_q5_0 {
-        unsafe { tile_width!(tile, Q5_0, ys, (w), out) }
-    } else {
-        unsafe { tile_for!(tile, kind, ys, (w), out) }
-    }
+pub(super) unsafe fn tile_any(kind: u8, w: &[u8], ys: &[&[BlockQ8x32]], out: &mut [[f32; GROUP]]) {
+    unsafe { tile_for!(tile, kind, ys, (w), out) }
 }
 
 /// Steps (four products per row each) whose `vpmaddubsw` results add up in 16 bits before they
 /// are widened: each result is at most 2 · |w|max · 127 (activations are within ±127), so
-/// Q8_0 (|w| ≤ 127) widens every step, Q6_K (|w| ≤ 32) every four, Q5_0 (|w| ≤ 16) every
-/// eight. The integer dot is exact either way: every path gives the same bits.
+/// Q8_0 (|w| ≤ 127) widens every step, Q6_K (|w| ≤ 32) and Q5_0 (`q + 16` ≤ 31) every four,
+/// the nibbles (≤ 15) every eight. The integer dot is exact either way: every path gives the
+/// same bits.
 const fn steps_in_16_bits(kind: u8) -> usize {
     match kind {
-        Q6_K => 4,
-        Q5_0 => 8,
-        _ => 1,
+        Q8_0 => 1,
+        Q6_K | Q5_0 => 4,
+        _ => 8,
     }
 }
 
@@ -61,9 +47,7 @@ unsafe fn bytes_ps<const SIGNED: bool>(p: *const u8) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const KIND: u8, const CC: usize>(w: &[u8], ys: [&[BlockQ8x32]; CC], out: &mut [[f32; GROUP]]) {
     unsafe {
-        let signed = KIND == Q8_0 || KIND == Q6_K || KIND == Q5_0;
-        // The layout (Q5_0 is stored as Q8_0).
-        let lk = if KIND == Q5_0 { Q8_0 } else { KIND };
+        let signed = KIND == Q8_0 || KIND == Q6_K;
         let per16 = steps_in_16_bits(KIND);
         let nb = ys[0].len();
         let low4 = _mm256_set1_epi8(0x0F);
@@ -72,9 +56,9 @@ unsafe fn tile<const KIND: u8, const CC: usize>(w: &[u8], ys: [&[BlockQ8x32]; CC
         let mut accm = [_mm256_setzero_ps(); CC];
         let p = w.as_ptr();
         for b in 0..nb {
-            let (base, sub) = unit_of(lk, b);
+            let (base, sub) = unit_of(KIND, b);
             let unit = p.add(base);
-            let blk = unit.add(quants_at(lk, sub));
+            let blk = unit.add(quants_at(KIND, sub));
             let d = _mm256_cvtph_ps(_mm_loadu_si128(unit as *const __m128i));
             // Per-row weight scales (Q6_K: one per 16-element half) and minimum terms.
             let (dw, dw_hi) = match KIND {
@@ -109,6 +93,24 @@ unsafe fn tile<const KIND: u8, const CC: usize>(w: &[u8], ys: [&[BlockQ8x32]; CC
                     q[2 * c] = _mm256_and_si256(v, low4);
                     q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 }
+                if KIND == Q5_0 {
+                    // Bit `st` of each byte is step `st`'s fifth bit (see the AVX-512 tile).
+                    let h = _mm256_loadu_si256(blk.add(Q5_0_HIGH) as *const __m256i);
+                    let at4 = [
+                        _mm256_slli_epi16(h, 4),
+                        _mm256_slli_epi16(h, 3),
+                        _mm256_slli_epi16(h, 2),
+                        _mm256_slli_epi16(h, 1),
+                        h,
+                        _mm256_srli_epi16(h, 1),
+                        _mm256_srli_epi16(h, 2),
+                        _mm256_srli_epi16(h, 3),
+                    ];
+                    let bit4 = _mm256_set1_epi8(0x10);
+                    for (qv, hv) in q.iter_mut().zip(at4) {
+                        *qv = _mm256_or_si256(*qv, _mm256_and_si256(hv, bit4));
+                    }
+                }
             }
             for k in 0..CC {
                 let yb = ys[k].get_unchecked(b);
@@ -121,32 +123,27 @@ unsafe fn tile<const KIND: u8, const CC: usize>(w: &[u8], ys: [&[BlockQ8x32]; CC
                         _mm256_maddubs_epi16(q[st], y)
                     }
                 };
-                // The exact integer dot of steps `from..to`.
+                // The exact integer dot of steps `from..to`: runs of `per16` steps added in 16
+                // bits, each run widened once.
                 let dot = |from: usize, to: usize| {
-                    if signed {
-                        // Runs of `per16` steps added in 16 bits, each run widened once.
-                        let run = |at: usize| {
-                            let mut s = step(at);
-                            for st in at + 1..(at + per16).min(to) {
-                                s = _mm256_add_epi16(s, step(st));
-                            }
-                            _mm256_madd_epi16(s, ones)
-                        };
-                        let mut s = run(from);
-                        let mut at = from + per16;
-                        while at < to {
-                            s = _mm256_add_epi32(s, run(at));
-                            at += per16;
-                        }
-                        _mm256_cvtepi32_ps(s)
-                    } else {
-                        // Nibbles: eight steps sum to at most 8 · 2 · 15 · 127 < 2^15.
-                        let mut s = step(from);
-                        for st in from + 1..to {
+                    let run = |at: usize| {
+                        let mut s = step(at);
+                        for st in at + 1..(at + per16).min(to) {
                             s = _mm256_add_epi16(s, step(st));
                         }
-                        _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones))
+                        _mm256_madd_epi16(s, ones)
+                    };
+                    let mut s = run(from);
+                    let mut at = from + per16;
+                    while at < to {
+                        s = _mm256_add_epi32(s, run(at));
+                        at += per16;
                     }
+                    if KIND == Q5_0 {
+                        // Σ (q + 16) · a − 16 · Σ a: the signed values' exact dot.
+                        s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * yb.sum));
+                    }
+                    _mm256_cvtepi32_ps(s)
                 };
                 let yd = _mm256_set1_ps(yb.d);
                 if KIND == Q6_K {

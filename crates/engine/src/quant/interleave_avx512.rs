@@ -1,4 +1,4 @@
-//! The repacked products (Q4_1, Q8_0, Q4_K, Q6_K) on AVX-512 (F, BW, VL, VNNI): two 8-row groups side by side
+//! The repacked products (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) on AVX-512 (F, BW, VL, VNNI): two 8-row groups side by side
 //! in one 512-bit register, so one `vpdpbusd` advances sixteen rows by four products each.
 //!
 //! The AVX2 tile needs `vpmaddubsw` (pairs to 16 bits), 16-bit adds and a `vpmaddwd` to reach 32
@@ -15,7 +15,7 @@
 //! bit-identical to the AVX2 and portable paths, whatever the batch: a machine with AVX-512 and
 //! one without produce the same logits.
 //!
-//! The signed kinds (Q8_0, Q5_0 repacked as it, Q6_K): `vpdpbusd` needs one unsigned operand, so
+//! The signed kinds (Q8_0, Q6_K): `vpdpbusd` needs one unsigned operand, so
 //! the activations are biased by 128 once per product (`a + 128` is 1..=255) and meet the signed
 //! weight bytes as they are; `128 · Σw` per row and block (eight more `vpdpbusd` against ones per
 //! block, shared by every activation) comes off each dot. The same exact integers as the AVX2
@@ -31,7 +31,7 @@ use super::activation::BlockQ8x32;
 use super::interleave::{tile_for, GROUP};
 use super::interleave_pack::{
     min_bytes_at, quants_at, scale_bytes_at, unit_of, Q4_1_KIND as Q4_1, Q4_K_KIND as Q4_K,
-    Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
+    Q5_0_KIND as Q5_0, Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
 };
 
 /// Block `sub`'s weight scales in the unit at `u0` (group 0, lanes 0..8) and `u1` (group 1,
@@ -77,8 +77,8 @@ pub(super) use block_scales;
 
 /// The block's weight bytes whose quant chunks start at `b0` (group 0) and `b1` (group 1) as
 /// eight registers, register `st` holding elements `4st..4st + 4` of each of the sixteen rows in
-/// its 32-bit lanes (the unsigned kinds' nibbles unpacked); with `$sums`, also `128 · Σw` per row
-/// over steps 0..4 and 4..8 (else zeros).
+/// its 32-bit lanes (the unsigned kinds' nibbles unpacked, Q5_0's with their fifth bits: `q + 16`);
+/// with `$sums`, also `128 · Σw` per row over steps 0..4 and 4..8 (else zeros).
 macro_rules! block_quants {
     ($kind:expr, $b0:expr, $b1:expr, $sums:expr) => {{
         let (b0, b1): (*const u8, *const u8) = ($b0, $b1);
@@ -101,6 +101,26 @@ macro_rules! block_quants {
                 let v = pair(32 * c);
                 q[2 * c] = _mm512_and_si512(v, low4);
                 q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
+            }
+            if $kind == $crate::quant::interleave_pack::Q5_0_KIND {
+                // Bit `st` of each byte is step `st`'s fifth bit: moved to bit 4 by a 16-bit
+                // shift (no bit crosses into bit 4 of the other byte) and or-ed in under 0x10.
+                let h = pair($crate::quant::interleave_pack::Q5_0_HIGH);
+                let at4 = [
+                    _mm512_slli_epi16::<4>(h),
+                    _mm512_slli_epi16::<3>(h),
+                    _mm512_slli_epi16::<2>(h),
+                    _mm512_slli_epi16::<1>(h),
+                    h,
+                    _mm512_srli_epi16::<1>(h),
+                    _mm512_srli_epi16::<2>(h),
+                    _mm512_srli_epi16::<3>(h),
+                ];
+                let bit4 = _mm512_set1_epi8(0x10);
+                for (qv, hv) in q.iter_mut().zip(at4) {
+                    // q | (h & 0x10)
+                    *qv = _mm512_ternarylogic_epi32::<0xF8>(*qv, hv, bit4);
+                }
             }
         }
         let (mut lo, mut hi) = (zero, zero);
@@ -146,6 +166,7 @@ pub(super) unsafe fn tile_any(
             ($k:literal) => {
                 match kind {
                     Q8_0 => tile::<Q8_0, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
+                    Q5_0 => tile::<Q5_0, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
                     Q4_K => tile::<Q4_K, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
                     Q6_K => tile::<Q6_K, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
                     _ => tile::<Q4_1, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
@@ -210,6 +231,10 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
                         if from == 0 && to == 8 {
                             dot = _mm512_sub_epi32(dot, wsum_hi);
                         }
+                    }
+                    if KIND == Q5_0 {
+                        // Σ (q + 16) · a − 16 · Σ a: the signed values' exact dot.
+                        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * yblk.sum));
                     }
                     _mm512_cvtepi32_ps(dot)
                 };

@@ -11,7 +11,13 @@
 //!   byte `i` of lane `j` in chunk `c` holds element `8c + i` of row `j` in its low nibble and
 //!   element `8c + 4 + i` in its high nibble.
 //! - Q8_0, 272 bytes: `d[j]` at `2j`, then 8 chunks of 32 bytes, lane `j` of chunk `s` holding
-//!   elements `4s..4s + 4` of row `j` (signed). Q5_0 repacks to it: its values are bytes too.
+//!   elements `4s..4s + 4` of row `j` (signed).
+//! - Q5_0, 176 bytes: `d[j]` at `2j`, the low four bits of each value `q + 16` (0..=31) in Q4_1's
+//!   chunk layout at 16, then 32 bytes of fifth bits at 144: bit `s` of byte `i` of lane `j`
+//!   is that of element `4s + i` of row `j`, so one 16-bit shift and a mask put step `s`'s
+//!   fifth bits in place. 5.5 bits per weight, the file's (it was widened to Q8_0's 8.5 once;
+//!   decode reads every byte, and this model file is mostly Q5_0). The kernels multiply the
+//!   unsigned `q + 16` and take `16 · Σa` off each block's integer dot: the same exact integers.
 //! - Q4_K, 1,184 bytes: `d[j]` at `2j`, `dmin[j]` at `16 + 2j`, the 6-bit scales unpacked to a
 //!   byte each (`sc[sub][j]` at `32 + 8 sub + j`, `m[sub][j]` at `96 + 8 sub + j`), then the
 //!   eight sub-blocks' nibbles, each in Q4_1's chunk layout, at `160 + 128 sub`. 4.6 bits per
@@ -35,6 +41,7 @@ pub const GROUP: usize = 8;
 
 /// The weight kinds the tiles of each path are instantiated for (const generic parameters).
 pub(super) const Q4_1_KIND: u8 = 1;
+pub(super) const Q5_0_KIND: u8 = 5;
 pub(super) const Q8_0_KIND: u8 = 8;
 pub(super) const Q4_K_KIND: u8 = 4;
 pub(super) const Q6_K_KIND: u8 = 6;
@@ -43,8 +50,8 @@ pub(super) const Q6_K_KIND: u8 = 6;
 pub(super) const fn kind_of(ty: GgmlType) -> Option<u8> {
     match ty {
         GgmlType::Q4_1 => Some(Q4_1_KIND),
-        // Q5_0's values (-16..=15) times its f16 scale are a Q8_0 block's: repacked losslessly.
-        GgmlType::Q8_0 | GgmlType::Q5_0 => Some(Q8_0_KIND),
+        GgmlType::Q5_0 => Some(Q5_0_KIND),
+        GgmlType::Q8_0 => Some(Q8_0_KIND),
         GgmlType::Q4_K => Some(Q4_K_KIND),
         GgmlType::Q6_K => Some(Q6_K_KIND),
         _ => None,
@@ -55,6 +62,7 @@ pub(super) const fn kind_of(ty: GgmlType) -> Option<u8> {
 pub(super) const fn unit_bytes(kind: u8) -> usize {
     match kind {
         Q8_0_KIND => 272,
+        Q5_0_KIND => 176,
         Q4_K_KIND => 1184,
         Q6_K_KIND => 2192,
         _ => 160,
@@ -80,7 +88,7 @@ pub(super) const fn unit_of(kind: u8, b: usize) -> (usize, usize) {
 #[inline(always)]
 pub(super) const fn quants_at(kind: u8, sub: usize) -> usize {
     match kind {
-        Q8_0_KIND => 16,
+        Q8_0_KIND | Q5_0_KIND => 16,
         Q4_K_KIND => 160 + 128 * sub,
         Q6_K_KIND => 144 + 256 * sub,
         _ => 32,
@@ -125,16 +133,25 @@ pub(super) fn row_min(kind: u8, unit: &[u8], sub: usize, j: usize) -> f32 {
     }
 }
 
-/// The unsigned nibble (Q4 kinds) or signed byte (Q8_0, Q6_K) of element `e` (0..32) of row `j`
-/// in the block whose quant chunks start at `q`.
+/// Offset from a Q5_0 block's quant chunks to its fifth bits.
+pub(super) const Q5_0_HIGH: usize = 128;
+
+/// The unsigned nibble (Q4 kinds), signed byte (Q8_0, Q6_K) or signed value (Q5_0: its nibble
+/// and fifth bit, less 16) of element `e` (0..32) of row `j` in the block whose quant chunks
+/// start at `q`.
 #[inline(always)]
 pub(super) fn element(kind: u8, q: &[u8], j: usize, e: usize) -> i32 {
     if matches!(kind, Q8_0_KIND | Q6_K_KIND) {
-        q[32 * (e / 4) + 4 * j + e % 4] as i8 as i32
+        return q[32 * (e / 4) + 4 * j + e % 4] as i8 as i32;
+    }
+    let (c, i, high) = (e / 8, e % 4, e % 8 >= 4);
+    let byte = q[32 * c + 4 * j + i];
+    let nibble = (if high { byte >> 4 } else { byte & 0x0F }) as i32;
+    if kind == Q5_0_KIND {
+        let fifth = (q[Q5_0_HIGH + 4 * j + i] >> (e / 4)) & 1;
+        (nibble | (fifth as i32) << 4) - 16
     } else {
-        let (c, i, high) = (e / 8, e % 4, e % 8 >= 4);
-        let byte = q[32 * c + 4 * j + i];
-        (if high { byte >> 4 } else { byte & 0x0F }) as i32
+        nibble
     }
 }
 
@@ -149,15 +166,15 @@ pub(super) fn repack(m: &QMatrix<'_>, kind: u8) -> Vec<u8> {
             for j in 0..GROUP {
                 let row = m.row(g * GROUP + j).unwrap_or(&[]);
                 let Some(src) = row.get(u * sb..(u + 1) * sb) else { return };
-                pack_row(m.ty(), kind, src, dst, j);
+                pack_row(kind, src, dst, j);
             }
         }
     });
     data
 }
 
-/// Writes row `j`'s part of one unit from its ggml block `src` (of type `ty`).
-fn pack_row(ty: GgmlType, kind: u8, src: &[u8], dst: &mut [u8], j: usize) {
+/// Writes row `j`'s part of one unit from its ggml block `src`.
+fn pack_row(kind: u8, src: &[u8], dst: &mut [u8], j: usize) {
     // `put(q, v)`: element `e` of the block at `q` in the 4-bit or 8-bit chunk layout.
     let nib = |dst: &mut [u8], q: usize, e: usize, v: u8| {
         let (c, i) = (e / 8, e % 4);
@@ -166,9 +183,14 @@ fn pack_row(ty: GgmlType, kind: u8, src: &[u8], dst: &mut [u8], j: usize) {
     };
     let byte = |dst: &mut [u8], q: usize, e: usize, v: u8| dst[q + 32 * (e / 4) + 4 * j + e % 4] = v;
     match kind {
-        Q8_0_KIND if ty == GgmlType::Q5_0 => {
+        Q5_0_KIND => {
             dst[2 * j..2 * j + 2].copy_from_slice(&src[0..2]);
-            (0..32).for_each(|e| byte(dst, quants_at(kind, 0), e, q5_0_value(src, e) as i8 as u8));
+            let q = quants_at(kind, 0);
+            for e in 0..32 {
+                let v = (q5_0_value(src, e) + 16) as u8; // 0..=31
+                nib(dst, q, e, v & 0x0F);
+                dst[q + Q5_0_HIGH + 4 * j + e % 4] |= (v >> 4) << (e / 4);
+            }
         }
         Q4_1_KIND | Q8_0_KIND => {
             dst[2 * j..2 * j + 2].copy_from_slice(&src[0..2]);
@@ -215,7 +237,7 @@ fn pack_row(ty: GgmlType, kind: u8, src: &[u8], dst: &mut [u8], j: usize) {
 }
 
 /// Dequantizes group `w` (`GROUP` rows of `cols`) into `o` (row-major), with the arithmetic of
-/// ggml's row layout: `q · d + m` (Q4_1), `q · d` (Q8_0), `(d · sc) · q - dmin · m` (Q4_K),
+/// ggml's row layout: `q · d + m` (Q4_1), `q · d` (Q8_0, Q5_0), `(d · sc) · q - dmin · m` (Q4_K),
 /// `(d · sc) · q` (Q6_K).
 pub(super) fn dequantize_group(kind: u8, w: &[u8], cols: usize, o: &mut [f32]) {
     for b in 0..cols / 32 {
