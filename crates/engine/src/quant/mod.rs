@@ -349,7 +349,7 @@ pub(crate) fn dot_unchecked(kernel: Resolved, ty: GgmlType, row: &[u8], act: &Qu
     if kernel.0 {
         // SAFETY: `Resolved(true)` means the CPU features were detected, and `check_dot`
         // matched the lengths.
-        // Types without an AVX2 row kernel (Q5_0: its matrices run repacked, as Q8_0) fall
+        // Types without an AVX2 row kernel (Q5_0: its matrices run repacked, in their own layout) fall
         // through to the portable one below.
         let fast = unsafe {
             match (ty, act) {
