@@ -2,7 +2,8 @@
 //! each protocol as the engines' sources define it (`fake_engine`): what each leg is sent
 //! (fields, ids, order, concurrency), what the client gets back (the decode leg's tokens, the
 //! prefill leg's cached tokens, one timeline with each stage's source), and the failures —
-//! prefill 5xx, missing transfer params, a decode stall, a client that leaves.
+//! prefill 5xx, missing transfer params, a decode stall, a client that leaves — and the tenant
+//! charged the decode leg's tokens only.
 
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
@@ -315,5 +316,48 @@ async fn wait_for(ok: impl Fn() -> bool, what: &str) {
     while !ok() {
         assert!(Instant::now() < deadline, "timed out waiting: {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// In PD only the decode leg's tokens are the tenant's output: a budget of 4 output tokens a
+/// minute admits a second request after one that generated 3 (the fakes' answer), and refuses
+/// a third. Charging the prefill leg's token too (vLLM's `max_tokens: 1` answer, SGLang's
+/// streamed prefill) would refuse the second; charging nothing would admit the third.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_pd_the_tenant_is_charged_the_decode_legs_tokens_only() {
+    let keys = r#"
+[[key]]
+tenant = "alice"
+key = "sk-client-0001"
+output_tokens_per_minute = 4
+"#;
+    for (p, d, kind) in [
+        (Persona::VllmPrefill, Persona::VllmDecode, UpstreamKind::VllmPd),
+        (Persona::SglangPrefill, Persona::SglangDecode, UpstreamKind::SglangPd),
+    ] {
+        let (pf, df) = (fake_engine::start(p, "p").await, fake_engine::start(d, "d").await);
+        let mut ps = spec(&pf, kind, WorkerRole::Prefill);
+        if kind == UpstreamKind::SglangPd {
+            ps.bootstrap_port = Some(8998);
+        }
+        let pool = tokenpath_gateway::upstream::UpstreamPool::new(
+            fake_engine::pool_config(Duration::from_secs(10), Duration::from_secs(10)),
+            vec![ps, spec(&df, kind, WorkerRole::Decode)],
+        )
+        .unwrap();
+        assert!(pool.wait_ready(Duration::from_secs(10)).await);
+        let server =
+            fake_engine::serve_pool_with_keys(pool, tokenpath_gateway::ApiKeys::from_toml_str(keys).unwrap())
+                .await;
+        for (i, want) in [200, 200, 429].into_iter().enumerate() {
+            let resp = chat(&server, &base(json!({"stream": true}))).await;
+            assert_eq!(resp.status().as_u16(), want, "{kind:?}, request {i}");
+            if want == 200 {
+                let events = Events::new(resp).rest().await.unwrap();
+                assert_eq!(common::streamed_text(&events), fake_engine::WORDS.concat(), "{kind:?}");
+            }
+        }
+        assert!(pf.count() >= 2, "{kind:?}: the prefill leg ran");
+        server.shutdown().await.unwrap();
     }
 }

@@ -273,9 +273,17 @@ pub fn pool_config(first_byte: Duration, idle: Duration) -> PoolConfig {
 
 /// A gateway over `pool` (tenant `alice`, the admin key), serving on loopback.
 pub async fn serve_pool(pool: UpstreamPool) -> common::Server {
+    serve_pool_with_keys(pool, tokenpath_gateway::ApiKeys::parse("alice:sk-client-0001").unwrap()).await
+}
+
+/// [`serve_pool`] with these API keys (tenants and their limits).
+pub async fn serve_pool_with_keys(
+    pool: UpstreamPool,
+    api_keys: tokenpath_gateway::ApiKeys,
+) -> common::Server {
     let config = GatewayConfig {
         served_model_name: MODEL.into(),
-        api_keys: tokenpath_gateway::ApiKeys::parse("alice:sk-client-0001").unwrap(),
+        api_keys,
         admin_key: Some(tokenpath_gateway::AdminKey::new(common::ADMIN_KEY).unwrap()),
         ..GatewayConfig::default()
     };
