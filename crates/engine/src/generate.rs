@@ -100,7 +100,7 @@ impl Engine {
     /// The shape of this model's KV in blocks of `block_size` tokens.
     pub fn kv_layout(&self, block_size: usize) -> KvLayout {
         let c = self.model.config();
-        KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), block_size }
+        KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), head_dim: c.head_dim, block_size }
     }
 
     /// Renders chat messages with the model's template (generation prompt appended).

@@ -19,7 +19,12 @@ fn tiny(ty: GgmlType) -> Model {
 fn cache(m: &Model, blocks: usize) -> KvCache {
     let c = m.config();
     KvCache::new(
-        tokenpath_engine::kv_cache::KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), block_size: 4 },
+        tokenpath_engine::kv_cache::KvLayout {
+            n_layer: c.n_layer,
+            kv_dim: c.kv_dim(),
+            head_dim: c.head_dim,
+            block_size: 4,
+        },
         blocks,
     )
     .unwrap()

@@ -70,7 +70,11 @@ fn fixture() -> Value {
 /// A KV cache for the fixture's longest case, in blocks of 16.
 fn cache_for(model: &Model) -> KvCache {
     let c = model.config();
-    KvCache::new(KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), block_size: 16 }, 4096 / 16).unwrap()
+    KvCache::new(
+        KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), head_dim: c.head_dim, block_size: 16 },
+        4096 / 16,
+    )
+    .unwrap()
 }
 
 fn ids(v: &Value) -> Vec<u32> {

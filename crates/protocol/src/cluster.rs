@@ -145,8 +145,9 @@ pub enum ToWorker {
         token: TransferToken,
         /// Tokens whose KV follows.
         n_tokens: u32,
-        /// Engine KV layout fingerprint: `n_layer`, `kv_dim`, `block_size`; must match exactly.
-        layout: [u32; 3],
+        /// Engine KV layout fingerprint: `n_layer`, `kv_dim`, `block_size`, `head_dim`; must match
+        /// exactly.
+        layout: [u32; 4],
         /// Set when the sender can move the blocks through shared memory: a decode worker on
         /// the same host answers [`FromWorker::KvRing`] before any block.
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -406,7 +407,7 @@ mod tests {
             transfer: TransferId(1),
             token,
             n_tokens: 2,
-            layout: [1, 2, 3],
+            layout: [1, 2, 3, 4],
             same_host: None,
         };
         assert!(!String::from_utf8(encode_control(&begin).unwrap()).unwrap().contains("host"));
@@ -431,7 +432,7 @@ mod tests {
                 transfer: TransferId(1),
                 token,
                 n_tokens: 2,
-                layout: [1, 2, 3],
+                layout: [1, 2, 3, 4],
                 same_host: Some(SameHost { host: "b".into(), door: "tokenpath-kv-0".into() }),
             },
             ToWorker::KvRingChunk {

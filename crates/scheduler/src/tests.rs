@@ -25,7 +25,7 @@ impl Sequence for Plain {
 }
 
 fn sched(blocks: usize, chunk: usize, prefix: bool) -> Scheduler<Plain> {
-    let layout = KvLayout { n_layer: 1, kv_dim: 1, block_size: 4 };
+    let layout = KvLayout { n_layer: 1, kv_dim: 1, head_dim: 1, block_size: 4 };
     let cache = KvCache::new(layout, blocks).unwrap();
     Scheduler::new(cache, Policy { block_size: 4, prefill_chunk: chunk, max_batch: 8 }, prefix).unwrap()
 }

@@ -125,7 +125,7 @@ impl<'a> Sim<'a> {
         input: &'a Input,
     ) -> Result<Self, SimError> {
         let w = &cfg.worker;
-        let layout = KvLayout { n_layer: 1, kv_dim: 1, block_size: w.block_size };
+        let layout = KvLayout { n_layer: 1, kv_dim: 1, head_dim: 1, block_size: w.block_size };
         let policy =
             Policy { block_size: w.block_size, prefill_chunk: w.prefill_chunk, max_batch: w.max_batch };
         let mut workers = Vec::new();

@@ -54,11 +54,7 @@ fn a_handoff_through_served_workers_generates_what_one_worker_generates() {
                         Some(FromWorker::KvSent { ok, bytes, ring, .. }) => {
                             assert!(ok, "the decode worker acknowledged the transfer");
                             assert_eq!(ring, want_ring, "{pt} -> {dt}");
-                            let bb = d.kv_layout().n_layer
-                                * 2
-                                * d.kv_layout().kv_dim
-                                * d.kv_layout().block_size
-                                * 2;
+                            let bb = d.kv_layout().block_bytes();
                             assert_eq!(bytes as usize, len.div_ceil(16) * bb);
                             break;
                         }
@@ -86,15 +82,15 @@ fn crafted_transfers_are_refused_and_the_lent_blocks_come_back() {
     let e = engine();
     let (wd, d) = spawn(&e, "d0");
     let l = d.kv_layout();
-    let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
-    let bb = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let layout = l.fingerprint();
+    let bb = l.block_bytes();
     // 40 tokens: three blocks.
     let (tokens, n_blocks) = (40u32, 3usize);
     let good: Vec<u8> = (0..n_blocks * bb).map(|i| if i % 2 == 1 { 0x3c } else { i as u8 }).collect();
     rt().block_on(async {
         let addr = listen(&d, Role::Decode).await;
         let mut next_id = 0u64;
-        let mut run = |frames: Vec<Vec<u8>>, tokens_said: u32, layout_said: [u32; 3]| {
+        let mut run = |frames: Vec<Vec<u8>>, tokens_said: u32, layout_said: [u32; 4]| {
             next_id += 1;
             let (id, h, addr) = (next_id, d.clone(), addr.clone());
             async move {
@@ -158,7 +154,7 @@ fn crafted_transfers_are_refused_and_the_lent_blocks_come_back() {
         assert!(refused(&ack).contains("another transfer"), "{ack:?}");
         let (_, ack) = run(vec![chunk(9, 0, &good, bb), end(9, 1)], tokens - 1, layout).await;
         assert!(refused(&ack).contains("the prompt has 40"), "{ack:?}");
-        let (_, ack) = run(vec![], tokens, [layout[0] + 1, layout[1], layout[2]]).await;
+        let (_, ack) = run(vec![], tokens, [layout[0], layout[1], layout[2], layout[3] + 1]).await;
         assert!(refused(&ack).contains("does not match"), "{ack:?}");
 
         // The connection closing mid-transfer (a dead prefill worker).
@@ -220,8 +216,8 @@ fn ring_chunks_are_bounded_checked_and_refused_without_a_ring() {
     let e = engine();
     let (wd, d) = spawn(&e, "d0");
     let l = d.kv_layout();
-    let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
-    let bb = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let layout = l.fingerprint();
+    let bb = l.block_bytes();
     let (tokens, n) = (40u32, 3u32);
     let good: Vec<u8> = (0..n as usize * bb).map(|i| (i * 7) as u8).collect();
     let sum = checksum(&good);

@@ -99,8 +99,8 @@ fn a_forged_or_second_kv_begin_never_disturbs_a_good_transfer() {
     let e = engine();
     let (wd, d) = spawn(&e, "d0");
     let l = d.kv_layout();
-    let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
-    let bb = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let layout = l.fingerprint();
+    let bb = l.block_bytes();
     let good: Vec<u8> = (0..3 * bb).map(|i| if i % 2 == 1 { 0x3c } else { i as u8 }).collect();
     rt().block_on(async {
         let addr = listen(&d, Role::Decode).await;
@@ -149,8 +149,8 @@ fn a_stalled_sender_gives_the_blocks_back_while_its_socket_stays_open() {
     let e = engine();
     let (wd, d) = spawn(&e, "d0");
     let l = d.kv_layout();
-    let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
-    let bb = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let layout = l.fingerprint();
+    let bb = l.block_bytes();
     let good: Vec<u8> = (0..bb).map(|i| if i % 2 == 1 { 0x3c } else { i as u8 }).collect();
     rt().block_on(async {
         let addr = listen(&d, Role::Decode).await;

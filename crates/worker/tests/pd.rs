@@ -125,7 +125,7 @@ fn pd_run(
         match pstream.blocking_next() {
             Some(WorkEvent::Kv { first_block, mut bytes, .. }) => {
                 assert_eq!(first_block as usize, blocks, "blocks leave in order");
-                let per = p.kv_layout().n_layer * 2 * p.kv_layout().kv_dim * p.kv_layout().block_size * 2;
+                let per = p.kv_layout().block_bytes();
                 blocks += bytes.len() / per;
                 if corrupt && first_block == 0 {
                     bytes.truncate(bytes.len() - 1);

@@ -29,6 +29,7 @@ pub(super) fn attention(
     hd: usize,
 ) -> Vec<f32> {
     const ROWS_PER_TASK: usize = 128;
+    assert_eq!(cache.layout().head_dim, hd, "the KV cache is laid out for another head width");
     let d = n_head * hd;
     let n_kv = n_head / group;
     // Tasks: (item, kv head, first stacked row, row count, query heads of the group).
@@ -96,96 +97,136 @@ struct Job<'a> {
     d: usize,
 }
 
+/// The decode attention kernels, by CPU path (capped with the products' by `TOKENPATH_KERNEL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Path {
+    /// Blocks converted to f32, then [`online_block`].
+    Portable,
+    /// `attention_avx2.rs`: one head, eight positions per vector, f16 read in place.
+    Avx2,
+    /// `attention_avx512.rs`: up to three heads, sixteen positions per vector.
+    Avx512,
+}
+
+impl Path {
+    /// The fastest path this CPU runs at or below [`crate::quant::Kernel::best`].
+    pub(super) fn best() -> Path {
+        use crate::quant::Kernel;
+        match Kernel::best() {
+            Kernel::Avx512 | Kernel::Amx => Path::Avx512,
+            Kernel::Avx2 => Path::Avx2,
+            Kernel::Scalar => Path::Portable,
+        }
+    }
+}
+
 /// One task of [`attention`]: rows `rows` (all of one sequence) × query heads `job.heads` of KV
-/// head `job.kvh`'s group. Returns `[rows × heads × hd]`. On AVX2 + FMA + F16C the same code is
-/// compiled with those features (wider vectors, the same operations in the same order: Rust
-/// never fuses a multiply and an add on its own), so both paths give the same bits.
+/// head `job.kvh`'s group. Returns `[rows × heads × hd]`. Every path gives the same bits.
 fn attend_task(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
     let n_q = rows.len() * job.heads.len();
     if n_q >= GEMM_MIN_ROWS && job.heads.len() == job.group {
         let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
         return attend_task_gemm(job, rows, q, max_pos);
     }
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the features the function is compiled for were detected.
-        return unsafe { attend_online_avx2(job, rows, q) };
-    }
-    attend_online(job, rows, q)
+    attend_online_path(job, rows, q, Path::best())
 }
 
-/// [`attend_online`] on AVX2 + FMA + F16C: for heads of 64 or 128 values the cache's f16 rows
-/// are read in place (`attention_avx2.rs`), for others the portable loop compiled with those
-/// features. Both give the portable path's bits.
-///
-/// Its walk over blocks, rows and heads repeats [`attend_online`]'s on purpose: a shared generic
-/// walk calling each path's per-head kernel keeps `online_block_f16` from being inlined into this
-/// feature-enabled function (a `#[target_feature]` function cannot be inlined into one without
-/// the features) and measured 4–5% slower at 16 sequences × 512 tokens of context.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_online_avx2(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
-    use super::attention_avx2::online_block_f16;
+/// [`attend_online`] on `path`: for heads of 64 or 128 values on AVX2 or AVX-512 the cache's
+/// f16 blocks are read in place by `attention_avx2.rs` / `attention_avx512.rs`; otherwise the
+/// portable walk. All give the portable path's bits.
+fn attend_online_path(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], path: Path) -> Vec<f32> {
     let (hd, d) = (job.hd, job.d);
-    if hd != 64 && hd != 128 {
+    if path == Path::Portable || (hd != 64 && hd != 128) {
         return attend_online(job, rows, q);
     }
-    let layout = job.cache.layout();
-    let (bs, kv_dim) = (layout.block_size, layout.kv_dim);
+    let bs = job.cache.layout().block_size;
     let w = job.heads.len();
     let n_q = rows.len() * w;
     let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
     let mut m = vec![f32::NEG_INFINITY; n_q];
     let mut l = vec![0f32; n_q];
     let mut acc = vec![0f32; n_q * hd];
-    let mut scores = vec![0f32; bs];
-    assert!(job.kvh * hd + hd <= kv_dim && q.len() >= rows.len() * d, "attention task out of bounds");
+    let mut scores = vec![0f32; 3 * bs];
+    // The query heads of one row side by side, pre-gathered: each kernel call takes a run.
+    let mut qs = vec![0f32; w * hd];
+    let g0 = job.kvh * job.group + job.heads.start;
     for (bi, block) in job.table.blocks().iter().enumerate() {
         let p0 = bi * bs;
         if p0 > max_pos {
             break;
         }
         let slots = bs.min(max_pos + 1 - p0);
-        let (ks, vs) = (job.cache.slab(*block, job.layer, false), job.cache.slab(*block, job.layer, true));
-        assert!(ks.len() >= slots * kv_dim && vs.len() >= slots * kv_dim, "KV slab shorter than its block");
-        // SAFETY (pointer offsets): `kvh · hd + hd <= kv_dim` and `slots` rows of `kv_dim` fit
-        // in each slab (asserted above), so every row read below is inside its slab.
-        let (kp, vp) = unsafe { (ks.as_ptr().add(job.kvh * hd), vs.as_ptr().add(job.kvh * hd)) };
+        let (k, v) =
+            (job.cache.k_head(*block, job.layer, job.kvh), job.cache.v_head(*block, job.layer, job.kvh));
         // The next block is elsewhere in the cache, where no hardware prefetcher looks: ask for
-        // its rows of this head now, so they arrive while this block is computed.
+        // this head's part of it now, so it arrives while this block is computed.
         if let Some(next) = job.table.blocks().get(bi + 1).filter(|_| p0 + bs <= max_pos) {
-            let (nk, nv) = (job.cache.slab(*next, job.layer, false), job.cache.slab(*next, job.layer, true));
-            for slot in 0..bs.min(max_pos + 1 - p0 - bs) {
-                let at = slot * kv_dim + job.kvh * hd;
-                for off in (0..hd).step_by(32) {
-                    // SAFETY: a prefetch never faults; the addresses are inside the next slabs.
-                    unsafe {
-                        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                        _mm_prefetch::<_MM_HINT_T0>(nk.as_ptr().add(at + off) as *const i8);
-                        _mm_prefetch::<_MM_HINT_T0>(nv.as_ptr().add(at + off) as *const i8);
-                    }
-                }
-            }
+            prefetch(job.cache.k_head(*next, job.layer, job.kvh));
+            prefetch(job.cache.v_head(*next, job.layer, job.kvh));
         }
         for (ri, &(_, pos)) in rows.iter().enumerate() {
             if pos < p0 {
                 continue;
             }
-            let valid = slots.min(pos + 1 - p0);
-            for (j, g) in job.heads.clone().enumerate() {
+            let n = slots.min(pos + 1 - p0);
+            qs.copy_from_slice(&q[ri * d + g0 * hd..][..w * hd]);
+            let mut j = 0;
+            while j < w {
+                let nh = if path == Path::Avx512 { (w - j).min(3) } else { 1 };
                 let qi = ri * w + j;
-                let qh = &q[ri * d + (job.kvh * job.group + g) * hd..][..hd];
-                let (sc, a) = (&mut scores[..valid], &mut acc[qi * hd..(qi + 1) * hd]);
-                // SAFETY: features enabled here; `valid <= slots` rows of `hd` values at `kp`/`vp`,
-                // `kv_dim` apart (above); `qh` and `a` hold `hd` values.
+                let (mj, lj) = (&mut m[qi..qi + nh], &mut l[qi..qi + nh]);
+                let (qj, aj) = (&qs[j * hd..(j + nh) * hd], &mut acc[qi * hd..(qi + nh) * hd]);
+                // SAFETY: the path was picked from the detected CPU (`Path::best`, or a test
+                // that checked it); `k` is `hd × bs`, `v` `bs × hd` and `n <= bs`; the kernels
+                // assert the slice lengths.
+                #[cfg(target_arch = "x86_64")]
                 unsafe {
-                    if hd == 64 {
-                        online_block_f16::<8>(qh, kp, vp, kv_dim, sc, job.scale, &mut m[qi], &mut l[qi], a);
-                    } else {
-                        online_block_f16::<16>(qh, kp, vp, kv_dim, sc, job.scale, &mut m[qi], &mut l[qi], a);
+                    use super::{attention_avx2 as a2, attention_avx512 as a5};
+                    let sc = &mut scores[..nh * bs];
+                    match (path, hd, nh) {
+                        (Path::Avx512, 64, 3) => {
+                            a5::online_block_f16::<8, 3>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
+                        }
+                        (Path::Avx512, 64, 2) => {
+                            a5::online_block_f16::<8, 2>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
+                        }
+                        (Path::Avx512, 64, _) => {
+                            a5::online_block_f16::<8, 1>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
+                        }
+                        (Path::Avx512, _, 3) => {
+                            a5::online_block_f16::<16, 3>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
+                        }
+                        (Path::Avx512, _, 2) => {
+                            a5::online_block_f16::<16, 2>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
+                        }
+                        (Path::Avx512, _, _) => {
+                            a5::online_block_f16::<16, 1>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
+                        }
+                        (_, 64, _) => a2::online_block_f16::<8>(
+                            qj,
+                            k,
+                            v,
+                            bs,
+                            &mut sc[..n],
+                            job.scale,
+                            &mut mj[0],
+                            &mut lj[0],
+                            aj,
+                        ),
+                        (_, _, _) => a2::online_block_f16::<16>(
+                            qj,
+                            k,
+                            v,
+                            bs,
+                            &mut sc[..n],
+                            job.scale,
+                            &mut mj[0],
+                            &mut lj[0],
+                            aj,
+                        ),
                     }
                 }
+                j += nh;
             }
         }
     }
@@ -194,6 +235,19 @@ unsafe fn attend_online_avx2(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) 
         a.iter_mut().for_each(|x| *x *= inv);
     }
     acc
+}
+
+/// Asks for `run` (a KV head's part of a block) to be brought into the cache.
+#[inline(always)]
+fn prefetch(run: &[half::f16]) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..run.len()).step_by(32) {
+        // SAFETY: a prefetch never faults; the address is inside `run`.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            _mm_prefetch::<_MM_HINT_T0>(run.as_ptr().add(off) as *const i8);
+        }
+    }
 }
 
 /// Few query rows (decode): each block's K and V converted once, then an online softmax
@@ -209,7 +263,7 @@ fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> 
     let mut m = vec![f32::NEG_INFINITY; n_q];
     let mut l = vec![0f32; n_q];
     let mut acc = vec![0f32; n_q * hd];
-    let mut kb = vec![0f32; bs * hd];
+    let mut kb = vec![0f32; hd * bs];
     let mut vb = vec![0f32; bs * hd];
     let mut scores = vec![0f32; bs];
     for (bi, block) in job.table.blocks().iter().enumerate() {
@@ -218,7 +272,8 @@ fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> 
             break;
         }
         let slots = bs.min(max_pos + 1 - p0);
-        gather_head(job.cache, *block, job.layer, job.kvh, hd, slots, &mut kb, &mut vb);
+        gather_keys(job.cache, *block, job.layer, job.kvh, slots, &mut kb, bs);
+        gather_values(job.cache, *block, job.layer, job.kvh, slots, &mut vb);
         for (ri, &(_, pos)) in rows.iter().enumerate() {
             if pos < p0 {
                 continue;
@@ -227,7 +282,7 @@ fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> 
             for (j, g) in job.heads.clone().enumerate() {
                 let qi = ri * w + j;
                 let qh = &q[ri * d + (job.kvh * job.group + g) * hd..][..hd];
-                let (k, v, sc) = (&kb[..valid * hd], &vb[..valid * hd], &mut scores[..valid]);
+                let (k, v, sc) = ((&kb[..], bs), &vb[..valid * hd], &mut scores[..valid]);
                 let a = &mut acc[qi * hd..(qi + 1) * hd];
                 match hd / 8 {
                     8 if hd == 64 => online_block::<8>(qh, k, v, sc, job.scale, &mut m[qi], &mut l[qi], a),
@@ -244,7 +299,8 @@ fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> 
     acc
 }
 
-/// One block of one (row, head) for a head of `8 · NC` values: scores eight positions at a time
+/// One block of one (row, head) for a head of `8 · NC` values, keys dimension-major (`k.0[e ·
+/// k.1 + s]`, as the cache holds them) and values position-major: scores eight positions at a time
 /// in eight-lane partial sums (fused multiply-adds; Rust's `mul_add` is one rounding everywhere,
 /// an instruction where FMA is compiled in and a correctly rounded call where not, so every path
 /// gives the same bits), folded pairwise; then the online-softmax update and `acc += p · V` with
@@ -253,7 +309,7 @@ fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> 
 #[inline(always)]
 fn online_block<const NC: usize>(
     q: &[f32],
-    k: &[f32],
+    (k, ks): (&[f32], usize),
     v: &[f32],
     scores: &mut [f32],
     scale: f32,
@@ -270,9 +326,8 @@ fn online_block<const NC: usize>(
         let mut part = [[0f32; 8]; 8];
         for (c, qc) in qv.iter().enumerate() {
             for (p, pp) in part.iter_mut().enumerate().take(np) {
-                let kr = &k[(s0 + p) * hd + 8 * c..][..8];
                 for i in 0..8 {
-                    pp[i] = kr[i].mul_add(qc[i], pp[i]);
+                    pp[i] = k[(8 * c + i) * ks + s0 + p].mul_add(qc[i], pp[i]);
                 }
             }
         }
@@ -302,7 +357,7 @@ fn online_block<const NC: usize>(
 #[inline(always)]
 fn online_block_any(
     q: &[f32],
-    k: &[f32],
+    (k, ks): (&[f32], usize),
     v: &[f32],
     scores: &mut [f32],
     scale: f32,
@@ -313,8 +368,8 @@ fn online_block_any(
     let hd = q.len();
     for (s, sc) in scores.iter_mut().enumerate() {
         let mut part = [0f32; 8];
-        for (e, (&kx, &qx)) in k[s * hd..(s + 1) * hd].iter().zip(q).enumerate() {
-            part[e % 8] = kx.mul_add(qx, part[e % 8]);
+        for (e, &qx) in q.iter().enumerate() {
+            part[e % 8] = k[e * ks + s].mul_add(qx, part[e % 8]);
         }
         *sc = fold8(&part) * scale;
     }
@@ -361,13 +416,14 @@ fn attend_task_gemm(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], max_pos: 
     let Job { cache, table, layer, kvh, group, hd, scale, d, .. } = *job;
     let bs = cache.layout().block_size;
     let n_pos = max_pos + 1;
-    let mut k = vec![0f32; n_pos * hd];
+    // Kᵀ (`[hd × n_pos]`, the cache's own orientation) and V (`[n_pos × hd]`).
+    let mut kt = vec![0f32; hd * n_pos];
     let mut v = vec![0f32; n_pos * hd];
     for (bi, block) in table.blocks().iter().enumerate().take(n_pos.div_ceil(bs)) {
         let p0 = bi * bs;
         let slots = bs.min(n_pos - p0);
-        let range = p0 * hd..(p0 + slots) * hd;
-        gather_head(cache, *block, layer, kvh, hd, slots, &mut k[range.clone()], &mut v[range]);
+        gather_keys(cache, *block, layer, kvh, slots, &mut kt[p0..], n_pos);
+        gather_values(cache, *block, layer, kvh, slots, &mut v[p0 * hd..(p0 + slots) * hd]);
     }
     // Query rows ordered (row, head-in-group), matching the output layout, pre-scaled by
     // 1/sqrt(hd) so the scores come out of the GEMM ready for the softmax.
@@ -382,7 +438,7 @@ fn attend_task_gemm(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], max_pos: 
         }
     }
     let mut sc = vec![0f32; n_q * n_pos];
-    gemm_serial(&qm, &k, &mut sc, n_q, n_pos, hd, true);
+    gemm_serial(&qm, &kt, &mut sc, n_q, n_pos, hd, false);
     // Unnormalized probabilities; each output row is divided by its sum after P·V (hd values
     // per row instead of n_pos).
     let mut sums = vec![0f32; n_q];
@@ -406,24 +462,28 @@ fn gemm_serial(x: &[f32], b: &[f32], y: &mut [f32], m: usize, n: usize, k: usize
     gemm_into(x, b, y, m, n, k, b_is_nk, gemm::Parallelism::None);
 }
 
-/// Converts the first `slots` positions of KV head `kvh` in one block from f16 to f32, K into
-/// `k` and V into `v` (`slots × hd` each): the one place attention reads the cache.
-#[allow(clippy::too_many_arguments)]
-fn gather_head(
+/// Converts the keys of the first `slots` positions of KV head `kvh` in one block from f16 to
+/// f32, dimension-major as the cache holds them: dimension `e` of slot `s` to `kt[e · stride + s]`.
+fn gather_keys(
     cache: &KvCache,
     block: BlockId,
     layer: usize,
     kvh: usize,
-    hd: usize,
     slots: usize,
-    k: &mut [f32],
-    v: &mut [f32],
+    kt: &mut [f32],
+    stride: usize,
 ) {
-    let kv_dim = cache.layout().kv_dim;
-    let (ks, vs) = (cache.slab(block, layer, false), cache.slab(block, layer, true));
-    let at = math::Rows { first: kvh * hd, stride: kv_dim, len: hd, count: slots };
-    math::f16_rows_to_f32(ks, at, k);
-    math::f16_rows_to_f32(vs, at, v);
+    let (bs, hd) = (cache.layout().block_size, cache.layout().head_dim);
+    let at = math::Rows { first: 0, stride: bs, len: slots, count: hd, out_stride: stride };
+    math::f16_rows_to_f32(cache.k_head(block, layer, kvh), at, kt);
+}
+
+/// Converts the values of the first `slots` positions of KV head `kvh` in one block from f16 to
+/// f32 into `v` (`slots × hd`).
+fn gather_values(cache: &KvCache, block: BlockId, layer: usize, kvh: usize, slots: usize, v: &mut [f32]) {
+    let hd = cache.layout().head_dim;
+    let at = math::Rows { first: 0, stride: hd, len: hd, count: slots, out_stride: hd };
+    math::f16_rows_to_f32(cache.v_head(block, layer, kvh), at, v);
 }
 
 #[cfg(test)]
@@ -431,54 +491,72 @@ mod tests {
     use super::*;
     use crate::kv_cache::KvLayout;
 
+    /// Every decode-attention path this CPU runs.
+    fn paths() -> Vec<Path> {
+        use crate::quant::Kernel;
+        let mut p = vec![Path::Portable];
+        if Kernel::Avx2.is_available() {
+            p.push(Path::Avx2);
+        }
+        if Kernel::Avx512.is_available() {
+            p.push(Path::Avx512);
+        }
+        p
+    }
+
     #[test]
     fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
-        let (hd, group, n_kv, bs) = (64, 3, 2, 16);
-        let layout = KvLayout { n_layer: 1, kv_dim: n_kv * hd, block_size: bs };
-        let mut cache = KvCache::new(layout, 64).unwrap();
-        let mut table = BlockTable::default();
-        let n = 300;
-        cache.reserve(&mut table, n).unwrap();
-        let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7;
-        for pos in 0..n {
-            let k: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 977 + j)).collect();
-            let v: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 131 + j + 7)).collect();
-            cache.write(&table, 0, pos, &k, &v);
-        }
-        cache.advance(&mut table, n);
-        let d = n_kv * group * hd;
-        let rows = [(0, n - 1), (0, 140)];
-        let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
-        let job = |kvh, heads| Job {
-            cache: &cache,
-            table: &table,
-            layer: 0,
-            kvh,
-            group,
-            heads,
-            hd,
-            scale: 0.125,
-            d,
-        };
-        for kvh in 0..n_kv {
-            let whole = attend_online(&job(kvh, 0..group), &rows, &q);
-            #[cfg(target_arch = "x86_64")]
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
-                // SAFETY: features detected.
-                let fast = unsafe { attend_online_avx2(&job(kvh, 0..group), &rows, &q) };
-                assert_eq!(bits(&fast), bits(&whole), "AVX2-compiled path");
+        // (head width, group, KV heads, block size): one, two, three and four query heads per
+        // KV head (the AVX-512 kernel takes three at a time), whole and partial blocks of 16,
+        // and block sizes that are no multiple of a vector.
+        for (hd, group, n_kv, bs) in
+            [(64, 3, 2, 16), (128, 4, 2, 16), (64, 2, 1, 8), (64, 1, 2, 5), (128, 3, 1, 32)]
+        {
+            let layout = KvLayout { n_layer: 1, kv_dim: n_kv * hd, head_dim: hd, block_size: bs };
+            let mut cache = KvCache::new(layout, 320usize.div_ceil(bs)).unwrap();
+            let mut table = BlockTable::default();
+            let n = 300;
+            cache.reserve(&mut table, n).unwrap();
+            let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7;
+            for pos in 0..n {
+                let k: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 977 + j)).collect();
+                let v: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 131 + j + 7)).collect();
+                cache.write(&table, 0, pos, &k, &v);
             }
-            for g in 0..group {
-                let one = attend_online(&job(kvh, g..g + 1), &rows, &q);
-                for r in 0..rows.len() {
+            cache.advance(&mut table, n);
+            let d = n_kv * group * hd;
+            let rows = [(0, n - 1), (0, 140), (0, 15), (0, 0)];
+            let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
+            let job = |kvh, heads| Job {
+                cache: &cache,
+                table: &table,
+                layer: 0,
+                kvh,
+                group,
+                heads,
+                hd,
+                scale: 0.125,
+                d,
+            };
+            for kvh in 0..n_kv {
+                let whole = attend_online(&job(kvh, 0..group), &rows, &q);
+                for path in paths() {
+                    let got = attend_online_path(&job(kvh, 0..group), &rows, &q, path);
                     assert_eq!(
-                        bits(&one[r * hd..(r + 1) * hd]),
-                        bits(&whole[(r * group + g) * hd..(r * group + g + 1) * hd]),
-                        "head {g} alone, row {r}"
+                        bits(&got),
+                        bits(&whole),
+                        "{path:?}, head width {hd}, group {group}, blocks of {bs}"
                     );
+                    for g in 0..group {
+                        let one = attend_online_path(&job(kvh, g..g + 1), &rows, &q, path);
+                        for r in 0..rows.len() {
+                            assert_eq!(
+                                bits(&one[r * hd..(r + 1) * hd]),
+                                bits(&whole[(r * group + g) * hd..(r * group + g + 1) * hd]),
+                                "{path:?}: head {g} alone, row {r}, head width {hd}, blocks of {bs}"
+                            );
+                        }
+                    }
                 }
             }
         }
@@ -491,14 +569,15 @@ mod tests {
             for n in [1, 5, 8, 13, 16] {
                 let q: Vec<f32> = (0..hd).map(|i| val(i + 11)).collect();
                 let k: Vec<f32> = (0..n * hd).map(|i| val(i * 7 + 3)).collect();
+                let k = (&k[..], n);
                 let v: Vec<f32> = (0..n * hd).map(|i| val(i * 13 + 5)).collect();
                 let start: Vec<f32> = (0..hd).map(|i| val(i * 3 + 1)).collect();
                 let run = |fixed: bool| {
                     let (mut m, mut l, mut acc, mut sc) = (0.3f32, 1.7f32, start.clone(), vec![0f32; n]);
                     match (fixed, hd) {
-                        (true, 64) => online_block::<8>(&q, &k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
-                        (true, _) => online_block::<16>(&q, &k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
-                        (false, _) => online_block_any(&q, &k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
+                        (true, 64) => online_block::<8>(&q, k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
+                        (true, _) => online_block::<16>(&q, k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
+                        (false, _) => online_block_any(&q, k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
                     }
                     (m.to_bits(), l.to_bits(), bits(&acc))
                 };

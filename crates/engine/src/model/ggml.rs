@@ -385,20 +385,18 @@ fn attend_fma(query: &Query<'_>) -> Vec<f32> {
 fn attend_body(query: &Query<'_>) -> Vec<f32> {
     let Query { cache, table, layer, kvh, hd, pos, q, batched } = *query;
     let bs = cache.layout().block_size;
-    let kv_dim = cache.layout().kv_dim;
     let n = pos + 1;
     // Zero padding to whole 32-element steps adds exact zeros to either dot's lanes.
     let padded = n.div_ceil(32) * 32;
     let mut k = vec![f16::ZERO; n * hd];
     let mut vt = vec![f16::ZERO; hd * padded]; // V transposed, as llama.cpp caches it
     for (bi, block) in table.blocks().iter().enumerate().take(n.div_ceil(bs)) {
-        let (ks, vs) = (cache.slab(*block, layer, false), cache.slab(*block, layer, true));
+        let (kh, vh) = (cache.k_head(*block, layer, kvh), cache.v_head(*block, layer, kvh));
         for s in 0..bs.min(n - bi * bs) {
             let p = bi * bs + s;
-            let src = s * kv_dim + kvh * hd;
-            k[p * hd..(p + 1) * hd].copy_from_slice(&ks[src..src + hd]);
             for dd in 0..hd {
-                vt[dd * padded + p] = vs[src + dd];
+                k[p * hd + dd] = kh[dd * bs + s];
+                vt[dd * padded + p] = vh[s * hd + dd];
             }
         }
     }

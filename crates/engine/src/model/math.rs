@@ -193,27 +193,29 @@ pub(crate) fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
     h
 }
 
-/// Where [`f16_rows_to_f32`] reads: `count` runs of `len` values, `stride` apart from `first`.
+/// Where [`f16_rows_to_f32`] reads: `count` runs of `len` values, `stride` apart from `first`;
+/// and where it writes them: `out_stride` apart from the start of the output.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Rows {
     pub first: usize,
     pub stride: usize,
     pub len: usize,
     pub count: usize,
+    pub out_stride: usize,
 }
 
-/// `rows` runs of `hd` f16 values, `stride` apart in `src` from `first`, into `dst` (`rows × hd`)
-/// as f32 — exact on every path. The attention's one read of the cache: `half`'s slice
+/// `rows` runs of `hd` f16 values, `stride` apart in `src` from `first`, into `dst` (run `r` at
+/// `r · out_stride`) as f32 — exact on every path. The attention's one read of the cache: `half`'s slice
 /// conversion checks the CPU on every call, and at a 64-value row per call that check and the
 /// call cost more than the conversion (a tenth of a decode step at 600 tokens of context); here
 /// the check is made once per block and F16C converts eight values per instruction.
 pub(crate) fn f16_rows_to_f32(src: &[half::f16], at: Rows, dst: &mut [f32]) {
-    let Rows { first, stride, len: hd, count: rows } = at;
+    let Rows { first, stride, len: hd, count: rows, out_stride } = at;
     if rows == 0 {
         return;
     }
     assert!(
-        first + (rows - 1) * stride + hd <= src.len() && rows * hd <= dst.len(),
+        first + (rows - 1) * stride + hd <= src.len() && (rows - 1) * out_stride + hd <= dst.len(),
         "f16 rows out of bounds"
     );
     #[cfg(target_arch = "x86_64")]
@@ -224,7 +226,7 @@ pub(crate) fn f16_rows_to_f32(src: &[half::f16], at: Rows, dst: &mut [f32]) {
     }
     for r in 0..rows {
         let s = &src[first + r * stride..][..hd];
-        for (d, x) in dst[r * hd..(r + 1) * hd].iter_mut().zip(s) {
+        for (d, x) in dst[r * out_stride..][..hd].iter_mut().zip(s) {
             *d = x.to_f32();
         }
     }
@@ -234,12 +236,12 @@ pub(crate) fn f16_rows_to_f32(src: &[half::f16], at: Rows, dst: &mut [f32]) {
 #[target_feature(enable = "avx,f16c")]
 unsafe fn f16_rows_f16c(src: &[half::f16], at: Rows, dst: &mut [f32]) {
     use std::arch::x86_64::*;
-    let Rows { first, stride, len: hd, count: rows } = at;
+    let Rows { first, stride, len: hd, count: rows, out_stride } = at;
     unsafe {
         let wide = hd / 8 * 8;
         for r in 0..rows {
             let s = src.as_ptr().add(first + r * stride);
-            let d = dst.as_mut_ptr().add(r * hd);
+            let d = dst.as_mut_ptr().add(r * out_stride);
             for i in (0..wide).step_by(8) {
                 _mm256_storeu_ps(d.add(i), _mm256_cvtph_ps(_mm_loadu_si128(s.add(i) as *const __m128i)));
             }
@@ -258,12 +260,14 @@ mod tests {
     #[test]
     fn f16_rows_convert_exactly_on_every_path() {
         let src: Vec<half::f16> = (0..700).map(|i| half::f16::from_f32((i as f32 - 350.0) * 0.37)).collect();
-        for (first, stride, hd, rows) in [(0, 64, 64, 10), (5, 70, 13, 7), (3, 9, 9, 1), (0, 1, 1, 0)] {
-            let mut got = vec![0f32; rows * hd];
-            f16_rows_to_f32(&src, Rows { first, stride, len: hd, count: rows }, &mut got);
+        for (first, stride, hd, rows, out) in
+            [(0, 64, 64, 10, 64), (5, 70, 13, 7, 13), (3, 9, 9, 1, 9), (0, 1, 1, 0, 1), (2, 16, 11, 9, 40)]
+        {
+            let mut got = vec![0f32; rows * out];
+            f16_rows_to_f32(&src, Rows { first, stride, len: hd, count: rows, out_stride: out }, &mut got);
             for r in 0..rows {
                 for i in 0..hd {
-                    assert_eq!(got[r * hd + i].to_bits(), src[first + r * stride + i].to_f32().to_bits());
+                    assert_eq!(got[r * out + i].to_bits(), src[first + r * stride + i].to_f32().to_bits());
                 }
             }
         }

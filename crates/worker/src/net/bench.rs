@@ -124,7 +124,7 @@ async fn one_transfer(
     // are copied, and their frames hashed, before the clock starts: on a prefill worker both
     // happen in the batcher's export (the hash right after the copy, in cache), not the transfer.
     let l = s.decode.kv_layout();
-    let bb = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let bb = l.block_bytes();
     let chunks: Vec<(u32, Vec<u8>, Vec<Checksum>)> = s
         .chunks
         .iter()
@@ -183,7 +183,7 @@ pub async fn kv_transfer(
     };
     let server = decode_side.spawn(serve(listener, decode.clone(), config));
     let l = decode.kv_layout();
-    let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let block_bytes = l.block_bytes();
     let n_blocks = tokens.div_ceil(l.block_size);
     // Finite f16 values (0x3c00 = 1.0 with varying low bits); the content does not change the cost.
     let payload: Arc<Vec<u8>> = Arc::new(

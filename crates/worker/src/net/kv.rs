@@ -105,8 +105,8 @@ impl KvSender {
         let (done, done_rx) = oneshot::channel();
         let (res_tx, result) = oneshot::channel();
         let l = handle.kv_layout();
-        let layout = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
-        let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+        let layout = l.fingerprint();
+        let block_bytes = l.block_bytes();
         let peers = peers.clone();
         tokio::spawn(async move {
             // Sent export buffers are freed only when the sender would wait anyway, or once the
@@ -143,7 +143,7 @@ struct Job {
     transfer: TransferId,
     token: TransferToken,
     n_tokens: usize,
-    layout: [u32; 3],
+    layout: [u32; 4],
     block_bytes: usize,
     opts: SendOptions,
     /// This worker's kept mappings of decode workers' rings.

@@ -34,7 +34,7 @@ pub(crate) fn ring_len(block_bytes: usize) -> usize {
 pub(crate) struct Begin {
     pub(crate) transfer: Transfer,
     pub(crate) n_tokens: u32,
-    pub(crate) layout: [u32; 3],
+    pub(crate) layout: [u32; 4],
     pub(crate) same_host: Option<SameHost>,
 }
 
@@ -50,8 +50,8 @@ pub(crate) async fn receive_kv<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
 ) -> Result<(), ProtocolError> {
     let Begin { transfer, n_tokens, layout, same_host } = begin;
     let l = handle.kv_layout();
-    let ours = [l.n_layer as u32, l.kv_dim as u32, l.block_size as u32];
-    let block_bytes = l.n_layer * 2 * l.kv_dim * l.block_size * 2;
+    let ours = l.fingerprint();
+    let block_bytes = l.block_bytes();
     let mut problem =
         (layout != ours).then(|| format!("KV layout {layout:?} does not match this worker's {ours:?}"));
     let mut blocks = None;
@@ -279,7 +279,7 @@ mod tests {
 
     /// A lent block to receive into, and what the batcher would get back.
     fn blocks() -> (KvBlocks, std::sync::mpsc::Receiver<crate::batcher::Command>) {
-        let layout = KvLayout { n_layer: 1, kv_dim: 4, block_size: 4 };
+        let layout = KvLayout { n_layer: 1, kv_dim: 4, head_dim: 4, block_size: 4 };
         let mut cache = KvCache::new(layout, 2).unwrap();
         let mut table = BlockTable::default();
         cache.reserve(&mut table, 4).unwrap();

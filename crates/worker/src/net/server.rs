@@ -63,7 +63,7 @@ pub async fn serve(
     let l = handle.kv_layout();
     let decodes = matches!(config.role, Role::Decode | Role::Both);
     let warm = (decodes && config.kv_transport == KvTransport::Auto && host_id().is_some())
-        .then(|| ring_len(l.n_layer * 2 * l.kv_dim * l.block_size * 2));
+        .then(|| ring_len(l.block_bytes()));
     let rings = Rings { own: RingPool::start(warm), peers: PeerRings::start() };
     loop {
         let (stream, peer) = match listener.accept().await {

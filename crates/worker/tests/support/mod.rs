@@ -166,7 +166,7 @@ pub async fn push(
     addr: &str,
     transfer: u64,
     tokens: u32,
-    layout: [u32; 3],
+    layout: [u32; 4],
     frames: Vec<Vec<u8>>,
 ) -> FromWorker {
     push_with(addr, transfer, token(transfer), tokens, layout, frames).await
@@ -178,7 +178,7 @@ pub async fn push_with(
     transfer: u64,
     token: TransferToken,
     tokens: u32,
-    layout: [u32; 3],
+    layout: [u32; 4],
     frames: Vec<Vec<u8>>,
 ) -> FromWorker {
     let mut s = authed(addr).await;
@@ -254,7 +254,7 @@ pub async fn push_ring(
     addr: &str,
     transfer: u64,
     tokens: u32,
-    layout: [u32; 3],
+    layout: [u32; 4],
     good: &[u8],
     frames: impl FnOnce(u64) -> Vec<Vec<u8>>,
 ) -> Option<FromWorker> {
