@@ -412,17 +412,22 @@ mod tests {
         };
         assert!(!String::from_utf8(encode_control(&begin).unwrap()).unwrap().contains("host"));
         let tcp: ToWorker = decode_control(
-            br#"{"type":"kv_begin","transfer":1,"token":"abababababababababababababababab","n_tokens":2,"layout":[1,2,3]}"#,
+            br#"{"type":"kv_begin","transfer":1,"token":"abababababababababababababababab","n_tokens":2,"layout":[1,2,3,4]}"#,
         )
         .unwrap();
         assert_eq!(tcp, begin);
+        // A peer from before the layout named its head width: refused, not guessed.
+        assert!(decode_control::<ToWorker>(
+            br#"{"type":"kv_begin","transfer":1,"token":"abababababababababababababababab","n_tokens":2,"layout":[1,2,3]}"#
+        )
+        .is_err());
         // No token, or a token of the wrong length: not a KvBegin at all.
         assert!(decode_control::<ToWorker>(
-            br#"{"type":"kv_begin","transfer":1,"n_tokens":2,"layout":[1,2,3]}"#
+            br#"{"type":"kv_begin","transfer":1,"n_tokens":2,"layout":[1,2,3,4]}"#
         )
         .is_err());
         assert!(decode_control::<ToWorker>(
-            br#"{"type":"kv_begin","transfer":1,"token":"abab","n_tokens":2,"layout":[1,2,3]}"#
+            br#"{"type":"kv_begin","transfer":1,"token":"abab","n_tokens":2,"layout":[1,2,3,4]}"#
         )
         .is_err());
         assert_ne!(TransferToken::random().unwrap(), TransferToken::random().unwrap());
