@@ -186,3 +186,42 @@ fn interleaved_prefill_throughput() {
         }
     }
 }
+
+/// The repacked tiles at one activation (decode batch 1), in weight bytes per second: one
+/// 1536 × 512 matrix over and over (cache-resident: the tile's own speed) against a sweep over
+/// ~100 MB of distinct copies (DRAM, like a decode step of the whole model). When the two are
+/// close the tile is the limit; when the cached figure is far higher, the memory is.
+#[test]
+#[ignore = "benchmark; run in release with --ignored --nocapture"]
+fn interleaved_decode_throughput() {
+    let (rows, cols) = (1536, 512);
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    for ty in [GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q8_0] {
+        let w = random_blocks(ty, rows, cols);
+        let m = QMatrix::new(ty, rows, cols, &w).expect("matrix");
+        let copies = (100 << 20) / w.len();
+        let ils: Vec<_> = (0..copies)
+            .map(|_| tokenpath_engine::quant::Interleaved::from_matrix(&m).expect("repackable"))
+            .collect();
+        let acts = ils[0].prepare_rows(&x).expect("acts");
+        let mut out = vec![0f32; rows];
+        for kernel in Kernel::ALL.into_iter().filter(|k| k.is_available() && *k != Kernel::Amx) {
+            let mut run = |i: usize| {
+                tokenpath_engine::quant::matmul_group_interleaved_with(kernel, &[&ils[i]], &acts, &mut [&mut out])
+                    .expect("product")
+            };
+            let iters = 4 * copies;
+            let t = Instant::now();
+            for _ in 0..iters {
+                run(0);
+            }
+            let cached = (w.len() * iters) as f64 / t.elapsed().as_secs_f64() / 1e9;
+            let t = Instant::now();
+            for i in 0..iters {
+                run(i % copies);
+            }
+            let swept = (w.len() * iters) as f64 / t.elapsed().as_secs_f64() / 1e9;
+            println!("{ty} {rows}x{cols} x1, {kernel}: cached {cached:.1} GB/s, swept over {copies} copies {swept:.1} GB/s");
+        }
+    }
+}
