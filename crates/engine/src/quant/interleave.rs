@@ -192,30 +192,41 @@ pub fn matmul_group_interleaved_with(
     };
     let yb: Vec<&[u8]> = biased.iter().map(Vec::as_slice).collect();
     let avx2 = kernel >= Kernel::Avx2 && Kernel::Avx2.is_available();
-    // Tasks own runs of row groups and write `[activation][row]` into their own buffer, copied
-    // into place afterwards (a few KB per task).
-    let mut tasks: Vec<(usize, usize, usize, Vec<f32>)> = Vec::new();
+    // Tasks own runs of row groups and write their rows of every activation straight into the
+    // outputs (disjoint ranges: no buffer to zero and copy back on one thread — a twelfth of a
+    // prefill's time when they were).
+    let out_ptrs: Vec<OutRows> = outs.iter_mut().map(|o| OutRows { ptr: o.as_mut_ptr(), len: o.len() }).collect();
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (i, m) in mats.iter().enumerate() {
         let groups = m.rows / GROUP;
         for g0 in (0..groups).step_by(GROUPS_PER_TASK) {
-            let g1 = (g0 + GROUPS_PER_TASK).min(groups);
-            tasks.push((i, g0, g1, vec![0f32; (g1 - g0) * GROUP * n]));
+            tasks.push((i, g0, (g0 + GROUPS_PER_TASK).min(groups)));
         }
     }
-    let run = |(i, g0, g1, buf): &mut (usize, usize, usize, Vec<f32>)| {
-        let m = mats[*i];
-        let rows = (*g1 - *g0) * GROUP;
-        let mut g = *g0;
+    let run = |&(i, g0, g1): &(usize, usize, usize)| {
+        let m = mats[i];
+        let out = &out_ptrs[i];
+        // Row `r` of activation `b` is `b · m.rows + r`; this task's rows are `g0·8..g1·8`.
+        let put = |b: usize, r: usize, vals: &[f32]| {
+            assert!(r >= g0 * GROUP && r + vals.len() <= g1 * GROUP && b < n, "tile output outside its task");
+            // SAFETY: in bounds of the output (its length is `m.rows · n`, checked above), and
+            // only this task writes rows `g0·8..g1·8` of any activation (asserted), while the
+            // outputs are borrowed mutably by this function.
+            unsafe { out.write(b * m.rows + r, vals) };
+        };
+        let mut g = g0;
         #[cfg(target_arch = "x86_64")]
-        let mut scratch = super::interleave_amx::Scratch::default();
-        while g < *g1 {
-            let two = wide && g + 1 < *g1;
-            let at = (g - *g0) * GROUP;
+        let (mut scratch, mut buf) = (super::interleave_amx::Scratch::default(), Vec::new());
+        while g < g1 {
+            let two = wide && g + 1 < g1;
             #[cfg(target_arch = "x86_64")]
             if amx && two {
+                // AMX writes `[activation][16 rows]` into a buffer of its own (opt-in, not the
+                // hot path), copied into place.
+                buf.resize(2 * GROUP * n, 0f32);
                 // SAFETY: AMX granted and AVX-512 detected (`amx`); both groups hold one unit per
                 // activation unit (checked above); `amx_acts` is `biased_rows` of `ys`; `buf`
-                // holds `n × rows` and `at + 16 <= rows`.
+                // holds `n × 16` and `0 + 16 <= 16`.
                 unsafe {
                     let op = super::interleave_amx::Rows16 {
                         w0: m.group(g),
@@ -223,10 +234,13 @@ pub fn matmul_group_interleaved_with(
                         ab: &amx_acts,
                         ys: &ys,
                         buf: &mut buf[..],
-                        rows,
-                        at,
+                        rows: 2 * GROUP,
+                        at: 0,
                     };
                     super::interleave_amx::rows16(m.kind, op, &mut scratch);
+                }
+                for (b, r) in buf.chunks_exact(2 * GROUP).enumerate() {
+                    put(b, g * GROUP, r);
                 }
                 g += 2;
                 continue;
@@ -250,13 +264,13 @@ pub fn matmul_group_interleaved_with(
                         );
                     }
                     for (kk, r) in res.iter().enumerate().take(k) {
-                        buf[(c + kk) * rows + at..][..2 * GROUP].copy_from_slice(r);
+                        put(c + kk, g * GROUP, r);
                     }
                 } else {
                     let mut res = [[0f32; GROUP]; C];
                     one_group(avx2, m.kind, m.group(g), &ys[c..c + k], &mut res);
                     for (kk, r) in res.iter().enumerate().take(k) {
-                        buf[(c + kk) * rows + at..][..GROUP].copy_from_slice(r);
+                        put(c + kk, g * GROUP, r);
                     }
                 }
                 c += k;
@@ -266,18 +280,33 @@ pub fn matmul_group_interleaved_with(
     };
     let work: usize = mats.iter().map(|m| m.data.len()).sum::<usize>() * n;
     if work < 64 * 1024 {
-        tasks.iter_mut().for_each(run);
+        tasks.iter().for_each(run);
     } else {
-        tasks.par_iter_mut().for_each(run);
-    }
-    for (i, g0, g1, buf) in &tasks {
-        let rows = mats[*i].rows;
-        let len = (g1 - g0) * GROUP;
-        for b in 0..n {
-            outs[*i][b * rows + g0 * GROUP..][..len].copy_from_slice(&buf[b * len..(b + 1) * len]);
-        }
+        tasks.par_iter().for_each(run);
     }
     Ok(())
+}
+
+/// One output of a product, written by several tasks at once, each into rows of its own.
+struct OutRows {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the tasks sharing an `OutRows` write disjoint ranges (see `put` above), and the slice
+// it points into is borrowed mutably for as long as they run.
+unsafe impl Sync for OutRows {}
+
+impl OutRows {
+    /// Copies `vals` to `at..at + vals.len()`.
+    ///
+    /// # Safety
+    /// No other thread reads or writes that range meanwhile.
+    unsafe fn write(&self, at: usize, vals: &[f32]) {
+        assert!(at.checked_add(vals.len()).is_some_and(|end| end <= self.len), "output range out of bounds");
+        // SAFETY: in bounds (asserted); exclusivity is the caller's promise.
+        unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), self.ptr.add(at), vals.len()) };
+    }
 }
 
 /// One group's eight rows × `ys.len()` (1 to 4) activations, on AVX2 when `avx2` (detected).
