@@ -207,8 +207,13 @@ fn interleaved_decode_throughput() {
         let mut out = vec![0f32; rows];
         for kernel in Kernel::ALL.into_iter().filter(|k| k.is_available() && *k != Kernel::Amx) {
             let mut run = |i: usize| {
-                tokenpath_engine::quant::matmul_group_interleaved_with(kernel, &[&ils[i]], &acts, &mut [&mut out])
-                    .expect("product")
+                tokenpath_engine::quant::matmul_group_interleaved_with(
+                    kernel,
+                    &[&ils[i]],
+                    &acts,
+                    &mut [&mut out],
+                )
+                .expect("product")
             };
             let iters = 4 * copies;
             let t = Instant::now();

@@ -8,6 +8,7 @@ use super::{ggml, math, Mat, Model, Numerics};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockTable, KvCache};
 use crate::quant::{matmul_group, matmul_group_interleaved, Interleaved, QMatrix};
+use rayon::prelude::*;
 
 /// One sequence's part of a forward call.
 #[derive(Debug)]
@@ -123,15 +124,31 @@ impl Model {
     /// do not depend on its chunking or on a prefix-cache hit. Other types take dequantize + f32
     /// GEMM from [`GEMM_MIN_ROWS`] rows on.
     fn linears(&self, ws: &[&Mat], x: &[f32], t: usize) -> Result<Vec<Vec<f32>>> {
+        let mut ys = ws.iter().map(|w| Ok(vec![0f32; t * self.q(w)?.rows()])).collect::<Result<Vec<_>>>()?;
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(Vec::as_mut_slice).collect();
+        self.linears_into(ws, x, t, &mut outs)?;
+        Ok(ys)
+    }
+
+    /// [`Model::linears`] into `ys` (`t × rows` each, every value overwritten): the forward pass
+    /// keeps one buffer per projection for all layers instead of zeroing new ones per layer.
+    fn linears_into(&self, ws: &[&Mat], x: &[f32], t: usize, ys: &mut [&mut [f32]]) -> Result<()> {
         let mats = ws.iter().map(|w| self.q(w)).collect::<Result<Vec<QMatrix<'_>>>>()?;
-        if self.numerics == Numerics::Ggml {
-            return mats.iter().map(|m| ggml::linear(m, x, t)).collect();
+        for (m, y) in mats.iter().zip(ys.iter()) {
+            if y.len() != t * m.rows() {
+                return Err(EngineError::shape("projection output", t * m.rows(), y.len()));
+            }
         }
-        let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; t * m.rows()]).collect();
+        if self.numerics == Numerics::Ggml {
+            for (m, y) in mats.iter().zip(ys.iter_mut()) {
+                y.copy_from_slice(&ggml::linear(m, x, t)?);
+            }
+            return Ok(());
+        }
         let mut done = vec![false; mats.len()];
         for (i, m) in mats.iter().enumerate() {
             if t >= GEMM_MIN_ROWS && ws[i].interleaved.is_none() {
-                with_dequantized(m, |wf| gemm_xwt(x, wf, &mut ys[i], t, m.rows(), m.cols()))?;
+                with_dequantized(m, |wf| gemm_xwt(x, wf, ys[i], t, m.rows(), m.cols()))?;
                 done[i] = true;
             }
         }
@@ -148,12 +165,8 @@ impl Model {
                 Some(il) => il.prepare_rows(x)?,
                 None => mats[first].prepare_rows(x)?,
             };
-            let mut outs: Vec<&mut [f32]> = ys
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| group.contains(i))
-                .map(|(_, y)| y.as_mut_slice())
-                .collect();
+            let mut outs: Vec<&mut [f32]> =
+                ys.iter_mut().enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| &mut **y).collect();
             if key.0 {
                 let gm: Vec<&Interleaved> =
                     group.iter().filter_map(|&i| ws[i].interleaved.as_deref()).collect();
@@ -164,7 +177,7 @@ impl Model {
             }
             group.iter().for_each(|&i| done[i] = true);
         }
-        Ok(ys)
+        Ok(())
     }
 
     /// Runs the new tokens of every item, writes their K/V into `cache`, and returns logits.
@@ -228,35 +241,52 @@ impl Model {
         } else {
             rope_table(positions, c.rope_dims, c.rope_base)
         };
+        // One buffer per projection for every layer (each product overwrites all of it).
+        let (mut q, mut k, mut v, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut gate, mut up, mut h, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let rows_of = |w: &Mat| self.q(w).map(|m| t * m.rows());
+        // Row-wise steps run on every thread: each row's arithmetic is the same alone or not.
+        let norm_rows = |x: &[f32], w: &[f32], xn: &mut [f32]| {
+            xn.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, r)| rms_norm(r, w, c.rms_eps, o));
+        };
         for (l, layer) in self.layers.iter().enumerate() {
-            for (o, r) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                rms_norm(r, &layer.attn_norm, c.rms_eps, o);
-            }
-            let mut qkv = self.linears(&[&layer.wq, &layer.wk, &layer.wv], &xn, t)?.into_iter();
-            let (mut q, mut k, v) = (next(&mut qkv), next(&mut qkv), next(&mut qkv));
-            for (r, &(_, pos)) in rows.iter().enumerate() {
+            norm_rows(&x, &layer.attn_norm, &mut xn);
+            let (q, k, v) = (
+                sized(&mut q, rows_of(&layer.wq)?),
+                sized(&mut k, rows_of(&layer.wk)?),
+                sized(&mut v, rows_of(&layer.wv)?),
+            );
+            self.linears_into(&[&layer.wq, &layer.wk, &layer.wv], &xn, t, &mut [&mut *q, &mut *k, &mut *v])?;
+            q.par_chunks_mut(d).zip(k.par_chunks_mut(kv)).enumerate().for_each(|(r, (qr, kr))| {
                 let angles = &rope_at[r * half..(r + 1) * half];
-                rope(&mut q[r * d..(r + 1) * d], hd, angles);
-                rope(&mut k[r * kv..(r + 1) * kv], hd, angles);
-                let item = &batch[rows[r].0];
-                cache.write(item.table, l, pos, &k[r * kv..(r + 1) * kv], &v[r * kv..(r + 1) * kv]);
+                rope(qr, hd, angles);
+                rope(kr, hd, angles);
+            });
+            for (r, &(item, pos)) in rows.iter().enumerate() {
+                cache.write(batch[item].table, l, pos, &k[r * kv..(r + 1) * kv], &v[r * kv..(r + 1) * kv]);
             }
             let attn = if exact {
-                ggml::attention(&*cache, batch, &rows, &q, l, c.n_head, group, hd)
+                ggml::attention(&*cache, batch, &rows, q, l, c.n_head, group, hd)
             } else {
-                attention(&*cache, batch, &rows, &q, l, c.n_head, group, hd)
+                attention(&*cache, batch, &rows, q, l, c.n_head, group, hd)
             };
-            let o = self.linear(&layer.wo, &attn, t)?;
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let o = sized(&mut o, rows_of(&layer.wo)?);
+            self.linears_into(&[&layer.wo], &attn, t, &mut [&mut *o])?;
+            x.par_iter_mut().zip(&*o).for_each(|(a, b)| *a += b);
 
-            for (o, r) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                rms_norm(r, &layer.ffn_norm, c.rms_eps, o);
+            norm_rows(&x, &layer.ffn_norm, &mut xn);
+            let (gate, up) =
+                (sized(&mut gate, rows_of(&layer.w_gate)?), sized(&mut up, rows_of(&layer.w_up)?));
+            self.linears_into(&[&layer.w_gate, &layer.w_up], &xn, t, &mut [&mut *gate, &mut *up])?;
+            let h = sized(&mut h, gate.len().min(up.len()));
+            if exact {
+                h.copy_from_slice(&ggml::silu_mul(gate, up));
+            } else {
+                math::silu_mul_into(gate, up, h);
             }
-            let mut gu = self.linears(&[&layer.w_gate, &layer.w_up], &xn, t)?.into_iter();
-            let (gate, up) = (next(&mut gu), next(&mut gu));
-            let h = if exact { ggml::silu_mul(&gate, &up) } else { math::silu_mul(&gate, &up) };
-            let down = self.linear(&layer.w_down, &h, t)?;
-            x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+            let down = sized(&mut down, rows_of(&layer.w_down)?);
+            self.linears_into(&[&layer.w_down], h, t, &mut [&mut *down])?;
+            x.par_iter_mut().zip(&*down).for_each(|(a, b)| *a += b);
         }
         for item in batch.iter_mut() {
             let n = item.tokens.len();
@@ -313,7 +343,10 @@ fn with_dequantized<R>(m: &QMatrix<'_>, f: impl FnOnce(&[f32]) -> R) -> Result<R
     })
 }
 
-/// The next output of [`Model::linears`] (which returns exactly one per matrix asked for).
-fn next(it: &mut std::vec::IntoIter<Vec<f32>>) -> Vec<f32> {
-    it.next().unwrap_or_default()
+/// The first `n` values of `buf`, grown (zeroed) when shorter: a buffer reused across layers.
+fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if buf.len() < n {
+        buf.resize(n, 0.0);
+    }
+    &mut buf[..n]
 }

@@ -104,7 +104,12 @@ fn q8x32_block(c: &[f32]) -> BlockQ8x32 {
         *q = q8(v, id);
     }
     let sum: i32 = qs.iter().map(|&q| q as i32).sum();
-    BlockQ8x32 { qs, d: half::f16::from_f32(d).to_f32(), s: half::f16::from_f32(d * sum as f32).to_f32(), sum }
+    BlockQ8x32 {
+        qs,
+        d: half::f16::from_f32(d).to_f32(),
+        s: half::f16::from_f32(d * sum as f32).to_f32(),
+        sum,
+    }
 }
 
 /// [`q8x32_block`] on AVX2 + F16C: the same multiply, add and subtract of the magic constant
@@ -118,13 +123,20 @@ unsafe fn q8x32_block_avx2(c: &[f32]) -> BlockQ8x32 {
     assert_eq!(c.len(), 32);
     // SAFETY: `c` holds 32 values (asserted); the stores write into `qs`'s 32 bytes.
     unsafe {
-        let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(c.as_ptr().add(8 * i)));
+        let p = c.as_ptr();
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
         let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
         let (mut m, mut odd) = (_mm256_setzero_ps(), 0);
         for vi in v {
             m = _mm256_max_ps(_mm256_and_ps(vi, abs_mask), m);
             // NaN or ±∞: |x| compares unordered or not below +∞.
-            let bad = _mm256_cmp_ps::<_CMP_NLT_UQ>(_mm256_and_ps(vi, abs_mask), _mm256_set1_ps(f32::INFINITY));
+            let bad =
+                _mm256_cmp_ps::<_CMP_NLT_UQ>(_mm256_and_ps(vi, abs_mask), _mm256_set1_ps(f32::INFINITY));
             odd |= _mm256_movemask_ps(bad);
         }
         if odd != 0 {
@@ -136,10 +148,11 @@ unsafe fn q8x32_block_avx2(c: &[f32]) -> BlockQ8x32 {
         let (d, id) = (amax / 127.0, if amax > 0.0 { 127.0 / amax } else { 0.0 });
         let (idv, magic) = (_mm256_set1_ps(id), _mm256_set1_ps(12_582_912.0));
         let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
-        let q: [__m256i; 4] = std::array::from_fn(|i| {
-            let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[i], idv), magic), magic);
+        let round = |x: __m256| {
+            let r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, idv), magic), magic);
             _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
-        });
+        };
+        let q = [round(v[0]), round(v[1]), round(v[2]), round(v[3])];
         let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
         let t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256::<1>(total));
         let t2 = _mm_add_epi32(t4, _mm_shuffle_epi32::<0b01_00_11_10>(t4));
@@ -150,7 +163,8 @@ unsafe fn q8x32_block_avx2(c: &[f32]) -> BlockQ8x32 {
         let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         let mut qs = [0i8; 32];
         _mm256_storeu_si256(qs.as_mut_ptr() as *mut __m256i, bytes);
-        let halves = _mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_setr_ps(d, d * sum as f32, 0.0, 0.0)));
+        let halves =
+            _mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_setr_ps(d, d * sum as f32, 0.0, 0.0)));
         let mut ds = [0f32; 4];
         _mm_storeu_ps(ds.as_mut_ptr(), halves);
         BlockQ8x32 { qs, d: ds[0], s: ds[1], sum }
@@ -275,7 +289,8 @@ mod tests {
             return;
         }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        let specials = [0.0, -0.0, 0.5, -0.5, 1.5, 2.5, 1e-40, -1e-38, 65504.0, 1e30, -3e38, f32::MIN_POSITIVE];
+        let specials =
+            [0.0, -0.0, 0.5, -0.5, 1.5, 2.5, 1e-40, -1e-38, 65504.0, 1e30, -3e38, f32::MIN_POSITIVE];
         for n in 0..20_000 {
             let c: Vec<f32> = (0..32)
                 .map(|i| match (n % 6, rng.next_u32()) {
@@ -283,13 +298,23 @@ mod tests {
                     (0, r) => f32::from_bits(r),
                     (1, r) => specials[r as usize % specials.len()],
                     // Ties: multiples of amax / 254 (amax = 127 here) land halfway.
-                    (2, r) => if i == 0 { 127.0 } else { (r % 255) as f32 * 0.5 - 63.5 },
+                    (2, r) => {
+                        if i == 0 {
+                            127.0
+                        } else {
+                            (r % 255) as f32 * 0.5 - 63.5
+                        }
+                    }
                     // Near-ties at any scale: `v · id` within an ulp or two of `k + 0.5`.
                     (3, r) => {
                         let amax = 0.01 + (n % 997) as f32 * 0.37;
-                        if i == 0 { amax } else { amax * ((r % 254) as f32 - 126.5) / 127.0 }
+                        if i == 0 {
+                            amax
+                        } else {
+                            amax * ((r % 254) as f32 - 126.5) / 127.0
+                        }
                     }
-                    (_, r) => ((r >> 8) as f32 / (1 << 23) as f32 - 1.0) * 10f32.powi((n % 13) as i32 - 6),
+                    (_, r) => ((r >> 8) as f32 / (1 << 23) as f32 - 1.0) * 10f32.powi(n % 13 - 6),
                 })
                 .collect();
             let want = q8x32_block(&c);

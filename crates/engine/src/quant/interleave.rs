@@ -35,10 +35,10 @@ macro_rules! tile_width {
     ($tile:ident, $kind:expr, $ys:expr, ($($w:expr),*), $out:expr) => {{
         let ys = $ys;
         match ys.len() {
-            4 => $tile::<{ $kind }, 4>($($w,)* std::array::from_fn(|i| ys[i]), $out),
-            3 => $tile::<{ $kind }, 3>($($w,)* std::array::from_fn(|i| ys[i]), $out),
-            2 => $tile::<{ $kind }, 2>($($w,)* std::array::from_fn(|i| ys[i]), $out),
-            _ => $tile::<{ $kind }, 1>($($w,)* std::array::from_fn(|i| ys[i]), $out),
+            4 => $tile::<{ $kind }, 4>($($w,)* $crate::quant::first(ys), $out),
+            3 => $tile::<{ $kind }, 3>($($w,)* $crate::quant::first(ys), $out),
+            2 => $tile::<{ $kind }, 2>($($w,)* $crate::quant::first(ys), $out),
+            _ => $tile::<{ $kind }, 1>($($w,)* $crate::quant::first(ys), $out),
         }
     }};
 }
@@ -195,7 +195,8 @@ pub fn matmul_group_interleaved_with(
     // Tasks own runs of row groups and write their rows of every activation straight into the
     // outputs (disjoint ranges: no buffer to zero and copy back on one thread — a twelfth of a
     // prefill's time when they were).
-    let out_ptrs: Vec<OutRows> = outs.iter_mut().map(|o| OutRows { ptr: o.as_mut_ptr(), len: o.len() }).collect();
+    let out_ptrs: Vec<OutRows> =
+        outs.iter_mut().map(|o| OutRows { ptr: o.as_mut_ptr(), len: o.len() }).collect();
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (i, m) in mats.iter().enumerate() {
         let groups = m.rows / GROUP;

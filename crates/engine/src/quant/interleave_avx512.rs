@@ -165,11 +165,11 @@ pub(super) unsafe fn tile_any(
         macro_rules! wide {
             ($k:literal) => {
                 match kind {
-                    Q8_0 => tile::<Q8_0, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
-                    Q5_0 => tile::<Q5_0, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
-                    Q4_K => tile::<Q4_K, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
-                    Q6_K => tile::<Q6_K, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
-                    _ => tile::<Q4_1, $k>(w0, w1, yb, std::array::from_fn(|i| ys[i]), out),
+                    Q8_0 => tile::<Q8_0, $k>(w0, w1, yb, super::first(ys), out),
+                    Q5_0 => tile::<Q5_0, $k>(w0, w1, yb, super::first(ys), out),
+                    Q4_K => tile::<Q4_K, $k>(w0, w1, yb, super::first(ys), out),
+                    Q6_K => tile::<Q6_K, $k>(w0, w1, yb, super::first(ys), out),
+                    _ => tile::<Q4_1, $k>(w0, w1, yb, super::first(ys), out),
                 }
             };
         }

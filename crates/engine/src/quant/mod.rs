@@ -150,6 +150,18 @@ impl std::str::FromStr for Kernel {
     }
 }
 
+/// The first `K` items of `s` as an array, for the tiles' const-width activation lists:
+/// `array::from_fn`'s per-item closure calls are not inlined into the target-feature kernels
+/// that take the array (7% of a prefill when they were). Panics when `s` is shorter; the callers
+/// match on its length first.
+#[inline(always)]
+pub(crate) fn first<T: Copy, const K: usize>(s: &[T]) -> [T; K] {
+    match <[T; K]>::try_from(&s[..K]) {
+        Ok(a) => a,
+        Err(_) => unreachable!("a slice of K items converts to [T; K]"),
+    }
+}
+
 fn unsupported(ty: GgmlType, what: &str) -> EngineError {
     EngineError::UnsupportedTensorType {
         name: what.to_string(),

@@ -232,13 +232,7 @@ unsafe fn sweep<const KIND: u8>(data: &[u8], row_bytes: usize, pack: &Pack<'_>, 
                     let full_cols = c + C <= c1;
                     match (full_rows, full_cols) {
                         (true, true) => {
-                            let t = tile::<KIND, R, C>(
-                                w,
-                                row_bytes,
-                                std::array::from_fn(|k| ys[c + k]),
-                                st(c),
-                                n,
-                            );
+                            let t = tile::<KIND, R, C>(w, row_bytes, super::first(&ys[c..]), st(c), n);
                             for (i, row) in t.iter().enumerate() {
                                 for (j, &v) in row.iter().enumerate() {
                                     put(r + i, c + j, v);
@@ -254,13 +248,7 @@ unsafe fn sweep<const KIND: u8>(data: &[u8], row_bytes: usize, pack: &Pack<'_>, 
                             c += 1;
                         }
                         (false, true) => {
-                            let t = tile::<KIND, 1, C>(
-                                w,
-                                row_bytes,
-                                std::array::from_fn(|k| ys[c + k]),
-                                st(c),
-                                n,
-                            );
+                            let t = tile::<KIND, 1, C>(w, row_bytes, super::first(&ys[c..]), st(c), n);
                             for (j, &v) in t[0].iter().enumerate() {
                                 put(r, c + j, v);
                             }
