@@ -245,9 +245,23 @@ impl Model {
         let (mut q, mut k, mut v, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut gate, mut up, mut h, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let rows_of = |w: &Mat| self.q(w).map(|m| t * m.rows());
-        // Row-wise steps run on every thread: each row's arithmetic is the same alone or not.
+        // Row-wise steps run on every thread for a prefill chunk (each row's arithmetic is the
+        // same alone or not); for a few rows a parallel region costs more than the step.
+        let par = t >= PAR_MIN_ROWS;
         let norm_rows = |x: &[f32], w: &[f32], xn: &mut [f32]| {
-            xn.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, r)| rms_norm(r, w, c.rms_eps, o));
+            let norm = |(o, r): (&mut [f32], &[f32])| rms_norm(r, w, c.rms_eps, o);
+            if par {
+                xn.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(norm);
+            } else {
+                xn.chunks_mut(d).zip(x.chunks(d)).for_each(norm);
+            }
+        };
+        let add = |x: &mut [f32], y: &[f32]| {
+            if par {
+                x.par_chunks_mut(d).zip(y.par_chunks(d)).for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+            } else {
+                x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+            }
         };
         for (l, layer) in self.layers.iter().enumerate() {
             norm_rows(&x, &layer.attn_norm, &mut xn);
@@ -257,11 +271,16 @@ impl Model {
                 sized(&mut v, rows_of(&layer.wv)?),
             );
             self.linears_into(&[&layer.wq, &layer.wk, &layer.wv], &xn, t, &mut [&mut *q, &mut *k, &mut *v])?;
-            q.par_chunks_mut(d).zip(k.par_chunks_mut(kv)).enumerate().for_each(|(r, (qr, kr))| {
+            let rope_row = |(r, (qr, kr)): (usize, (&mut [f32], &mut [f32]))| {
                 let angles = &rope_at[r * half..(r + 1) * half];
                 rope(qr, hd, angles);
                 rope(kr, hd, angles);
-            });
+            };
+            if par {
+                q.par_chunks_mut(d).zip(k.par_chunks_mut(kv)).enumerate().for_each(rope_row);
+            } else {
+                q.chunks_mut(d).zip(k.chunks_mut(kv)).enumerate().for_each(rope_row);
+            }
             for (r, &(item, pos)) in rows.iter().enumerate() {
                 cache.write(batch[item].table, l, pos, &k[r * kv..(r + 1) * kv], &v[r * kv..(r + 1) * kv]);
             }
@@ -272,7 +291,7 @@ impl Model {
             };
             let o = sized(&mut o, rows_of(&layer.wo)?);
             self.linears_into(&[&layer.wo], &attn, t, &mut [&mut *o])?;
-            x.par_iter_mut().zip(&*o).for_each(|(a, b)| *a += b);
+            add(&mut x, o);
 
             norm_rows(&x, &layer.ffn_norm, &mut xn);
             let (gate, up) =
@@ -286,7 +305,7 @@ impl Model {
             }
             let down = sized(&mut down, rows_of(&layer.w_down)?);
             self.linears_into(&[&layer.w_down], h, t, &mut [&mut *down])?;
-            x.par_iter_mut().zip(&*down).for_each(|(a, b)| *a += b);
+            add(&mut x, down);
         }
         for item in batch.iter_mut() {
             let n = item.tokens.len();
@@ -318,6 +337,9 @@ impl Model {
         Ok(ForwardOutput { logits })
     }
 }
+
+/// Rows from which the forward pass's row-wise steps are split over the threads.
+const PAR_MIN_ROWS: usize = 16;
 
 /// Largest matrix (in elements) whose dequantized copy is kept in a per-thread scratch buffer:
 /// every layer matrix of a small model, not a 50k-row vocabulary.

@@ -187,7 +187,7 @@ pub(crate) fn silu_mul_into(g: &[f32], u: &[f32], h: &mut [f32]) {
     use rayon::prelude::*;
     const CHUNK: usize = 4096;
     let n = h.len().min(g.len()).min(u.len());
-    h[..n].par_chunks_mut(CHUNK).enumerate().for_each(|(i, hc)| {
+    let chunk = |(i, hc): (usize, &mut [f32])| {
         let (g, u) = (&g[i * CHUNK..][..hc.len()], &u[i * CHUNK..][..hc.len()]);
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
@@ -196,7 +196,13 @@ pub(crate) fn silu_mul_into(g: &[f32], u: &[f32], h: &mut [f32]) {
             return;
         }
         silu_mul_body(g, u, hc);
-    });
+    };
+    // One chunk (a decode step's few rows): no parallel region, which would cost more.
+    if n <= CHUNK {
+        chunk((0, &mut h[..n]));
+    } else {
+        h[..n].par_chunks_mut(CHUNK).enumerate().for_each(chunk);
+    }
 }
 
 /// Where [`f16_rows_to_f32`] reads: `count` runs of `len` values, `stride` apart from `first`;
