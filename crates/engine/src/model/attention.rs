@@ -147,8 +147,7 @@ fn attend_online_path(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], path: P
     let mut l = vec![0f32; n_q];
     let mut acc = vec![0f32; n_q * hd];
     let mut scores = vec![0f32; 3 * bs];
-    // The query heads of one row side by side, pre-gathered: each kernel call takes a run.
-    let mut qs = vec![0f32; w * hd];
+    // A row's query heads of this group are side by side in `q`: each kernel call takes a run.
     let g0 = job.kvh * job.group + job.heads.start;
     for (bi, block) in job.table.blocks().iter().enumerate() {
         let p0 = bi * bs;
@@ -169,7 +168,7 @@ fn attend_online_path(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], path: P
                 continue;
             }
             let n = slots.min(pos + 1 - p0);
-            qs.copy_from_slice(&q[ri * d + g0 * hd..][..w * hd]);
+            let qs = &q[ri * d + g0 * hd..][..w * hd];
             let mut j = 0;
             while j < w {
                 let nh = if path == Path::Avx512 { (w - j).min(3) } else { 1 };

@@ -258,7 +258,9 @@ impl Model {
         };
         let add = |x: &mut [f32], y: &[f32]| {
             if par {
-                x.par_chunks_mut(d).zip(y.par_chunks(d)).for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+                x.par_chunks_mut(d)
+                    .zip(y.par_chunks(d))
+                    .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
             } else {
                 x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
             }

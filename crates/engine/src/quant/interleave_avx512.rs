@@ -30,8 +30,8 @@ use std::arch::x86_64::*;
 use super::activation::BlockQ8x32;
 use super::interleave::{tile_for, GROUP};
 use super::interleave_pack::{
-    blocks_per_unit, min_bytes_at, quants_at, scale_bytes_at, unit_bytes, unit_of, Q4_1_KIND as Q4_1, Q4_K_KIND as Q4_K,
-    Q5_0_KIND as Q5_0, Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
+    blocks_per_unit, min_bytes_at, quants_at, scale_bytes_at, unit_bytes, unit_of, Q4_1_KIND as Q4_1,
+    Q4_K_KIND as Q4_K, Q5_0_KIND as Q5_0, Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
 };
 
 /// Block `sub`'s weight scales in the unit at `u0` (group 0, lanes 0..8) and `u1` (group 1,
