@@ -182,47 +182,27 @@ fn attend_online_path(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], path: P
                 unsafe {
                     use super::{attention_avx2 as a2, attention_avx512 as a5};
                     let sc = &mut scores[..nh * bs];
+                    // One call per kernel instance: (heads of 8·NC values, NH heads per call).
+                    macro_rules! avx512 {
+                        ($nc:literal, $nh:literal) => {
+                            a5::online_block_f16::<$nc, $nh>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
+                        };
+                    }
+                    macro_rules! avx2 {
+                        ($nc:literal) => {{
+                            let (sc, m0, l0) = (&mut sc[..n], &mut mj[0], &mut lj[0]);
+                            a2::online_block_f16::<$nc>(qj, k, v, bs, sc, job.scale, m0, l0, aj)
+                        }};
+                    }
                     match (path, hd, nh) {
-                        (Path::Avx512, 64, 3) => {
-                            a5::online_block_f16::<8, 3>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
-                        }
-                        (Path::Avx512, 64, 2) => {
-                            a5::online_block_f16::<8, 2>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
-                        }
-                        (Path::Avx512, 64, _) => {
-                            a5::online_block_f16::<8, 1>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
-                        }
-                        (Path::Avx512, _, 3) => {
-                            a5::online_block_f16::<16, 3>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
-                        }
-                        (Path::Avx512, _, 2) => {
-                            a5::online_block_f16::<16, 2>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
-                        }
-                        (Path::Avx512, _, _) => {
-                            a5::online_block_f16::<16, 1>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
-                        }
-                        (_, 64, _) => a2::online_block_f16::<8>(
-                            qj,
-                            k,
-                            v,
-                            bs,
-                            &mut sc[..n],
-                            job.scale,
-                            &mut mj[0],
-                            &mut lj[0],
-                            aj,
-                        ),
-                        (_, _, _) => a2::online_block_f16::<16>(
-                            qj,
-                            k,
-                            v,
-                            bs,
-                            &mut sc[..n],
-                            job.scale,
-                            &mut mj[0],
-                            &mut lj[0],
-                            aj,
-                        ),
+                        (Path::Avx512, 64, 3) => avx512!(8, 3),
+                        (Path::Avx512, 64, 2) => avx512!(8, 2),
+                        (Path::Avx512, 64, _) => avx512!(8, 1),
+                        (Path::Avx512, _, 3) => avx512!(16, 3),
+                        (Path::Avx512, _, 2) => avx512!(16, 2),
+                        (Path::Avx512, _, _) => avx512!(16, 1),
+                        (_, 64, _) => avx2!(8),
+                        (_, _, _) => avx2!(16),
                     }
                 }
                 j += nh;
