@@ -12,62 +12,23 @@
 //! the worker that owns an engine owns its cache, so there is no lock here. The one way bytes get
 //! into the arena from another thread is a [`KvLease`]: a sequence's reserved blocks lent to a
 //! network task that receives a KV transfer straight into them (`arena.rs`). Blocks as wire
-//! bytes — export, import, writes from a transfer or the KV pool — are in `bytes.rs`.
+//! bytes — export, import, writes from a transfer or the KV pool — are in `bytes.rs`; where a
+//! value lives inside a block, in `layout.rs`.
 
 mod arena;
 mod bytes;
+mod layout;
 
 use crate::error::{EngineError, Result};
 use arena::Arena;
 pub use arena::KvLease;
 use half::f16;
+pub use layout::KvLayout;
 use std::sync::Arc;
 
 /// Index of a block in the arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockId(pub u32);
-
-/// Shape of the cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KvLayout {
-    /// Transformer layers.
-    pub n_layer: usize,
-    /// Width of one token's K (or V) in one layer (`kv heads × head_dim`).
-    pub kv_dim: usize,
-    /// Width of one KV head: the unit the block is laid out by.
-    pub head_dim: usize,
-    /// Tokens per block.
-    pub block_size: usize,
-}
-
-impl KvLayout {
-    /// f16 elements of one (layer, K or V) slab of a block.
-    fn slab(&self) -> usize {
-        self.block_size * self.kv_dim
-    }
-
-    /// f16 elements of one whole block.
-    pub fn block_elems(&self) -> usize {
-        self.n_layer * 2 * self.slab()
-    }
-
-    /// Bytes of KV per token (all layers, K and V).
-    pub fn bytes_per_token(&self) -> usize {
-        self.n_layer * 2 * self.kv_dim * 2
-    }
-
-    /// Bytes of one whole block on the wire (f16, little-endian).
-    pub fn block_bytes(&self) -> usize {
-        self.block_elems() * 2
-    }
-
-    /// What two engines exchanging blocks must agree on for the bytes to mean the same thing:
-    /// `n_layer`, `kv_dim`, `block_size`, `head_dim` (the block's layout depends on all four).
-    pub fn fingerprint(&self) -> [u32; 4] {
-        let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
-        [n(self.n_layer), n(self.kv_dim), n(self.block_size), n(self.head_dim)]
-    }
-}
 
 /// The blocks of one sequence and how many tokens they hold.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -267,35 +228,6 @@ impl KvCache {
         Ok(())
     }
 
-    fn slab_offset(&self, b: BlockId, layer: usize, v: bool) -> usize {
-        let l = &self.layout;
-        b.0 as usize * l.block_elems() + (layer * 2 + usize::from(v)) * l.slab()
-    }
-
-    /// Writes the K and V of token position `pos` of `table` in `layer`: keys dimension by
-    /// dimension (`[kv_dim][block_size]`), values head by head (`[head][block_size][head_dim]`).
-    pub(crate) fn write(&mut self, table: &BlockTable, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let (bs, d, hd) = (self.layout.block_size, self.layout.kv_dim, self.layout.head_dim);
-        assert!(k.len() == d && v.len() == d, "K/V row is not {d} values");
-        let b = table.blocks[pos / bs];
-        self.assert_not_leased(b);
-        let slot = pos % bs;
-        let (ko, vo) = (self.slab_offset(b, layer, false), self.slab_offset(b, layer, true));
-        // SAFETY: `&mut self` excludes every other reference the cache made, and the block is
-        // not leased, so no lease holds one either.
-        let ks = unsafe { self.data.slice_mut(ko, bs * d) };
-        for (j, x) in k.iter().enumerate() {
-            ks[j * bs + slot] = f16::from_f32(*x);
-        }
-        // SAFETY: as above; the V slab does not overlap the K slab.
-        let vs = unsafe { self.data.slice_mut(vo, bs * d) };
-        for (h, src) in v.chunks_exact(hd).enumerate() {
-            for (dst, x) in vs[(h * bs + slot) * hd..][..hd].iter_mut().zip(src) {
-                *dst = f16::from_f32(*x);
-            }
-        }
-    }
-
     /// Tables only name leased blocks when a caller kept a copy of a table it lent; touching
     /// them then is a bug in the caller, and a panic rather than a data race.
     fn assert_not_leased(&self, b: BlockId) {
@@ -304,28 +236,6 @@ impl KvCache {
 
     fn is_leased(&self, b: BlockId) -> bool {
         self.leased.get(b.0 as usize).copied().unwrap_or(false)
-    }
-
-    /// KV head `kvh`'s keys in block `b`, layer `layer`: `head_dim × block_size` values,
-    /// dimension-major (`k[e · block_size + slot]`).
-    pub(crate) fn k_head(&self, b: BlockId, layer: usize, kvh: usize) -> &[f16] {
-        self.head(b, layer, kvh, false)
-    }
-
-    /// KV head `kvh`'s values in block `b`, layer `layer`: `block_size × head_dim` values,
-    /// slot-major (`v[slot · head_dim + e]`).
-    pub(crate) fn v_head(&self, b: BlockId, layer: usize, kvh: usize) -> &[f16] {
-        self.head(b, layer, kvh, true)
-    }
-
-    fn head(&self, b: BlockId, layer: usize, kvh: usize, v: bool) -> &[f16] {
-        self.assert_not_leased(b);
-        let per_head = self.layout.head_dim * self.layout.block_size;
-        assert!((kvh + 1) * per_head <= self.layout.slab(), "KV head {kvh} out of range");
-        let off = self.slab_offset(b, layer, v) + kvh * per_head;
-        // SAFETY: a shared borrow of the cache excludes its mutable references, and the block is
-        // not leased.
-        unsafe { self.data.slice(off, per_head) }
     }
 
     /// Whole block `b`, read-only.
@@ -461,37 +371,6 @@ mod tests {
         assert!(b.write_blocks(&t3, 1, &bytes).is_err(), "past the table's end");
         assert!(b.write_blocks(&t3, 0, &bytes[..per - 2]).is_err(), "not a whole block");
         assert!(b.set_len(&mut t3, 7).is_err());
-    }
-
-    #[test]
-    fn each_heads_keys_are_stored_by_dimension_and_its_values_by_slot() {
-        let l = KvLayout { n_layer: 2, kv_dim: 6, head_dim: 3, block_size: 4 };
-        let mut c = KvCache::new(l, 2).unwrap();
-        let mut t = BlockTable::default();
-        c.reserve(&mut t, 8).unwrap();
-        let val = |pos: usize, layer: usize, j: usize| (pos * 100 + layer * 10 + j) as f32;
-        for pos in 0..8 {
-            for layer in 0..2 {
-                let k: Vec<f32> = (0..6).map(|j| val(pos, layer, j)).collect();
-                let v: Vec<f32> = k.iter().map(|x| -x).collect();
-                c.write(&t, layer, pos, &k, &v);
-            }
-        }
-        for pos in 0..8 {
-            let (b, slot) = (t.blocks()[pos / 4], pos % 4);
-            for layer in 0..2 {
-                for kvh in 0..2 {
-                    let (k, v) = (c.k_head(b, layer, kvh), c.v_head(b, layer, kvh));
-                    assert_eq!((k.len(), v.len()), (12, 12));
-                    for e in 0..3 {
-                        assert_eq!(k[e * 4 + slot].to_f32(), val(pos, layer, kvh * 3 + e));
-                        assert_eq!(v[slot * 3 + e].to_f32(), -val(pos, layer, kvh * 3 + e));
-                    }
-                }
-            }
-        }
-        let uneven = KvLayout { n_layer: 1, kv_dim: 6, head_dim: 4, block_size: 4 };
-        assert!(KvCache::new(uneven, 1).is_err(), "kv_dim must be whole heads");
     }
 
     #[test]

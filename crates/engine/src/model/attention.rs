@@ -460,8 +460,8 @@ fn gather_keys(
 /// Converts the values of the first `slots` positions of KV head `kvh` in one block from f16 to
 /// f32 into `v` (`slots × hd`).
 fn gather_values(cache: &KvCache, block: BlockId, layer: usize, kvh: usize, slots: usize, v: &mut [f32]) {
-    let hd = cache.layout().head_dim;
-    let at = math::Rows { first: 0, stride: hd, len: hd, count: slots, out_stride: hd };
+    let n = slots * cache.layout().head_dim;
+    let at = math::Rows { first: 0, stride: n, len: n, count: 1, out_stride: n };
     math::f16_rows_to_f32(cache.v_head(block, layer, kvh), at, v);
 }
 

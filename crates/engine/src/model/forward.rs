@@ -249,21 +249,10 @@ impl Model {
         // same alone or not); for a few rows a parallel region costs more than the step.
         let par = t >= PAR_MIN_ROWS;
         let norm_rows = |x: &[f32], w: &[f32], xn: &mut [f32]| {
-            let norm = |(o, r): (&mut [f32], &[f32])| rms_norm(r, w, c.rms_eps, o);
-            if par {
-                xn.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(norm);
-            } else {
-                xn.chunks_mut(d).zip(x.chunks(d)).for_each(norm);
-            }
+            each_row(par, d, xn, x, |o, r| rms_norm(r, w, c.rms_eps, o));
         };
         let add = |x: &mut [f32], y: &[f32]| {
-            if par {
-                x.par_chunks_mut(d)
-                    .zip(y.par_chunks(d))
-                    .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
-            } else {
-                x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
-            }
+            each_row(par, d, x, y, |a, b| a.iter_mut().zip(b).for_each(|(a, b)| *a += b))
         };
         for (l, layer) in self.layers.iter().enumerate() {
             norm_rows(&x, &layer.attn_norm, &mut xn);
@@ -365,6 +354,21 @@ fn with_dequantized<R>(m: &QMatrix<'_>, f: impl FnOnce(&[f32]) -> R) -> Result<R
         }
         _ => Ok(f(&m.dequantize()?)),
     })
+}
+
+/// `f(out row, in row)` for every `width`-wide row of `out` and `inp`, on every thread when `par`.
+fn each_row(
+    par: bool,
+    width: usize,
+    out: &mut [f32],
+    inp: &[f32],
+    f: impl Fn(&mut [f32], &[f32]) + Sync + Send,
+) {
+    if par {
+        out.par_chunks_mut(width).zip(inp.par_chunks(width)).for_each(|(o, i)| f(o, i));
+    } else {
+        out.chunks_mut(width).zip(inp.chunks(width)).for_each(|(o, i)| f(o, i));
+    }
 }
 
 /// The first `n` values of `buf`, grown (zeroed) when shorter: a buffer reused across layers.
