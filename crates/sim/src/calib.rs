@@ -2,7 +2,8 @@
 //! real worker's step log (`--step-log`), and what happens between steps.
 //!
 //! A step's time is a few roofline-shaped terms — a constant (the weights read once per step),
-//! per row, per prompt token, per decode token, per attention pair of prefill and of decode —
+//! per row, per prompt token, per decode token, per attention pair of prefill and of decode, and
+//! the square of a step's prompt tokens (a longer chunk's activations spill out of cache) —
 //! fitted with non-negative least absolute relative error (a 5 ms decode step counts as much as
 //! a 900 ms prefill, and the point is the typical step, not a mean pulled up by a noisy tail:
 //! iteratively reweighted non-negative least squares). The model's point prediction is then
@@ -17,9 +18,18 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use tokenpath_protocol::work::StepRecord;
 
-/// The step terms, in coefficient order.
-pub const STEP_TERMS: [&str; 6] =
-    ["constant", "rows", "prefill_tokens", "decode_tokens", "prefill_pairs", "decode_pairs"];
+/// The step terms, in coefficient order. `prefill_tokens_sq_k` is (prompt tokens)² / 1000: a
+/// prefill chunk's activations outgrow the core's cache as the chunk grows, so a prompt token
+/// costs more in a longer chunk (pre-registered for the fourth validation round, docs/sim.md).
+pub const STEP_TERMS: [&str; 7] = [
+    "constant",
+    "rows",
+    "prefill_tokens",
+    "decode_tokens",
+    "prefill_pairs",
+    "decode_pairs",
+    "prefill_tokens_sq_k",
+];
 /// The gap terms, in coefficient order.
 pub const GAP_TERMS: [&str; 2] = ["constant", "rows"];
 /// Quantiles kept of each residual distribution.
@@ -27,7 +37,7 @@ const QUANTILES: usize = 101;
 /// Reweighting rounds of the least-absolute-error fit.
 const IRLS_ROUNDS: usize = 30;
 /// The calibration format's version.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// What one step does: the model's inputs.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -53,6 +63,7 @@ impl StepShape {
             self.decode_tokens as f64,
             self.prefill_pairs as f64,
             self.decode_pairs as f64,
+            (self.prefill_tokens as f64).powi(2) / 1000.0,
         ]
     }
 
@@ -479,6 +490,11 @@ mod tests {
 
     /// Steps of a known machine: 4 ms + 60 µs per prompt token + 0.2 µs per decode pair, ±5%.
     fn synthetic(n: usize) -> Vec<StepRecord> {
+        synthetic_sq(n, 0.0)
+    }
+
+    /// [`synthetic`] plus `sq` µs per (prompt tokens)² / 1000.
+    fn synthetic_sq(n: usize, sq: f64) -> Vec<StepRecord> {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         let mut t = 0;
         (0..n)
@@ -487,7 +503,10 @@ mod tests {
                 let decode = 1 + i % 12;
                 let decode_pairs = (decode * (200 + 37 * (i % 11))) as u64;
                 let attn = decode_pairs + (prefill * prefill / 2) as u64;
-                let truth = 4000.0 + 60.0 * prefill as f64 + 0.2 * decode_pairs as f64;
+                let truth = 4000.0
+                    + 60.0 * prefill as f64
+                    + 0.2 * decode_pairs as f64
+                    + sq * (prefill * prefill) as f64 / 1000.0;
                 let noise = 0.95 + 0.1 * ((rng.next_u64() % 1000) as f64 / 1000.0);
                 let dur = (truth * noise) as u64;
                 t += dur + 300;
@@ -528,6 +547,22 @@ mod tests {
         let (lo, hi) = draws.iter().fold((f64::MAX, 0.0f64), |(l, h), v| (l.min(*v), h.max(*v)));
         assert!(lo < p && hi > p && hi / lo < 1.3, "{lo} {hi}");
         assert!(c.gap_us(4, &mut a) > 300.0);
+    }
+
+    #[test]
+    fn a_machine_whose_longer_chunks_cost_more_per_token_is_recovered() {
+        let c = Calibration::fit(&[synthetic_sq(600, 30.0)], Provenance::default(), 1, link()).unwrap();
+        for n in [128usize, 256, 512] {
+            let shape = StepShape {
+                rows: 1,
+                prefill_tokens: n,
+                prefill_pairs: (n * n / 2) as u64,
+                ..StepShape::default()
+            };
+            let want = 4000.0 + 60.0 * n as f64 + 30.0 * (n * n) as f64 / 1000.0;
+            let got = c.step_point_us(&shape);
+            assert!((got - want).abs() / want < 0.06, "{n} tokens: {got} against {want}");
+        }
     }
 
     /// A machine whose steps are mostly on time and one in eight 3× late (a noisy neighbour):

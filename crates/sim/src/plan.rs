@@ -244,7 +244,7 @@ impl Replica {
             },
             step: Linear {
                 terms: names(&STEP_TERMS),
-                coef_us: vec![eff.step_us + weights, 0.0, per_token, per_token, per_pair, kv_read],
+                coef_us: vec![eff.step_us + weights, 0.0, per_token, per_token, per_pair, kv_read, 0.0],
                 residuals: Vec::new(),
             },
             gap: Linear { terms: names(&GAP_TERMS), coef_us: vec![eff.gap_us, 0.0], residuals: Vec::new() },
