@@ -312,6 +312,7 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
     for (name, c) in calib.gap.terms.iter().zip(&calib.gap.coef_us) {
         eprintln!("  gap  {name:>15}: {c:.4} µs");
     }
+    eprintln!("  knee: {} rows", calib.knee_rows);
     Ok(())
 }
 

@@ -21,7 +21,9 @@ use tokenpath_protocol::work::StepRecord;
 /// The step terms, in coefficient order. `prefill_tokens_sq_k` is (prompt tokens)² / 1000: a
 /// prefill chunk's activations outgrow the core's cache as the chunk grows, so a prompt token
 /// costs more in a longer chunk (pre-registered for the fourth validation round, docs/sim.md).
-pub const STEP_TERMS: [&str; 7] = [
+/// `rows_past_knee` is the rows beyond [`Calibration::knee_rows`]: a roofline's knee, where a
+/// step stops being bound by reading the weights once and each further row adds its compute.
+pub const STEP_TERMS: [&str; 8] = [
     "constant",
     "rows",
     "prefill_tokens",
@@ -29,7 +31,10 @@ pub const STEP_TERMS: [&str; 7] = [
     "prefill_pairs",
     "decode_pairs",
     "prefill_tokens_sq_k",
+    "rows_past_knee",
 ];
+/// The knees the fit tries (rows), keeping the one with the least median error.
+const KNEES: [usize; 12] = [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24];
 /// The gap terms, in coefficient order.
 pub const GAP_TERMS: [&str; 2] = ["constant", "rows"];
 /// Quantiles kept of each residual distribution.
@@ -55,7 +60,7 @@ pub struct StepShape {
 }
 
 impl StepShape {
-    fn terms(&self) -> Vec<f64> {
+    fn terms(&self, knee: usize) -> Vec<f64> {
         vec![
             1.0,
             self.rows as f64,
@@ -64,6 +69,7 @@ impl StepShape {
             self.prefill_pairs as f64,
             self.decode_pairs as f64,
             (self.prefill_tokens as f64).powi(2) / 1000.0,
+            self.rows.saturating_sub(knee) as f64,
         ]
     }
 
@@ -290,6 +296,9 @@ pub struct Calibration {
     pub link: LinkModel,
     /// The fit's quality on its own steps.
     pub fit: FitQuality,
+    /// Rows up to which a step costs one read of the weights (see [`STEP_TERMS`]).
+    #[serde(default)]
+    pub knee_rows: usize,
 }
 
 impl Calibration {
@@ -309,9 +318,30 @@ impl Calibration {
             )));
         }
         let shapes: Vec<StepShape> = steps.iter().map(|r| StepShape::of(r)).collect();
-        let x: Vec<Vec<f64>> = shapes.iter().map(StepShape::terms).collect();
         let y: Vec<f64> = steps.iter().map(|r| r.dur_us as f64).collect();
-        let coef = least_relative_error(&x, &y)?;
+        // The knee: each candidate fitted, the least median relative error kept (ties: the
+        // lower knee).
+        let mut best: Option<(f64, usize, Vec<Vec<f64>>, Vec<f64>)> = None;
+        for knee in KNEES {
+            let x: Vec<Vec<f64>> = shapes.iter().map(|s| s.terms(knee)).collect();
+            let coef = least_relative_error(&x, &y)?;
+            let mut ape: Vec<f64> = x
+                .iter()
+                .zip(&y)
+                .map(|(xi, yi)| {
+                    let p: f64 = coef.iter().zip(xi).map(|(c, v)| c * v).sum();
+                    (p - yi).abs() / yi.max(1.0)
+                })
+                .collect();
+            ape.sort_by(f64::total_cmp);
+            let median = ape[ape.len() / 2];
+            if best.as_ref().is_none_or(|b| median < b.0) {
+                best = Some((median, knee, x, coef));
+            }
+        }
+        let Some((_, knee_rows, x, coef)) = best else {
+            return Err(SimError::Calibration("no knee could be fitted".into()));
+        };
         let mut step = Linear { terms: names(&STEP_TERMS), coef_us: coef, residuals: Vec::new() };
         let mut bins = vec![Vec::new(), Vec::new()];
         for ((xi, yi), s) in x.iter().zip(&y).zip(&shapes) {
@@ -359,6 +389,7 @@ impl Calibration {
             kv_bytes_per_token,
             link,
             fit: FitQuality::default(),
+            knee_rows,
         };
         // The fit's quality is its score on its own steps.
         let own = calib.score_of(&steps);
@@ -431,12 +462,12 @@ impl Calibration {
 
     /// A step's point prediction, µs.
     pub fn step_point_us(&self, s: &StepShape) -> f64 {
-        self.step.point(&s.terms())
+        self.step.point(&s.terms(self.knee_rows))
     }
 
     /// A step's duration drawn with its residual, µs.
     pub fn step_us(&self, s: &StepShape, rng: &mut ChaCha8Rng) -> f64 {
-        self.step.sample(&s.terms(), s.bin(), rng)
+        self.step.sample(&s.terms(self.knee_rows), s.bin(), rng)
     }
 
     /// The gap after a busy step of `rows` rows, µs.
@@ -456,6 +487,7 @@ impl Calibration {
             h.update(&v.to_le_bytes());
         }
         h.update(&self.kv_bytes_per_token.to_le_bytes());
+        h.update(&(self.knee_rows as u64).to_le_bytes());
         h.finalize().to_hex()[..16].to_owned()
     }
 }
@@ -490,11 +522,11 @@ mod tests {
 
     /// Steps of a known machine: 4 ms + 60 µs per prompt token + 0.2 µs per decode pair, ±5%.
     fn synthetic(n: usize) -> Vec<StepRecord> {
-        synthetic_sq(n, 0.0)
+        synthetic_with(n, 0.0, 0.0)
     }
 
-    /// [`synthetic`] plus `sq` µs per (prompt tokens)² / 1000.
-    fn synthetic_sq(n: usize, sq: f64) -> Vec<StepRecord> {
+    /// [`synthetic`] plus `sq` µs per (prompt tokens)² / 1000 and `past4` µs per row beyond 4.
+    fn synthetic_with(n: usize, sq: f64, past4: f64) -> Vec<StepRecord> {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         let mut t = 0;
         (0..n)
@@ -506,7 +538,8 @@ mod tests {
                 let truth = 4000.0
                     + 60.0 * prefill as f64
                     + 0.2 * decode_pairs as f64
-                    + sq * (prefill * prefill) as f64 / 1000.0;
+                    + sq * (prefill * prefill) as f64 / 1000.0
+                    + past4 * (decode + usize::from(prefill > 0)).saturating_sub(4) as f64;
                 let noise = 0.95 + 0.1 * ((rng.next_u64() % 1000) as f64 / 1000.0);
                 let dur = (truth * noise) as u64;
                 t += dur + 300;
@@ -551,7 +584,8 @@ mod tests {
 
     #[test]
     fn a_machine_whose_longer_chunks_cost_more_per_token_is_recovered() {
-        let c = Calibration::fit(&[synthetic_sq(600, 30.0)], Provenance::default(), 1, link()).unwrap();
+        let c =
+            Calibration::fit(&[synthetic_with(600, 30.0, 0.0)], Provenance::default(), 1, link()).unwrap();
         for n in [128usize, 256, 512] {
             let shape = StepShape {
                 rows: 1,
@@ -563,6 +597,30 @@ mod tests {
             let got = c.step_point_us(&shape);
             assert!((got - want).abs() / want < 0.06, "{n} tokens: {got} against {want}");
         }
+    }
+
+    #[test]
+    fn a_roofline_knee_is_found_and_priced() {
+        // Up to four rows a step reads the weights once; each further row adds 900 µs.
+        let c =
+            Calibration::fit(&[synthetic_with(600, 0.0, 900.0)], Provenance::default(), 1, link()).unwrap();
+        assert_eq!(c.knee_rows, 4, "{:?}", c.step.coef_us);
+        for rows in [1usize, 4, 8, 12] {
+            let shape = StepShape {
+                rows,
+                decode_tokens: rows,
+                decode_pairs: 300 * rows as u64,
+                ..StepShape::default()
+            };
+            let want = 4000.0 + 0.2 * (300 * rows) as f64 + 900.0 * rows.saturating_sub(4) as f64;
+            let got = c.step_point_us(&shape);
+            assert!((got - want).abs() / want < 0.06, "{rows} rows: {got} against {want}");
+        }
+        // A machine without a knee is not given one that matters.
+        let flat = Calibration::fit(&[synthetic(600)], Provenance::default(), 1, link()).unwrap();
+        let shape = StepShape { rows: 12, decode_tokens: 12, decode_pairs: 3600, ..StepShape::default() };
+        let want = 4000.0 + 0.2 * 3600.0;
+        assert!((flat.step_point_us(&shape) - want).abs() / want < 0.06);
     }
 
     /// A machine whose steps are mostly on time and one in eight 3× late (a noisy neighbour):

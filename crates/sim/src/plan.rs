@@ -244,7 +244,7 @@ impl Replica {
             },
             step: Linear {
                 terms: names(&STEP_TERMS),
-                coef_us: vec![eff.step_us + weights, 0.0, per_token, per_token, per_pair, kv_read, 0.0],
+                coef_us: vec![eff.step_us + weights, 0.0, per_token, per_token, per_pair, kv_read, 0.0, 0.0],
                 residuals: Vec::new(),
             },
             gap: Linear { terms: names(&GAP_TERMS), coef_us: vec![eff.gap_us, 0.0], residuals: Vec::new() },
@@ -252,6 +252,7 @@ impl Replica {
             kv_bytes_per_token: m.kv_bytes_per_token(self.kv_bytes),
             link: LinkModel { latency_us: 50.0, bytes_per_s: link_gbps * 1e9 },
             fit: FitQuality::default(),
+            knee_rows: 0,
         }
     }
 }

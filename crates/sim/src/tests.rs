@@ -13,7 +13,7 @@ fn calib() -> Calibration {
         provenance: Provenance::default(),
         step: Linear {
             terms: STEP_TERMS.iter().map(|s| (*s).to_owned()).collect(),
-            coef_us: vec![5000.0, 0.0, 50.0, 500.0, 0.0, 0.0, 0.0],
+            coef_us: vec![5000.0, 0.0, 50.0, 500.0, 0.0, 0.0, 0.0, 0.0],
             residuals: Vec::new(),
         },
         gap: Linear {
@@ -25,6 +25,7 @@ fn calib() -> Calibration {
         kv_bytes_per_token: 1000,
         link: LinkModel { latency_us: 2000.0, bytes_per_s: 1e8 },
         fit: FitQuality::default(),
+        knee_rows: 0,
     }
 }
 
