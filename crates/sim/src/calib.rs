@@ -321,7 +321,7 @@ impl Calibration {
         let y: Vec<f64> = steps.iter().map(|r| r.dur_us as f64).collect();
         // The knee: each candidate fitted, the least median relative error kept (ties: the
         // lower knee).
-        let mut best: Option<(f64, usize, Vec<Vec<f64>>, Vec<f64>)> = None;
+        let mut best: Option<(f64, usize, Vec<f64>)> = None;
         for knee in KNEES {
             let x: Vec<Vec<f64>> = shapes.iter().map(|s| s.terms(knee)).collect();
             let coef = least_relative_error(&x, &y)?;
@@ -336,12 +336,13 @@ impl Calibration {
             ape.sort_by(f64::total_cmp);
             let median = ape[ape.len() / 2];
             if best.as_ref().is_none_or(|b| median < b.0) {
-                best = Some((median, knee, x, coef));
+                best = Some((median, knee, coef));
             }
         }
-        let Some((_, knee_rows, x, coef)) = best else {
+        let Some((_, knee_rows, coef)) = best else {
             return Err(SimError::Calibration("no knee could be fitted".into()));
         };
+        let x: Vec<Vec<f64>> = shapes.iter().map(|s| s.terms(knee_rows)).collect();
         let mut step = Linear { terms: names(&STEP_TERMS), coef_us: coef, residuals: Vec::new() };
         let mut bins = vec![Vec::new(), Vec::new()];
         for ((xi, yi), s) in x.iter().zip(&y).zip(&shapes) {
