@@ -171,8 +171,13 @@ pub fn run_engine_bench_only(
     }
     // Also at the serving benchmark's context (512-token prompts), where attention over the cache
     // is part of every step: one sequence (its c=1 step) and sixteen (its c=16 step).
+    // Four, five and eight sequences bracket the knee where a step stops being bound by one read
+    // of the weights (the AVX-512 tiles take up to eight activations per read).
     let shapes = [
         ("decode_b1", 1, 32),
+        ("decode_b4", 4, 32),
+        ("decode_b5", 5, 32),
+        ("decode_b8", 8, 32),
         ("decode_b16", 16, 32),
         ("decode_b1_ctx512", 1, 512),
         ("decode_b16_ctx512", 16, 512),

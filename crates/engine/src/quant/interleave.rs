@@ -260,6 +260,7 @@ pub fn matmul_group_interleaved_with(
                             m.group(g),
                             m.group(g + 1),
                             yb.get(c..c + k).unwrap_or(&[]),
+                            c == 0,
                             &ys[c..c + k],
                             &mut res,
                         );

@@ -144,22 +144,20 @@ pub(super) use block_quants;
 /// Most activations per tile.
 pub(super) const ACTS: usize = 8;
 
-/// Up to this many activations per tile, the tile asks for the next pair's weights ahead
-/// (decode); more, and the tile's arithmetic hides the memory.
-const PREFETCH_MAX_ACTS: usize = 4;
-
 /// Rows of one tile: two groups.
 pub(super) const ROWS: usize = 2 * GROUP;
 
 /// Groups `w0` and `w1` (sixteen rows: `out[k][..8]` are `w0`'s, `out[k][8..]` `w1`'s) ×
 /// `ys.len()` (1 to [`ACTS`]) activations of kind `kind`; for the signed kinds (Q8_0, Q6_K)
-/// `yb[k]` holds activation `k`'s bytes biased by 128 (32 per block).
+/// `yb[k]` holds activation `k`'s bytes biased by 128 (32 per block). With `prefetch`, the next
+/// pair's weights are asked for while these are computed (the first tile of a pair).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn tile_any(
     kind: u8,
     w0: &[u8],
     w1: &[u8],
     yb: &[&[u8]],
+    prefetch: bool,
     ys: &[&[BlockQ8x32]],
     out: &mut [[f32; ROWS]],
 ) {
@@ -169,11 +167,11 @@ pub(super) unsafe fn tile_any(
         macro_rules! wide {
             ($k:literal) => {
                 match kind {
-                    Q8_0 => tile::<Q8_0, $k>(w0, w1, yb, super::first(ys), out),
-                    Q5_0 => tile::<Q5_0, $k>(w0, w1, yb, super::first(ys), out),
-                    Q4_K => tile::<Q4_K, $k>(w0, w1, yb, super::first(ys), out),
-                    Q6_K => tile::<Q6_K, $k>(w0, w1, yb, super::first(ys), out),
-                    _ => tile::<Q4_1, $k>(w0, w1, yb, super::first(ys), out),
+                    Q8_0 => tile::<Q8_0, $k>(w0, w1, yb, prefetch, super::first(ys), out),
+                    Q5_0 => tile::<Q5_0, $k>(w0, w1, yb, prefetch, super::first(ys), out),
+                    Q4_K => tile::<Q4_K, $k>(w0, w1, yb, prefetch, super::first(ys), out),
+                    Q6_K => tile::<Q6_K, $k>(w0, w1, yb, prefetch, super::first(ys), out),
+                    _ => tile::<Q4_1, $k>(w0, w1, yb, prefetch, super::first(ys), out),
                 }
             };
         }
@@ -182,7 +180,7 @@ pub(super) unsafe fn tile_any(
             7 => wide!(7),
             6 => wide!(6),
             5 => wide!(5),
-            _ => tile_for!(tile, kind, ys, (w0, w1, yb), out),
+            _ => tile_for!(tile, kind, ys, (w0, w1, yb, prefetch), out),
         }
     }
 }
@@ -193,6 +191,7 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
     w0: &[u8],
     w1: &[u8],
     yb: &[&[u8]],
+    prefetch: bool,
     ys: [&[BlockQ8x32]; CC],
     out: &mut [[f32; ROWS]],
 ) {
@@ -208,12 +207,16 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
         // `interleaved_decode_throughput`: 10–12 GB/s swept against 17–20 for the AVX2 tile's
         // single stream), so ask for the next pair's bytes (the two groups after these,
         // `2 · (w1 − w0)` on) into L2 while this pair is computed (into L1 measured no better
-        // than none; 4–8 groups ahead no better than 2). Addresses only: a prefetch never
+        // than none; 4–8 groups ahead no better than 2). The caller asks for it on a pair's first
+        // tile only: a prefill meets each pair in dozens of tiles, and prefetching in every one
+        // of them cost 14% of a 512-token prefill; decode steps of five to eight rows had none
+        // when this was decided by the tile's width, and ran 35% slower than four rows (the
+        // simulator's step model found that cliff). Addresses only: a prefetch never
         // faults, and past the matrix's end it fetches nothing useful, harmlessly.
         let ahead = 2 * (p1 as usize).wrapping_sub(p0 as usize);
         let span = unit_bytes(KIND) / blocks_per_unit(KIND);
         for b in 0..nb {
-            if CC <= PREFETCH_MAX_ACTS {
+            if prefetch {
                 let at = ahead.wrapping_add(b * span);
                 for off in (0..span + 63).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T1>(p0.wrapping_add(at + off) as *const i8);
