@@ -106,7 +106,10 @@ def main():
         with open(engine) as fh:
             e = json.load(fh).get("decode_b1_ctx512", {}).get("ours")
         steps_file = os.path.join(a.out_dir, "engine.steps")
-        steps = int(open(steps_file).read()) if os.path.exists(steps_file) else 32
+        steps = 32
+        if os.path.exists(steps_file):
+            with open(steps_file) as fh:
+                steps = int(fh.read())
         if e:
             step = 1000.0 / e
             served = pct(one, "tpot_ms", "p50")

@@ -104,7 +104,7 @@ pub struct Linear {
 
 impl Linear {
     fn point(&self, x: &[f64]) -> f64 {
-        self.coef_us.iter().zip(x).map(|(c, v)| c * v).sum::<f64>().max(0.0)
+        dot(&self.coef_us, x).max(0.0)
     }
 
     fn sample(&self, x: &[f64], bin: usize, rng: &mut ChaCha8Rng) -> f64 {
@@ -267,7 +267,7 @@ fn least_relative_error(x: &[Vec<f64>], y: &[f64]) -> Result<Vec<f64>, SimError>
             .iter()
             .zip(y)
             .map(|(xi, yi)| {
-                let p: f64 = coef.iter().zip(xi).map(|(c, v)| c * v).sum();
+                let p = dot(&coef, xi);
                 let yi = yi.max(100.0);
                 1.0 / (yi * yi * ((p - yi).abs() / yi).max(0.005))
             })
@@ -325,16 +325,8 @@ impl Calibration {
         for knee in KNEES {
             let x: Vec<Vec<f64>> = shapes.iter().map(|s| s.terms(knee)).collect();
             let coef = least_relative_error(&x, &y)?;
-            let mut ape: Vec<f64> = x
-                .iter()
-                .zip(&y)
-                .map(|(xi, yi)| {
-                    let p: f64 = coef.iter().zip(xi).map(|(c, v)| c * v).sum();
-                    (p - yi).abs() / yi.max(1.0)
-                })
-                .collect();
-            ape.sort_by(f64::total_cmp);
-            let median = ape[ape.len() / 2];
+            let ape = x.iter().zip(&y).map(|(xi, yi)| (dot(&coef, xi) - yi).abs() / yi.max(1.0)).collect();
+            let median = pct(&quantiles(ape), 50);
             if best.as_ref().is_none_or(|b| median < b.0) {
                 best = Some((median, knee, coef));
             }
@@ -491,6 +483,11 @@ impl Calibration {
         h.update(&(self.knee_rows as u64).to_le_bytes());
         h.finalize().to_hex()[..16].to_owned()
     }
+}
+
+/// `Σ coef · x`: a linear model's value.
+fn dot(coef: &[f64], x: &[f64]) -> f64 {
+    coef.iter().zip(x).map(|(c, v)| c * v).sum()
 }
 
 fn names(terms: &[&str]) -> Vec<String> {
