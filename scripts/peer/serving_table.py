@@ -12,20 +12,46 @@ import re
 SERVERS = ("tokenpath", "llama-server", "vllm")
 
 
+def quantile(v, f):
+    """Quantile `f` of `v` with linear interpolation between closest ranks (the bench's own)."""
+    v = sorted(v)
+    rank = f * (len(v) - 1)
+    lo, hi = int(rank), min(int(rank) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (rank - lo)
+
+
+def ttfts(doc):
+    """(TTFT ms, prompt tokens) of every completed request, in the order they were sent."""
+    out = []
+    for r in sorted(doc.get("requests", []), key=lambda r: r["t_send"]):
+        first = next((e["at_ns"] for e in r.get("events", []) if e.get("tokens", 0) > 0), None)
+        if (r.get("outcome") or {}).get("status") == "ok" and first is not None:
+            prompt = (r.get("usage") or {}).get("prompt_tokens") or r.get("prompt_tokens_hint") or 0
+            out.append(((first - r["t_send"]) / 1e6, prompt))
+    return out
+
+
 def steady_ttft(doc, conc):
     """TTFT p50 and p99 (ms) of the requests sent after the first `conc` (the closed loop's first
     wave, sent all at once: its k-th request waits for k - 1 prefills under any scheduler)."""
-    reqs = sorted(doc.get("requests", []), key=lambda r: r["t_send"])[conc:]
-    t = []
-    for r in reqs:
-        first = next((e["at_ns"] for e in r.get("events", []) if e.get("tokens", 0) > 0), None)
-        if (r.get("outcome") or {}).get("status") == "ok" and first is not None:
-            t.append((first - r["t_send"]) / 1e6)
+    t = [ms for ms, _ in ttfts(doc)[conc:]]
     if not t:
         return None, None
-    t.sort()
-    q = lambda f: t[min(len(t) - 1, int(round(f * (len(t) - 1))))]
-    return q(0.5), q(0.99)
+    return quantile(t, 0.5), quantile(t, 0.99)
+
+
+def first_wave_floor(doc, conc, prefill_tok_s):
+    """The lowest TTFT p99 (ms) any scheduler could give this run on an engine that prefills at
+    `prefill_tok_s`: the first wave's `conc` prompts arrive at once, so the k-th answered waits
+    for at least the k shortest prompts' prefill; every later request keeps its measured TTFT."""
+    t = ttfts(doc)
+    if len(t) <= conc or not prefill_tok_s:
+        return None
+    wave, done = [], 0
+    for prompt in sorted(p for _, p in t[:conc]):
+        done += prompt
+        wave.append(done / prefill_tok_s * 1000.0)
+    return quantile(wave + [ms for ms, _ in t[conc:]], 0.99)
 
 
 def load(out_dir):
@@ -41,6 +67,7 @@ def load(out_dir):
         else:
             summary = dict(doc["summary"])
             summary["steady_ttft"] = steady_ttft(doc, int(m.group(3)))
+            summary["doc"] = doc
             closed[(m.group(1), int(m.group(3)))] = summary
     return closed, rates
 
@@ -48,6 +75,15 @@ def load(out_dir):
 def pct(s, key, q):
     v = s.get(key) or {}
     return v.get(q)
+
+
+def engine_figure(out_dir, name):
+    """Our engine's figure `name` (tok/s) from the same run's bench-engine JSON, if any."""
+    path = os.path.join(out_dir, "engine.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh).get(name, {}).get("ours")
 
 
 def main():
@@ -100,11 +136,9 @@ def main():
             parts.append(f"max rate {mo / mp:.2f}x")
         if parts:
             print(f"tokenpath vs {peer}: " + "; ".join(parts))
-    engine = os.path.join(a.out_dir, "engine.json")
     one = closed.get((ours, 1))
-    if os.path.exists(engine) and one and pct(one, "tpot_ms", "p50"):
-        with open(engine) as fh:
-            e = json.load(fh).get("decode_b1_ctx512", {}).get("ours")
+    if one and pct(one, "tpot_ms", "p50"):
+        e = engine_figure(a.out_dir, "decode_b1_ctx512")
         steps_file = os.path.join(a.out_dir, "engine.steps")
         steps = 32
         if os.path.exists(steps_file):
@@ -123,6 +157,15 @@ def main():
             p50, p99 = top["steady_ttft"]
             if p50:
                 print(f"  after the first wave (the {concs[-1]} requests sent at once): {p99 / p50:.2f}")
+            prefill = engine_figure(a.out_dir, "prefill_512")
+            floor = first_wave_floor(top["doc"], concs[-1], prefill)
+            if floor:
+                whole = pct(top, "ttft_ms", "p50")
+                verdict = "out of reach of any scheduler" if floor > 2 * whole else "reachable"
+                print(f"  the first wave's floor: p99 >= {floor:,.0f} ms over this run (its k-th answer needs k "
+                      f"prompts prefilled at the engine's {prefill:,.0f} tok/s) against 2 x p50 = {2 * whole:,.0f} ms: "
+                      f"{verdict} at this prefill speed; measured {pct(top, 'ttft_ms', 'p99'):,.0f} ms, "
+                      f"{pct(top, 'ttft_ms', 'p99') / floor:.2f}x the floor")
 
 
 if __name__ == "__main__":
