@@ -124,14 +124,21 @@ pub struct SimArgs {
     /// Seed of the step-time draws (the workload's is --seed).
     #[arg(long, default_value_t = 0)]
     sim_seed: u64,
+    /// Every calibration's step and gap prices times this: the machine measured slower (> 1) or
+    /// faster than when it was calibrated, by the same fixed probe at both times.
+    #[arg(long, default_value_t = 1.0)]
+    step_scale: f64,
     #[command(flatten)]
     output: crate::output::OutputArgs,
 }
 
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
-    let calib = Calibration::load(&args.calibration)?;
-    let prefill = args.prefill_calibration.as_deref().map(Calibration::load).transpose()?;
-    let decode = args.decode_calibration.as_deref().map(Calibration::load).transpose()?;
+    let load = |p: &std::path::Path| -> anyhow::Result<Calibration> {
+        Ok(Calibration::load(p)?.scaled(args.step_scale)?)
+    };
+    let calib = load(&args.calibration)?;
+    let prefill = args.prefill_calibration.as_deref().map(load).transpose()?;
+    let decode = args.decode_calibration.as_deref().map(load).transpose()?;
     let calibs =
         tokenpath_sim::Calibrations { default: &calib, prefill: prefill.as_ref(), decode: decode.as_ref() };
     let s = &args.server;
@@ -190,6 +197,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             "simulated": true,
             "calibration": args.calibration.display().to_string(),
             "calibration_digest": calib.digest(),
+            "step_scale": args.step_scale,
             "machine": calib.provenance.machine,
             "model": calib.provenance.model,
             "sim": cfg,
@@ -240,6 +248,9 @@ pub struct CalibrateArgs {
     /// next to the logs' own noise floor.
     #[arg(long, value_name = "CALIB.json", conflicts_with = "out")]
     score: Option<PathBuf>,
+    /// With --score: the calibration's prices times this first (as `sim --step-scale`).
+    #[arg(long, default_value_t = 1.0, requires = "score")]
+    step_scale: f64,
 }
 
 pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
@@ -255,7 +266,7 @@ pub fn calibrate(args: CalibrateArgs) -> anyhow::Result<()> {
         logs.push(recs);
     }
     if let Some(path) = &args.score {
-        let calib = Calibration::load(path)?;
+        let calib = Calibration::load(path)?.scaled(args.step_scale)?;
         let s = calib.score(&logs.concat());
         println!(
             "score: {} held-out steps: step model median error {:.1}% (signed {:+.1}%), p90 {:.1}%; \

@@ -453,6 +453,18 @@ impl Calibration {
         }
     }
 
+    /// This calibration on a machine `factor` times as slow (every step and gap price times
+    /// `factor`; the residual ratios, being ratios, unchanged): the same machine measured at
+    /// another minute by a fixed probe (`scripts/validate-sim --probe`). Errors unless `factor`
+    /// is positive and finite.
+    pub fn scaled(mut self, factor: f64) -> Result<Self, SimError> {
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(SimError::Calibration(format!("a step scale must be positive, not {factor}")));
+        }
+        self.step.coef_us.iter_mut().chain(self.gap.coef_us.iter_mut()).for_each(|c| *c *= factor);
+        Ok(self)
+    }
+
     /// A step's point prediction, µs.
     pub fn step_point_us(&self, s: &StepShape) -> f64 {
         self.step.point(&s.terms(self.knee_rows))

@@ -165,3 +165,28 @@ fn too_few_steps_or_a_bad_file_is_refused() {
     c.version = 99;
     assert!(c.check().is_err());
 }
+
+#[test]
+fn a_scaled_calibration_prices_every_step_and_gap_by_its_factor_and_refuses_a_bad_one() {
+    let c = Calibration::fit(&[synthetic(600)], Provenance::default(), 23_040, link()).unwrap();
+    let shapes = [
+        StepShape { rows: 4, decode_tokens: 4, decode_pairs: 2000, ..StepShape::default() },
+        StepShape { rows: 1, prefill_tokens: 512, prefill_pairs: 131_328, ..StepShape::default() },
+    ];
+    let slow = c.clone().scaled(1.15).unwrap();
+    slow.check().unwrap();
+    assert_ne!(slow.digest(), c.digest(), "a scaled calibration is another simulator");
+    for s in &shapes {
+        let (a, b) = (c.step_point_us(s), slow.step_point_us(s));
+        assert!((b / a - 1.15).abs() < 1e-9, "{a} {b}");
+        // The same draw (same seed) scales by the same factor: the residuals are ratios.
+        let (mut r1, mut r2) = (ChaCha8Rng::seed_from_u64(3), ChaCha8Rng::seed_from_u64(3));
+        let (d1, d2) = (c.step_us(s, &mut r1), slow.step_us(s, &mut r2));
+        assert!((d2 / d1 - 1.15).abs() < 1e-9, "{d1} {d2}");
+        let (g1, g2) = (c.gap_us(2, &mut r1), slow.gap_us(2, &mut r2));
+        assert!((g2 / g1 - 1.15).abs() < 1e-9, "{g1} {g2}");
+    }
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert!(c.clone().scaled(bad).is_err(), "{bad}");
+    }
+}
