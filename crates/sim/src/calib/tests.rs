@@ -147,9 +147,7 @@ fn a_noisy_tail_does_not_move_the_point_and_held_out_steps_score_at_their_floor(
     assert!(s.median_ape < 4.0 && s.median_signed.abs() < 2.0, "{s:?}");
     assert!(s.noise.steps > 100 && s.noise.median_ape > 1.0 && s.noise.median_ape < 4.0, "{s:?}");
     // A model that is 20% slow is told apart from the noise.
-    let mut slow = c.clone();
-    slow.step.coef_us.iter_mut().for_each(|v| *v *= 1.2);
-    let s = slow.score(&held_out);
+    let s = c.clone().scaled(1.2).unwrap().score(&held_out);
     assert!(s.median_ape > 15.0 && s.median_signed > 15.0, "{s:?}");
 }
 
