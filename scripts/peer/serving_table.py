@@ -77,13 +77,13 @@ def pct(s, key, q):
     return v.get(q)
 
 
-def engine_figure(out_dir, name):
-    """Our engine's figure `name` (tok/s) from the same run's bench-engine JSON, if any."""
+def engine_figures(out_dir):
+    """Our engine's figures (name -> tok/s) from the same run's bench-engine JSON, if any."""
     path = os.path.join(out_dir, "engine.json")
     if not os.path.exists(path):
-        return None
+        return {}
     with open(path) as fh:
-        return json.load(fh).get(name, {}).get("ours")
+        return {k: v.get("ours") for k, v in json.load(fh).items() if isinstance(v, dict)}
 
 
 def main():
@@ -136,9 +136,10 @@ def main():
             parts.append(f"max rate {mo / mp:.2f}x")
         if parts:
             print(f"tokenpath vs {peer}: " + "; ".join(parts))
+    engine = engine_figures(a.out_dir)
     one = closed.get((ours, 1))
     if one and pct(one, "tpot_ms", "p50"):
-        e = engine_figure(a.out_dir, "decode_b1_ctx512")
+        e = engine.get("decode_b1_ctx512")
         steps_file = os.path.join(a.out_dir, "engine.steps")
         steps = 32
         if os.path.exists(steps_file):
@@ -157,7 +158,7 @@ def main():
             p50, p99 = top["steady_ttft"]
             if p50:
                 print(f"  after the first wave (the {concs[-1]} requests sent at once): {p99 / p50:.2f}")
-            prefill = engine_figure(a.out_dir, "prefill_512")
+            prefill = engine.get("prefill_512")
             floor = first_wave_floor(top["doc"], concs[-1], prefill)
             if floor:
                 whole = pct(top, "ttft_ms", "p50")
