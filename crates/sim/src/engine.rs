@@ -18,6 +18,8 @@ use tokenpath_protocol::work::StepRecord;
 use tokenpath_scheduler::{ArenaOnly, Policy, Scheduler, SeqCore, Sequence, Stuck};
 use tokenpath_timeline::{FinishReason, Mark, Nanos, ServerTimeline};
 
+mod transfer;
+
 /// What a worker runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
@@ -64,6 +66,8 @@ struct Worker<'a> {
     in_flight: u64,
     /// When the link into this (decode) worker is free again.
     link_free_at: Nanos,
+    /// Requests whose KV landed during the step (or gap) in flight, taken in when it is over.
+    landed: Vec<usize>,
     rng: ChaCha8Rng,
     steps: u64,
     busy_ns: Nanos,
@@ -155,6 +159,7 @@ impl<'a> Sim<'a> {
                 awaiting: Vec::new(),
                 in_flight: 0,
                 link_free_at: 0,
+                landed: Vec::new(),
                 rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ (0x5717_0000 + i as u64)),
                 steps: 0,
                 busy_ns: 0,
@@ -217,6 +222,7 @@ impl<'a> Sim<'a> {
                 Event::KvReady { worker, req } => self.kv_ready(worker, req),
                 Event::Resume(w) => {
                     self.workers[w].busy = false;
+                    self.take_landed(w);
                     self.wake(w);
                 }
             }
@@ -528,64 +534,9 @@ impl<'a> Sim<'a> {
         }
         // The next step after the inter-step gap (sampling, streaming, planning).
         let gap = us_to_ns(worker.calib.gap_us(rows, &mut worker.rng));
-        if Self::has_work(worker) {
+        if Self::has_work(worker) || !worker.landed.is_empty() {
             worker.busy = true;
             self.push(t1 + gap, Event::Resume(w));
         }
-    }
-
-    /// Prefill mode: the blocks filled since the last export go onto the link to the request's
-    /// decode worker (all of them, the partial last one included, at the handoff).
-    fn export(&mut self, s: &mut SimSeq, last: bool, bytes_per_token: u64, bs: usize) {
-        let upto = if last { s.table.blocks().len() } else { (s.fed / bs).min(s.table.blocks().len()) };
-        if upto <= s.exported_blocks {
-            return;
-        }
-        let Some(d) = self.reqs[s.req].decode_worker else { return };
-        let bytes = (upto - s.exported_blocks) as u64 * bs as u64 * bytes_per_token;
-        s.exported_blocks = upto;
-        let link = self.calib.link;
-        let dw = &mut self.workers[d];
-        let start = dw.link_free_at.max(self.now);
-        dw.link_free_at = start + (bytes as f64 / link.bytes_per_s * 1e9).round() as Nanos;
-        *self.reqs[s.req].kv_bytes.get_or_insert(0) += bytes;
-    }
-
-    fn handoff(&mut self, r: usize, t1: Nanos) {
-        let Some(d) = self.reqs[r].decode_worker else { return };
-        self.stamp(r, Mark::KvTransferStart, t1);
-        let ready = self.workers[d].link_free_at.max(t1) + us_to_ns(self.calib.link.latency_us);
-        self.push(ready, Event::KvReady { worker: d, req: r });
-    }
-
-    /// A request that ended on its prefill worker without a handoff gives its decode blocks back.
-    fn drop_awaiting(&mut self, r: usize) {
-        let Some(d) = self.reqs[r].decode_worker.take() else { return };
-        let dw = &mut self.workers[d];
-        if let Some(i) = dw.awaiting.iter().position(|s| s.req == r) {
-            let mut s = dw.awaiting.swap_remove(i);
-            dw.sched.free(&mut s);
-            dw.in_flight = dw.in_flight.saturating_sub(1);
-        }
-    }
-
-    fn kv_ready(&mut self, worker: usize, req: usize) {
-        let d = worker;
-        let Some(i) = self.workers[d].awaiting.iter().position(|s| s.req == req) else { return };
-        let mut s = self.workers[d].awaiting.swap_remove(i);
-        self.stamp(req, Mark::KvTransferEnd, self.now);
-        let len = s.prompt_len;
-        let dw = &mut self.workers[d];
-        if dw.sched.cache.set_len(&mut s.core.table, len).is_err() {
-            dw.sched.free(&mut s);
-            dw.in_flight = dw.in_flight.saturating_sub(1);
-            return self.end(req, Outcome::Failed("transferred KV does not fit its blocks".into()));
-        }
-        s.fed = len;
-        let first = self.input.requests[req].answer.first().copied().unwrap_or(0);
-        s.tokens.push(first);
-        s.generated = 1;
-        dw.sched.waiting.push_front(s);
-        self.wake(d);
     }
 }

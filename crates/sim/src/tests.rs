@@ -151,3 +151,43 @@ fn a_bad_topology_is_refused() {
     bad.link.bytes_per_s = 0.0;
     assert!(simulate(&cfg(1, 0, 0), &bad, &inp).is_err());
 }
+
+/// Regression (the simulated 1P1D transfers were a third of the real ones at p50 and a quarter at
+/// p99): the real decode worker reads a transfer's end only between its steps, so a transfer
+/// whose bytes land mid-step ends when that step and its gap are over — never inside a step.
+#[test]
+fn a_transfer_landing_mid_step_ends_between_the_decode_workers_steps() {
+    // Prompts of 1,000 tokens every 30 ms: the decode worker is decoding earlier requests
+    // (5.5 ms steps, 1 ms gaps) when most later transfers land.
+    let inp = input("fixed:1000:40", 8, 30);
+    let mut c = cfg(0, 1, 1);
+    c.worker.kv_blocks = 1024;
+    let out = simulate(&c, &calib(), &inp).unwrap();
+    let steps: Vec<(f64, f64)> = out
+        .steps
+        .iter()
+        .filter(|(w, _)| w == "d1")
+        .map(|(_, s)| (s.start_us as f64 / 1e3, (s.start_us + s.dur_us) as f64 / 1e3))
+        .collect();
+    assert!(steps.len() > 40, "{}", steps.len());
+    let mut waited = 0;
+    for r in &out.records {
+        assert!(r.is_ok(), "{:?}", r.outcome);
+        let ms = |s| stage(r, s).unwrap();
+        let end = r.t_send as f64 / 1e6
+            + ms(Stage::Gateway)
+            + ms(Stage::Queue)
+            + ms(Stage::Prefill)
+            + ms(Stage::KvTransfer);
+        // Step times are whole µs: 2 µs of slack either side.
+        let inside = steps.iter().find(|(a, b)| end > a + 0.002 && end < b - 0.002);
+        assert!(inside.is_none(), "request {} took its KV in at {end} ms, inside the step {inside:?}", r.id);
+        // The link alone: the last chunk's 488 tokens × 1000 B at 100 MB/s, plus 2 ms.
+        if ms(Stage::KvTransfer) > 2.0 + 4.88 + 0.01 {
+            waited += 1;
+        }
+        // Taken in at a step boundary and planned at once: no decode queue to speak of.
+        assert!(ms(Stage::DecodeQueue) < 0.01, "{}", ms(Stage::DecodeQueue));
+    }
+    assert!(waited >= 3, "only {waited} transfers waited for a step's end");
+}
