@@ -43,27 +43,28 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     let has: Vec<&str> = Kernel::ALL.into_iter().filter(|k| k.is_available()).map(Kernel::name).collect();
     println!("kernels: {kernel} (this CPU runs {}; {KERNEL_ENV} caps the choice, and `amx` opts in to the AMX tiles)", has.join(", "));
     println!(
-        "machine (measured now): f32 GEMM {:.1} GFLOP/s, read bandwidth {:.1} GB/s",
+        "machine (measured now): f32 GEMM {:.1} GFLOP/s, read bandwidth {:.1} GB/s (the highest measured)",
         b.gemm_gflops, b.read_gb_s
     );
     println!(
-        "{:<14}{:>12}{:>12}{:>9}{:>16}",
-        "figure (tok/s)", "ours", "llama.cpp", "ratio", "of mach. limit"
+        "{:<14}{:>12}{:>12}{:>9}{:>16}{:>16}",
+        "figure (tok/s)", "ours", "llama.cpp", "ratio", "of mach. limit", "limit"
     );
     let mut json = serde_json::Map::new();
     for (name, f) in &b.figures {
         let fmt = |v: Option<f64>, p: usize| v.map_or("-".to_owned(), |x| format!("{x:.p$}"));
         println!(
-            "{:<14}{:>12.1}{:>12}{:>9}{:>15.0}%",
+            "{:<14}{:>12.1}{:>12}{:>9}{:>15.0}%{:>16}",
             name,
             f.ours,
             fmt(f.llama_cpp, 1),
             fmt(f.ratio(), 2),
-            f.of_limit * 100.0
+            f.of_limit * 100.0,
+            format!("{:.1} {}", f.limit, f.limit_unit)
         );
         json.insert(
             (*name).to_owned(),
-            serde_json::json!({"ours": f.ours, "llama_cpp": f.llama_cpp, "ratio": f.ratio(), "of_machine_limit": f.of_limit}),
+            serde_json::json!({"ours": f.ours, "llama_cpp": f.llama_cpp, "ratio": f.ratio(), "of_machine_limit": f.of_limit, "limit": f.limit}),
         );
     }
     println!(
