@@ -99,7 +99,7 @@ pub struct ReadBandwidth(Vec<u64>);
 
 impl std::fmt::Debug for ReadBandwidth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ReadBandwidth({} MiB)", self.0.len() * 8 >> 20)
+        write!(f, "ReadBandwidth({} MiB)", (self.0.len() * 8) >> 20)
     }
 }
 
