@@ -230,3 +230,43 @@ fn interleaved_decode_throughput() {
         }
     }
 }
+
+/// What one parallel region costs on a two-thread pool, as the forward pass opens five a layer:
+/// sixteen tasks summing `work` cached u64 each, then a short serial part, back to back inside
+/// `install` (as `forward` runs), against the same work serially on one thread. Measured
+/// 2026-12-06 (2-core EPYC): an empty region 0.24 µs; 3 µs of work gains nothing from the second
+/// thread (2.84 vs 2.99 µs: rayon's idle worker yields to the OS between looks for work —
+/// 93k `sched_yield` calls in a 256-step decode under strace);
+/// 31 µs of work runs in 17 µs (1.8×). The small products of a batch-1 step (Q/K/V ~12 µs, the
+/// output projection ~7 µs a layer) sit where the second thread arrives late.
+#[test]
+#[ignore = "benchmark; run in release with --ignored --nocapture"]
+fn parallel_region_overhead() {
+    use rayon::prelude::*;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
+    let buf: Vec<u64> = (0..(1u64 << 20)).collect();
+    let regions = 20_000;
+    let region = |work: usize, par: bool| {
+        let task = |i: usize| buf[i * work..(i + 1) * work].iter().sum::<u64>();
+        let s: u64 = if par { (0..16).into_par_iter().map(task).sum() } else { (0..16).map(task).sum() };
+        (0..200u64).fold(s, |a, j| a.wrapping_mul(31).wrapping_add(j))
+    };
+    for work in [0usize, 2_000, 20_000] {
+        let two = pool.install(|| {
+            let t = Instant::now();
+            let acc = (0..regions).fold(0u64, |a, _| a.wrapping_add(region(work, true)));
+            std::hint::black_box(acc);
+            t.elapsed()
+        });
+        let t = Instant::now();
+        let acc = (0..regions).fold(0u64, |a, _| a.wrapping_add(region(work, false)));
+        std::hint::black_box(acc);
+        let one = t.elapsed();
+        let us = |d: std::time::Duration| d.as_secs_f64() / regions as f64 * 1e6;
+        println!(
+            "{work:>6} u64 a task: two threads {:.2} µs a region, one thread serially {:.2} µs",
+            us(two),
+            us(one)
+        );
+    }
+}
