@@ -12,6 +12,7 @@ pub mod generate;
 pub mod gguf;
 pub mod kv_cache;
 pub mod model;
+pub mod par;
 pub mod quant;
 pub mod sampling;
 pub mod stop;

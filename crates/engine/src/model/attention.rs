@@ -8,7 +8,6 @@ use super::forward::{gemm_into, GEMM_MIN_ROWS};
 use super::math;
 use crate::kv_cache::{BlockId, BlockTable, KvCache};
 use crate::model::BatchItem;
-use rayon::prelude::*;
 
 /// Causal attention for every stacked row and query head; returns `[T × n_head·hd]`.
 ///
@@ -60,14 +59,15 @@ pub(super) fn attention(
             .collect();
     }
     let scale = 1.0 / (hd as f32).sqrt();
-    let results: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|(i, kvh, r0, nr, heads)| {
-            let table: &BlockTable = &*batch[*i].table;
-            let job = Job { cache, table, layer, kvh: *kvh, group, heads: heads.clone(), hd, scale, d };
-            attend_task(&job, &rows[*r0..r0 + nr], &q[r0 * d..(r0 + nr) * d])
-        })
-        .collect();
+    let slots: Vec<std::sync::OnceLock<Vec<f32>>> =
+        tasks.iter().map(|_| std::sync::OnceLock::new()).collect();
+    crate::par::for_each(tasks.len(), |t| {
+        let (i, kvh, r0, nr, heads) = &tasks[t];
+        let table: &BlockTable = &*batch[*i].table;
+        let job = Job { cache, table, layer, kvh: *kvh, group, heads: heads.clone(), hd, scale, d };
+        let _ = slots[t].set(attend_task(&job, &rows[*r0..r0 + nr], &q[r0 * d..(r0 + nr) * d]));
+    });
+    let results: Vec<Vec<f32>> = slots.into_iter().map(|s| s.into_inner().unwrap_or_default()).collect();
     let mut out = vec![0f32; rows.len() * d];
     for ((_, kvh, r0, nr, heads), res) in tasks.iter().zip(&results) {
         let w = heads.len();

@@ -284,7 +284,7 @@ pub fn matmul_group_interleaved_with(
     if work < 64 * 1024 {
         tasks.iter().for_each(run);
     } else {
-        tasks.par_iter().for_each(run);
+        crate::par::for_each(tasks.len(), |i| run(&tasks[i]));
     }
     Ok(())
 }

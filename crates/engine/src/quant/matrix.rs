@@ -286,6 +286,13 @@ fn run_tasks(kernel: super::Resolved, tasks: Vec<Task<'_, '_>>, serial: bool) {
     if serial {
         tasks.into_iter().for_each(run);
     } else {
-        tasks.into_par_iter().for_each(run);
+        // Each task taken out of its slot exactly once, by whichever thread runs its index.
+        let slots: Vec<std::sync::Mutex<Option<Task<'_, '_>>>> =
+            tasks.into_iter().map(|t| std::sync::Mutex::new(Some(t))).collect();
+        crate::par::for_each(slots.len(), |i| {
+            if let Some(task) = slots[i].lock().ok().and_then(|mut s| s.take()) {
+                run(task);
+            }
+        });
     }
 }
