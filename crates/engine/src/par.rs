@@ -172,6 +172,12 @@ pub fn with_partner<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     out
 }
 
+/// Whether this thread's [`for_each`] splits its regions with a partner, in two halves by task
+/// index: a caller cutting finer tasks then gets halves of more even work.
+pub fn partnered() -> bool {
+    !PAIR.with(Cell::get).is_null()
+}
+
 /// `run(i)` for every `i in 0..n`, in parallel: on this thread's partner during
 /// [`with_partner`], else on the rayon pool.
 pub fn for_each(n: usize, run: impl Fn(usize) + Sync + Send) {

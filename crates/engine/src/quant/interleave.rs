@@ -198,10 +198,13 @@ pub fn matmul_group_interleaved_with(
     let out_ptrs: Vec<OutRows> =
         outs.iter_mut().map(|o| OutRows { ptr: o.as_mut_ptr(), len: o.len() }).collect();
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    // Split in two halves by a partner (`crate::par`), tasks of four groups even the halves out:
+    // a 576-row product has 18 of them, not 9 (measured +0.2–2.4% a batch-1 step).
+    let per_task = if crate::par::partnered() { GROUPS_PER_TASK / 2 } else { GROUPS_PER_TASK };
     for (i, m) in mats.iter().enumerate() {
         let groups = m.rows / GROUP;
-        for g0 in (0..groups).step_by(GROUPS_PER_TASK) {
-            tasks.push((i, g0, (g0 + GROUPS_PER_TASK).min(groups)));
+        for g0 in (0..groups).step_by(per_task) {
+            tasks.push((i, g0, (g0 + per_task).min(groups)));
         }
     }
     let run = |&(i, g0, g1): &(usize, usize, usize)| {
