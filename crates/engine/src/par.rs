@@ -50,9 +50,13 @@ struct Pair {
     failed: Line<AtomicBool>,
     /// The owner's generation counter.
     generation: Cell<u64>,
+    /// The owner is inside a region: a loop nested in one of its tasks runs serially (a second
+    /// offer would overwrite the first).
+    busy: Cell<bool>,
 }
 
-// SAFETY: `generation` is touched by the owner only (in `region`); everything else is atomic.
+// SAFETY: `generation` and `busy` are touched by the owner only (in `region`); everything else
+// is atomic.
 unsafe impl Sync for Pair {}
 
 impl Pair {
@@ -64,15 +68,18 @@ impl Pair {
             quit: Line(AtomicBool::new(false)),
             failed: Line(AtomicBool::new(false)),
             generation: Cell::new(0),
+            busy: Cell::new(false),
         }
     }
 
     /// The owner: `run(i)` for `i in 0..n`, the second half offered to the partner.
     fn region(&self, n: usize, run: &(dyn Fn(usize) + Sync)) {
-        if n < 2 {
+        if n < 2 || self.busy.get() {
             (0..n).for_each(run);
             return;
         }
+        self.busy.set(true);
+        let _busy = Busy(&self.busy);
         let g = self.generation.get() + 1;
         self.generation.set(g);
         let job = Job { run, n };
@@ -122,6 +129,15 @@ impl Pair {
             }
             self.done.0.store(o >> 2, SeqCst);
         }
+    }
+}
+
+/// Clears the owner's in-a-region flag however the region ends.
+struct Busy<'a>(&'a Cell<bool>);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.set(false);
     }
 }
 
@@ -266,6 +282,22 @@ mod tests {
             })
         });
         assert!(met, "the partner never ran the offered half");
+    }
+
+    #[test]
+    fn a_loop_nested_in_a_task_runs_and_the_outer_region_still_ends() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let inner = AtomicU32::new(0);
+        pool.install(|| {
+            with_partner(|| {
+                for_each(4, |_| {
+                    for_each(3, |_| {
+                        inner.fetch_add(1, Ordering::Relaxed);
+                    })
+                })
+            })
+        });
+        assert_eq!(inner.load(Ordering::Relaxed), 12);
     }
 
     #[test]
