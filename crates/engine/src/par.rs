@@ -301,6 +301,23 @@ mod tests {
     }
 
     #[test]
+    fn a_partner_waiting_before_the_first_region_claims_nothing() {
+        // The state before any region must not look like an offer (a partner that claimed
+        // there would read a job nobody published).
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let ran = AtomicU32::new(0);
+        pool.install(|| {
+            with_partner(|| {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                for_each(8, |_| {
+                    ran.fetch_add(1, Ordering::Relaxed);
+                });
+            })
+        });
+        assert_eq!(ran.load(Ordering::Relaxed), 8);
+    }
+
+    #[test]
     fn a_pool_of_one_runs_everything_on_the_caller() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         let sum = AtomicU32::new(0);
