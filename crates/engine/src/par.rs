@@ -212,6 +212,19 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
 
+    /// `f` inside [`with_partner`] on a fresh pool of `threads`.
+    fn paired<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| with_partner(f))
+    }
+
+    /// `n` tasks, each counting itself in `ran`.
+    fn count_each(n: usize, ran: &AtomicU32) {
+        for_each(n, |_| {
+            ran.fetch_add(1, Ordering::Relaxed);
+        });
+    }
+
     #[test]
     fn every_task_runs_once_in_every_region_with_or_without_a_partner() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
@@ -235,24 +248,19 @@ mod tests {
 
     #[test]
     fn a_panicking_task_on_either_thread_reaches_the_caller_and_the_pair_goes_on() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let ran = AtomicU32::new(0);
-        let caught = pool.install(|| {
-            with_partner(|| {
-                let mut caught = 0;
-                for bad in [0usize, 7] {
-                    let r = catch_unwind(AssertUnwindSafe(|| {
-                        for_each(8, |i| {
-                            assert_ne!(i, bad, "task {i} fails");
-                        })
-                    }));
-                    caught += r.is_err() as u32;
-                }
-                for_each(8, |_| {
-                    ran.fetch_add(1, Ordering::Relaxed);
-                });
-                caught
-            })
+        let caught = paired(2, || {
+            let mut caught = 0;
+            for bad in [0usize, 7] {
+                let r = catch_unwind(AssertUnwindSafe(|| {
+                    for_each(8, |i| {
+                        assert_ne!(i, bad, "task {i} fails");
+                    })
+                }));
+                caught += r.is_err() as u32;
+            }
+            count_each(8, &ran);
+            caught
         });
         assert_eq!(caught, 2, "the first half's panic and the second half's both reach the caller");
         assert_eq!(ran.load(Ordering::Relaxed), 8, "a region after a panic still runs every task");
@@ -262,41 +270,29 @@ mod tests {
     fn the_second_half_runs_on_the_partner_while_the_first_still_runs() {
         // Task 0 (the caller's half) waits for task 1 (the offered half): only a partner
         // running at the same time can let it finish.
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let second = AtomicBool::new(false);
-        let met = pool.install(|| {
-            with_partner(|| {
-                let met = AtomicBool::new(false);
-                for_each(2, |i| {
-                    if i == 1 {
-                        second.store(true, SeqCst);
-                        return;
-                    }
-                    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
-                    while !second.load(SeqCst) && std::time::Instant::now() < until {
-                        std::thread::yield_now();
-                    }
-                    met.store(second.load(SeqCst), SeqCst);
-                });
-                met.load(SeqCst)
-            })
+        let met = paired(2, || {
+            let met = AtomicBool::new(false);
+            for_each(2, |i| {
+                if i == 1 {
+                    second.store(true, SeqCst);
+                    return;
+                }
+                let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                while !second.load(SeqCst) && std::time::Instant::now() < until {
+                    std::thread::yield_now();
+                }
+                met.store(second.load(SeqCst), SeqCst);
+            });
+            met.load(SeqCst)
         });
         assert!(met, "the partner never ran the offered half");
     }
 
     #[test]
     fn a_loop_nested_in_a_task_runs_and_the_outer_region_still_ends() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let inner = AtomicU32::new(0);
-        pool.install(|| {
-            with_partner(|| {
-                for_each(4, |_| {
-                    for_each(3, |_| {
-                        inner.fetch_add(1, Ordering::Relaxed);
-                    })
-                })
-            })
-        });
+        paired(2, || for_each(4, |_| count_each(3, &inner)));
         assert_eq!(inner.load(Ordering::Relaxed), 12);
     }
 
@@ -304,28 +300,20 @@ mod tests {
     fn a_partner_waiting_before_the_first_region_claims_nothing() {
         // The state before any region must not look like an offer (a partner that claimed
         // there would read a job nobody published).
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let ran = AtomicU32::new(0);
-        pool.install(|| {
-            with_partner(|| {
-                std::thread::sleep(std::time::Duration::from_millis(50));
-                for_each(8, |_| {
-                    ran.fetch_add(1, Ordering::Relaxed);
-                });
-            })
+        paired(2, || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            count_each(8, &ran);
         });
         assert_eq!(ran.load(Ordering::Relaxed), 8);
     }
 
     #[test]
     fn a_pool_of_one_runs_everything_on_the_caller() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         let sum = AtomicU32::new(0);
-        pool.install(|| {
-            with_partner(|| {
-                for_each(10, |i| {
-                    sum.fetch_add(i as u32, Ordering::Relaxed);
-                })
+        paired(1, || {
+            for_each(10, |i| {
+                sum.fetch_add(i as u32, Ordering::Relaxed);
             })
         });
         assert_eq!(sum.load(Ordering::Relaxed), 45);
