@@ -1,0 +1,176 @@
+use super::*;
+use crate::kv_cache::KvLayout;
+
+/// Every decode-attention path this CPU runs.
+fn paths() -> Vec<Path> {
+    use crate::quant::Kernel;
+    let mut p = vec![Path::Portable];
+    if Kernel::Avx2.is_available() {
+        p.push(Path::Avx2);
+    }
+    if Kernel::Avx512.is_available() {
+        p.push(Path::Avx512);
+    }
+    p
+}
+
+#[test]
+fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
+    // (head width, group, KV heads, block size): one, two, three and four query heads per
+    // KV head (the AVX-512 kernel takes three at a time), whole and partial blocks of 16,
+    // and block sizes that are no multiple of a vector.
+    for (hd, group, n_kv, bs) in
+        [(64, 3, 2, 16), (128, 4, 2, 16), (64, 2, 1, 8), (64, 1, 2, 5), (128, 3, 1, 32)]
+    {
+        let layout = KvLayout { n_layer: 1, kv_dim: n_kv * hd, head_dim: hd, block_size: bs };
+        let mut cache = KvCache::new(layout, 320usize.div_ceil(bs)).unwrap();
+        let mut table = BlockTable::default();
+        let n = 300;
+        cache.reserve(&mut table, n).unwrap();
+        let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7;
+        for pos in 0..n {
+            let k: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 977 + j)).collect();
+            let v: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 131 + j + 7)).collect();
+            cache.write(&table, 0, pos, &k, &v);
+        }
+        cache.advance(&mut table, n);
+        let d = n_kv * group * hd;
+        let rows = [(0, n - 1), (0, 140), (0, 15), (0, 0)];
+        let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
+        let job = |kvh, heads| Job {
+            cache: &cache,
+            table: &table,
+            layer: 0,
+            kvh,
+            group,
+            heads,
+            hd,
+            scale: 0.125,
+            d,
+        };
+        for kvh in 0..n_kv {
+            let whole = attend_online(&job(kvh, 0..group), &rows, &q);
+            for path in paths() {
+                let got = attend_online_path(&job(kvh, 0..group), &rows, &q, path);
+                assert_eq!(
+                    bits(&got),
+                    bits(&whole),
+                    "{path:?}, head width {hd}, group {group}, blocks of {bs}"
+                );
+                for g in 0..group {
+                    let one = attend_online_path(&job(kvh, g..g + 1), &rows, &q, path);
+                    for r in 0..rows.len() {
+                        assert_eq!(
+                            bits(&one[r * hd..(r + 1) * hd]),
+                            bits(&whole[(r * group + g) * hd..(r * group + g + 1) * hd]),
+                            "{path:?}: head {g} alone, row {r}, head width {hd}, blocks of {bs}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_fixed_width_block_kernels_give_the_generic_kernels_bits() {
+    let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.9;
+    for hd in [64, 128] {
+        for n in [1, 5, 8, 13, 16] {
+            let q: Vec<f32> = (0..hd).map(|i| val(i + 11)).collect();
+            let k: Vec<f32> = (0..n * hd).map(|i| val(i * 7 + 3)).collect();
+            let k = (&k[..], n);
+            let v: Vec<f32> = (0..n * hd).map(|i| val(i * 13 + 5)).collect();
+            let start: Vec<f32> = (0..hd).map(|i| val(i * 3 + 1)).collect();
+            let run = |fixed: bool| {
+                let (mut m, mut l, mut acc, mut sc) = (0.3f32, 1.7f32, start.clone(), vec![0f32; n]);
+                match (fixed, hd) {
+                    (true, 64) => online_block::<8>(&q, k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
+                    (true, _) => online_block::<16>(&q, k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
+                    (false, _) => online_block_any(&q, k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
+                }
+                (m.to_bits(), l.to_bits(), bits(&acc))
+            };
+            assert_eq!(run(true), run(false), "head width {hd}, {n} positions");
+        }
+    }
+}
+
+/// Decode attention as a batch-16 step at the serving benchmark's context runs it: sixteen
+/// sequences at 720 positions, their blocks interleaved in the cache as growing sequences leave
+/// them, SmolLM2-135M's heads (three KV heads of 64 values, three query heads each), every one of
+/// 30 layers (265 MB of f16 K and V: memory) against layer 0 thirty times (8.8 MB: the cache).
+/// Prints milliseconds a step and KV bytes read a second for both, alternating, on this CPU's
+/// best path.
+///     cargo test --release -p tokenpath-engine --lib -- --ignored --nocapture decode_attention_throughput
+#[test]
+#[ignore = "benchmark; run in release with --ignored --nocapture"]
+fn decode_attention_throughput() {
+    let (hd, group, n_kv, bs, n_layer, seqs, ctx) = (64, 3, 3, 16, 30, 16, 720);
+    let layout = KvLayout { n_layer, kv_dim: n_kv * hd, head_dim: hd, block_size: bs };
+    let mut cache = KvCache::new(layout, seqs * ctx / bs).unwrap();
+    let mut tables: Vec<BlockTable> = (0..seqs).map(|_| BlockTable::default()).collect();
+    let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7;
+    for p0 in (0..ctx).step_by(bs) {
+        for t in tables.iter_mut() {
+            cache.reserve(t, p0 + bs).unwrap();
+            for pos in p0..p0 + bs {
+                for layer in 0..n_layer {
+                    let k: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 977 + j + layer)).collect();
+                    cache.write(t, layer, pos, &k, &k);
+                }
+            }
+            cache.advance(t, bs);
+        }
+    }
+    let token = [0u32];
+    let rows: Vec<(usize, usize)> = (0..seqs).map(|i| (i, ctx - 1)).collect();
+    let d = n_kv * group * hd;
+    let q: Vec<f32> = (0..seqs * d).map(|j| val(j * 31 + 3)).collect();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let mut secs = [0f64; 2];
+    for round in 0..6 {
+        for (resident, total) in secs.iter_mut().enumerate() {
+            let items: Vec<BatchItem<'_>> = tables
+                .iter_mut()
+                .map(|t| BatchItem { table: t, tokens: &token, all_logits: false })
+                .collect();
+            let items = &items[..];
+            let t = std::time::Instant::now();
+            pool.install(|| {
+                crate::par::with_partner(|| {
+                    for layer in 0..n_layer {
+                        let layer = if resident == 1 { 0 } else { layer };
+                        std::hint::black_box(attention(
+                            &cache,
+                            items,
+                            &rows,
+                            &q,
+                            layer,
+                            n_kv * group,
+                            group,
+                            hd,
+                        ));
+                    }
+                })
+            });
+            if round > 0 {
+                *total += t.elapsed().as_secs_f64();
+            }
+        }
+    }
+    let kv_bytes = (seqs * ctx * n_kv * hd * 2 * 2 * n_layer) as f64;
+    for (name, s) in ["30 layers (memory)", "layer 0 x 30 (cache)"].iter().zip(secs) {
+        let step = s / 5.0;
+        println!(
+            "{:?}, {name}: {:.2} ms a step, {:.1} GB/s of K and V",
+            Path::best(),
+            step * 1e3,
+            kv_bytes / step / 1e9
+        );
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
