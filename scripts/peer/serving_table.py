@@ -77,13 +77,28 @@ def pct(s, key, q):
     return v.get(q)
 
 
-def engine_figures(out_dir):
+def engine_figures(out_dir, name="engine.json"):
     """Our engine's figures (name -> tok/s) from the same run's bench-engine JSON, if any."""
-    path = os.path.join(out_dir, "engine.json")
+    path = os.path.join(out_dir, name)
     if not os.path.exists(path):
         return {}
     with open(path) as fh:
         return {k: v.get("ours") for k, v in json.load(fh).items() if isinstance(v, dict)}
+
+
+def step_rounds(out_dir):
+    """(served TPOT p50 ms, engine step ms) of every alternating c=1 round, in order."""
+    rounds = []
+    for r in range(1, 1000):
+        served_path = os.path.join(out_dir, f"tokenpath-step{r}.json")
+        if not os.path.exists(served_path):
+            break
+        with open(served_path) as fh:
+            served = pct(json.load(fh)["summary"], "tpot_ms", "p50")
+        e = engine_figures(out_dir, f"engine-step{r}.json").get("decode_b1_ctx512")
+        if served and e:
+            rounds.append((served, 1000.0 / e))
+    return rounds
 
 
 def main():
@@ -150,6 +165,13 @@ def main():
             served = pct(one, "tpot_ms", "p50")
             print(f"tokenpath decode step at c=1: served TPOT p50 {served:.1f} ms, engine alone {step:.1f} ms "
                   f"from 512 to {512 + steps} tokens of context: {served / step:.2f}x (target <= 1.2)")
+    rounds = step_rounds(a.out_dir)
+    if rounds:
+        ratios = sorted(s / e for s, e in rounds)
+        each = ", ".join(f"{s:.2f}/{e:.2f}" for s, e in rounds)
+        print(f"tokenpath c=1 step in {len(rounds)} alternating rounds (served TPOT p50 / engine step, ms): "
+              f"{each}; ratio median {quantile(ratios, 0.5):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f}, "
+              f"target <= 1.2)")
     if concs:
         top = closed.get((ours, concs[-1]))
         if top and pct(top, "ttft_ms", "p50"):
