@@ -43,14 +43,14 @@ pub(super) fn attention(
         }
         first += n;
     }
-    // Fewer tasks than threads (one per KV head, one or two sequences on a wide pool, or one
-    // KV head): one task per query head instead, for the rows below the GEMM path, so no thread
-    // sits out. Each head's arithmetic is the same either way; only its block loads and
-    // conversions are repeated, by the one-head kernel — which is why the split waits for idle
-    // threads: on two threads, one sequence's three KV-head tasks (shared 2:1) beat nine
-    // query-head tasks by 30% (`decode_attention_throughput` at one and two sequences), a whole
-    // batch-1 step at 512 tokens of context by 6–10% (alternating every eight steps in one
-    // `bench-engine` run).
+    // Fewer tasks than threads (one or two sequences on a wide pool, or a model with one KV
+    // head): one task per query head instead, for the rows below the GEMM path, so no thread sits
+    // out. Each head's arithmetic is the same either way; only its block loads and conversions
+    // are repeated, by the one-head kernel — which is why the split waits for idle threads: on
+    // two threads, one sequence's three KV-head tasks (shared 2:1) beat nine query-head tasks by
+    // 30% (`decode_attention_throughput` at one and two sequences, the two rules alternating in
+    // one process through a temporary switch), and a whole batch-1 step at 512 tokens of context
+    // by 6–10% (alternating every eight steps in one `bench-engine` run).
     if tasks.len() < rayon::current_num_threads() && group > 1 {
         tasks = tasks
             .into_iter()

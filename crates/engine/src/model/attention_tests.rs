@@ -101,7 +101,7 @@ fn the_fixed_width_block_kernels_give_the_generic_kernels_bits() {
 /// them, SmolLM2-135M's heads (three KV heads of 64 values, three query heads each), every one of
 /// 30 layers (265 MB of f16 K and V: memory) against layer 0 thirty times (8.8 MB: the cache).
 /// Prints milliseconds a step and KV bytes read a second for both, alternating, on this CPU's
-/// best path.
+/// best path, for one, two and sixteen of the sequences.
 ///     cargo test --release -p tokenpath-engine --lib -- --ignored --nocapture decode_attention_throughput
 #[test]
 #[ignore = "benchmark; run in release with --ignored --nocapture"]
@@ -124,50 +124,46 @@ fn decode_attention_throughput() {
         }
     }
     let token = [0u32];
-    let rows: Vec<(usize, usize)> = (0..seqs).map(|i| (i, ctx - 1)).collect();
     let d = n_kv * group * hd;
     let q: Vec<f32> = (0..seqs * d).map(|j| val(j * 31 + 3)).collect();
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-    let mut secs = [0f64; 2];
-    for round in 0..6 {
-        for (resident, total) in secs.iter_mut().enumerate() {
-            let items: Vec<BatchItem<'_>> = tables
-                .iter_mut()
-                .map(|t| BatchItem { table: t, tokens: &token, all_logits: false })
-                .collect();
-            let items = &items[..];
-            let t = std::time::Instant::now();
-            pool.install(|| {
-                crate::par::with_partner(|| {
-                    for layer in 0..n_layer {
-                        let layer = if resident == 1 { 0 } else { layer };
-                        std::hint::black_box(attention(
-                            &cache,
-                            items,
-                            &rows,
-                            &q,
-                            layer,
-                            n_kv * group,
-                            group,
-                            hd,
-                        ));
-                    }
-                })
-            });
-            if round > 0 {
-                *total += t.elapsed().as_secs_f64();
+    // One, two and sixteen sequences: the first `n` tables.
+    for n in [1, 2, seqs] {
+        let rows: Vec<(usize, usize)> = (0..n).map(|i| (i, ctx - 1)).collect();
+        let mut secs = [0f64; 2];
+        for round in 0..6 {
+            for (resident, total) in secs.iter_mut().enumerate() {
+                let items: Vec<BatchItem<'_>> = tables[..n]
+                    .iter_mut()
+                    .map(|t| BatchItem { table: t, tokens: &token, all_logits: false })
+                    .collect();
+                let items = &items[..];
+                let t = std::time::Instant::now();
+                pool.install(|| {
+                    crate::par::with_partner(|| {
+                        for layer in 0..n_layer {
+                            let layer = if resident == 1 { 0 } else { layer };
+                            let out =
+                                attention(&cache, items, &rows, &q[..n * d], layer, n_kv * group, group, hd);
+                            std::hint::black_box(out);
+                        }
+                    })
+                });
+                if round > 0 {
+                    *total += t.elapsed().as_secs_f64();
+                }
             }
         }
-    }
-    let kv_bytes = (seqs * ctx * n_kv * hd * 2 * 2 * n_layer) as f64;
-    for (name, s) in ["30 layers (memory)", "layer 0 x 30 (cache)"].iter().zip(secs) {
-        let step = s / 5.0;
-        println!(
-            "{:?}, {name}: {:.2} ms a step, {:.1} GB/s of K and V",
-            Path::best(),
-            step * 1e3,
-            kv_bytes / step / 1e9
-        );
+        let kv_bytes = (n * ctx * n_kv * hd * 2 * 2 * n_layer) as f64;
+        for (name, s) in ["30 layers (memory)", "layer 0 x 30 (cache)"].iter().zip(secs) {
+            let step = s / 5.0;
+            println!(
+                "{:?}, {n} sequences, {name}: {:.2} ms a step, {:.1} GB/s of K and V",
+                Path::best(),
+                step * 1e3,
+                kv_bytes / step / 1e9
+            );
+        }
     }
 }
 
