@@ -64,7 +64,7 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         );
         json.insert(
             (*name).to_owned(),
-            serde_json::json!({"ours": f.ours, "llama_cpp": f.llama_cpp, "ratio": f.ratio(), "of_machine_limit": f.of_limit, "limit": f.limit}),
+            serde_json::json!({"ours": f.ours, "llama_cpp": f.llama_cpp, "ratio": f.ratio(), "of_machine_limit": f.of_limit, "limit": f.limit, "limit_unit": f.limit_unit}),
         );
     }
     println!(
