@@ -252,23 +252,31 @@ pub fn matmul_group_interleaved_with(
             while c < n {
                 let k = (n - c).min(if two { super::interleave_avx512::ACTS } else { C });
                 if two {
-                    let mut res = [[0f32; 2 * GROUP]; 8];
+                    // Left uninitialized: the tile writes one row per activation it is given.
+                    // Zeroing all eight rows was a `memset` call per pair, where a batch-1 step
+                    // uses one row: 1–3% of batch-1 and batch-4 steps (three `bench-engine` runs
+                    // alternating the two every eight steps in one process).
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C detected (`wide`); both
-                    // groups hold one group block per activation block (`check_dot` above).
-                    unsafe {
-                        super::interleave_avx512::tile_any(
-                            m.kind,
-                            m.group(g),
-                            m.group(g + 1),
-                            yb.get(c..c + k).unwrap_or(&[]),
-                            c == 0,
-                            &ys[c..c + k],
-                            &mut res,
-                        );
-                    }
-                    for (kk, r) in res.iter().enumerate().take(k) {
-                        put(c + kk, g * GROUP, r);
+                    {
+                        let mut res = [std::mem::MaybeUninit::<[f32; 2 * GROUP]>::uninit(); 8];
+                        // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C detected (`wide`);
+                        // both groups hold one group block per activation block (`check_dot`
+                        // above); `res` has room for `k <= ACTS` rows.
+                        unsafe {
+                            super::interleave_avx512::tile_any(
+                                m.kind,
+                                m.group(g),
+                                m.group(g + 1),
+                                yb.get(c..c + k).unwrap_or(&[]),
+                                c == 0,
+                                &ys[c..c + k],
+                                &mut res,
+                            );
+                        }
+                        for (kk, r) in res.iter().enumerate().take(k) {
+                            // SAFETY: `tile_any` wrote rows `0..k`, one per activation.
+                            put(c + kk, g * GROUP, unsafe { r.assume_init_ref() });
+                        }
                     }
                 } else {
                     let mut res = [[0f32; GROUP]; C];

@@ -148,7 +148,8 @@ pub(super) const ACTS: usize = 8;
 pub(super) const ROWS: usize = 2 * GROUP;
 
 /// Groups `w0` and `w1` (sixteen rows: `out[k][..8]` are `w0`'s, `out[k][8..]` `w1`'s) ×
-/// `ys.len()` (1 to [`ACTS`]) activations of kind `kind`; for the signed kinds (Q8_0, Q6_K)
+/// `ys.len()` (1 to [`ACTS`]) activations of kind `kind`, written to `out[..ys.len()]` (every
+/// lane: the caller may hand rows it left uninitialized); for the signed kinds (Q8_0, Q6_K)
 /// `yb[k]` holds activation `k`'s bytes biased by 128 (32 per block). With `prefetch`, the next
 /// pair's weights are asked for while these are computed (the first tile of a pair).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -159,7 +160,7 @@ pub(super) unsafe fn tile_any(
     yb: &[&[u8]],
     prefetch: bool,
     ys: &[&[BlockQ8x32]],
-    out: &mut [[f32; ROWS]],
+    out: &mut [std::mem::MaybeUninit<[f32; ROWS]>],
 ) {
     unsafe {
         // Five to eight activations: 8 unpacked weight registers + 2 accumulators each still
@@ -193,7 +194,7 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
     yb: &[&[u8]],
     prefetch: bool,
     ys: [&[BlockQ8x32]; CC],
-    out: &mut [[f32; ROWS]],
+    out: &mut [std::mem::MaybeUninit<[f32; ROWS]>],
 ) {
     unsafe {
         let signed = KIND == Q8_0 || KIND == Q6_K;
@@ -276,7 +277,7 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
             }
         }
         for k in 0..CC {
-            _mm512_storeu_ps(out[k].as_mut_ptr(), _mm512_add_ps(acc[k], accm[k]));
+            _mm512_storeu_ps(out[k].as_mut_ptr() as *mut f32, _mm512_add_ps(acc[k], accm[k]));
         }
     }
 }
