@@ -47,24 +47,25 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
         b.gemm_gflops, b.read_gb_s
     );
     println!(
-        "{:<14}{:>12}{:>12}{:>9}{:>16}{:>16}",
-        "figure (tok/s)", "ours", "llama.cpp", "ratio", "of mach. limit", "limit"
+        "{:<14}{:>12}{:>12}{:>9}{:>16}{:>16}{:>12}",
+        "figure (tok/s)", "ours", "llama.cpp", "ratio", "of mach. limit", "limit", "core trip"
     );
     let mut json = serde_json::Map::new();
     for (name, f) in &b.figures {
         let fmt = |v: Option<f64>, p: usize| v.map_or("-".to_owned(), |x| format!("{x:.p$}"));
         println!(
-            "{:<14}{:>12.1}{:>12}{:>9}{:>15.0}%{:>16}",
+            "{:<14}{:>12.1}{:>12}{:>9}{:>15.0}%{:>16}{:>12}",
             name,
             f.ours,
             fmt(f.llama_cpp, 1),
             fmt(f.ratio(), 2),
             f.of_limit * 100.0,
-            format!("{:.1} {}", f.limit, f.limit_unit)
+            format!("{:.1} {}", f.limit, f.limit_unit),
+            f.round_trip_ns.map_or("-".to_owned(), |ns| format!("{ns:.0} ns"))
         );
         json.insert(
             (*name).to_owned(),
-            serde_json::json!({"ours": f.ours, "llama_cpp": f.llama_cpp, "ratio": f.ratio(), "of_machine_limit": f.of_limit, "limit": f.limit, "limit_unit": f.limit_unit}),
+            serde_json::json!({"ours": f.ours, "llama_cpp": f.llama_cpp, "ratio": f.ratio(), "of_machine_limit": f.of_limit, "limit": f.limit, "limit_unit": f.limit_unit, "core_round_trip_ns": f.round_trip_ns}),
         );
     }
     println!(

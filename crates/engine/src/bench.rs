@@ -126,6 +126,59 @@ impl ReadBandwidth {
     }
 }
 
+/// One cache line's round trip between two threads spinning on two cores, in ns (the median of
+/// three runs of up to 20,000 trips), or `None` when no second thread answers within 50 ms (one
+/// core). On this project's 2-vCPU VMs it tells where the hypervisor has put the two vCPUs: it
+/// reads ~110–150 ns or 500–800 ns, and moves between the two within seconds (2026-12-06: 24
+/// samples 4 s apart). A batch-1 decode step hands work between its two threads ~150 times, so a
+/// decode figure carries the round trip measured around it beside the read bandwidth.
+pub fn core_round_trip_ns() -> Option<f64> {
+    use std::sync::atomic::{
+        AtomicU64,
+        Ordering::{Acquire, Release},
+    };
+    #[repr(align(128))]
+    struct Line(AtomicU64);
+    const TRIPS: u64 = 20_000;
+    let budget = std::time::Duration::from_millis(50);
+    let once = || {
+        let (ping, pong) = (Line(AtomicU64::new(0)), Line(AtomicU64::new(0)));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let until = Instant::now() + budget;
+                for i in 1..=TRIPS {
+                    while ping.0.load(Acquire) < i {
+                        if Instant::now() > until {
+                            return;
+                        }
+                        std::hint::spin_loop();
+                    }
+                    pong.0.store(i, Release);
+                }
+            });
+            let (start, until) = (Instant::now(), Instant::now() + budget);
+            let mut done = 0;
+            'trips: for i in 1..=TRIPS {
+                ping.0.store(i, Release);
+                while pong.0.load(Acquire) < i {
+                    if Instant::now() > until {
+                        break 'trips;
+                    }
+                    std::hint::spin_loop();
+                }
+                done = i;
+            }
+            let secs = start.elapsed().as_secs_f64();
+            // Releases the other side whatever it waits for.
+            ping.0.store(u64::MAX, Release);
+            (done >= 100).then(|| secs * 1e9 / done as f64)
+        })
+    };
+    let mut runs: Vec<f64> = (0..3).filter_map(|_| once()).collect();
+    runs.sort_by(f64::total_cmp);
+    runs.get(runs.len() / 2).copied()
+}
+
 /// One figure, ours next to the peer's.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Figure {
@@ -141,6 +194,9 @@ pub struct Figure {
     pub limit: f64,
     /// The limit's unit.
     pub limit_unit: &'static str,
+    /// Decode figures: the longer of the two cores' round trips ([`core_round_trip_ns`]) measured
+    /// just before and just after the figure.
+    pub round_trip_ns: Option<f64>,
 }
 
 impl Figure {
@@ -196,7 +252,14 @@ pub fn run_engine_bench_only(
         let of_limit = ours * flops / (gemm * 1e9);
         figures.push((
             name,
-            Figure { ours, llama_cpp: peer(name), of_limit, limit: gemm, limit_unit: "GFLOP/s" },
+            Figure {
+                ours,
+                llama_cpp: peer(name),
+                of_limit,
+                limit: gemm,
+                limit_unit: "GFLOP/s",
+                round_trip_ns: None,
+            },
         ));
     }
     // Also at the serving benchmark's context (512-token prompts), where attention over the cache
@@ -216,13 +279,20 @@ pub fn run_engine_bench_only(
     // session), so each decode figure is held against the bandwidth measured just before and just
     // after it — the higher of the two, never one from minutes earlier.
     for (name, batch, context) in shapes.into_iter().filter(|f| wanted(f.0)) {
-        let before = bandwidth.measure();
+        let (before, trip_before) = (bandwidth.measure(), core_round_trip_ns());
         let ours = decode_tok_s(engine, batch, context, steps)?;
         let limit = before.max(bandwidth.measure());
+        let round_trip_ns = match (trip_before, core_round_trip_ns()) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
         bw = bw.max(limit);
         // Each step streams the weights once, whatever the batch.
         let of_limit = ours / batch as f64 * bytes / (limit * 1e9);
-        figures.push((name, Figure { ours, llama_cpp: peer(name), of_limit, limit, limit_unit: "GB/s" }));
+        figures.push((
+            name,
+            Figure { ours, llama_cpp: peer(name), of_limit, limit, limit_unit: "GB/s", round_trip_ns },
+        ));
     }
     Ok(EngineBench {
         figures,
@@ -231,4 +301,21 @@ pub fn run_engine_bench_only(
         peak_rss_mb: peak_rss_mb(),
         model_file_mb: bytes / 1e6,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_core_round_trip_is_bounded_and_answers_in_range() {
+        // Three runs of at most 50 ms each, whether or not a second core answers; an answer
+        // needs at least 100 trips in its 50 ms, so it is under half a millisecond.
+        let t = Instant::now();
+        let trip = core_round_trip_ns();
+        assert!(t.elapsed() < std::time::Duration::from_secs(2), "took {:?}", t.elapsed());
+        if let Some(ns) = trip {
+            assert!(ns.is_finite() && ns > 0.0 && ns <= 5e5, "round trip {ns} ns");
+        }
+    }
 }
