@@ -73,6 +73,43 @@ fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
 }
 
 #[test]
+fn prefill_attention_reads_nothing_its_kept_buffers_held_before() {
+    // The GEMM path keeps its buffers between tasks on a thread; every value it reads it must
+    // have written in this task. Poisoned with NaN (and larger than needed, from a longer task),
+    // the buffers must give the bits fresh ones give.
+    let (hd, group, n_kv, bs) = (64, 3, 1, 16);
+    let layout = KvLayout { n_layer: 1, kv_dim: n_kv * hd, head_dim: hd, block_size: bs };
+    let mut cache = KvCache::new(layout, 8).unwrap();
+    let mut table = BlockTable::default();
+    let n = 100;
+    cache.reserve(&mut table, n).unwrap();
+    let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7;
+    for pos in 0..n {
+        let k: Vec<f32> = (0..hd).map(|j| val(pos * 977 + j)).collect();
+        let v: Vec<f32> = (0..hd).map(|j| val(pos * 131 + j + 7)).collect();
+        cache.write(&table, 0, pos, &k, &v);
+    }
+    cache.advance(&mut table, n);
+    let d = group * hd;
+    let rows: Vec<(usize, usize)> = (60..n).map(|p| (0, p)).collect();
+    let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
+    let job =
+        Job { cache: &cache, table: &table, layer: 0, kvh: 0, group, heads: 0..group, hd, scale: 0.125, d };
+    assert!(rows.len() * group >= GEMM_MIN_ROWS, "the test must take the GEMM path");
+    let fresh = attend_gemm_in(&job, &rows, &q, n, &mut Default::default());
+    let mut poisoned: [Vec<f32>; 4] = std::array::from_fn(|_| vec![f32::NAN; 1 << 16]);
+    let kept = attend_gemm_in(&job, &rows, &q, n, &mut poisoned);
+    assert!(kept.iter().all(|x| x.is_finite()));
+    assert_eq!(bits(&kept), bits(&fresh));
+    // And through the thread's own buffers, after a longer task left them full.
+    let _ = attend_task_gemm(&job, &rows, &q, n - 1);
+    assert_eq!(
+        bits(&attend_task_gemm(&job, &rows[..10], &q[..10 * d], 69)),
+        bits(&attend_gemm_in(&job, &rows[..10], &q[..10 * d], 70, &mut Default::default()))
+    );
+}
+
+#[test]
 fn the_fixed_width_block_kernels_give_the_generic_kernels_bits() {
     let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.9;
     for hd in [64, 128] {

@@ -371,7 +371,7 @@ const PAR_MIN_ROWS: usize = 16;
 
 /// Largest matrix (in elements) whose dequantized copy is kept in a per-thread scratch buffer:
 /// every layer matrix of a small model, not a 50k-row vocabulary.
-const SCRATCH_MAX: usize = 4 << 20;
+pub(super) const SCRATCH_MAX: usize = 4 << 20;
 
 thread_local! {
     static DEQUANT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -409,7 +409,7 @@ fn each_row(
 }
 
 /// The first `n` values of `buf`, grown (zeroed) when shorter: a buffer reused across layers.
-fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
+pub(super) fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
     if buf.len() < n {
         buf.resize(n, 0.0);
     }
