@@ -284,10 +284,7 @@ pub fn run_engine_bench_only(
         let (before, trip_before) = (bandwidth.measure(), core_round_trip_ns());
         let ours = decode_tok_s(engine, batch, context, steps)?;
         let limit = before.max(bandwidth.measure());
-        let round_trip_ns = match (trip_before, core_round_trip_ns()) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        };
+        let round_trip_ns = trip_before.into_iter().chain(core_round_trip_ns()).reduce(f64::max);
         bw = bw.max(limit);
         // Each step streams the weights once, whatever the batch.
         let of_limit = ours / batch as f64 * bytes / (limit * 1e9);

@@ -4,7 +4,7 @@
 //! many (prefill) two GEMMs over the gathered K and V. Apart from `forward.rs` because it is a
 //! kernel of its own with its own CPU paths and tests.
 
-use super::forward::{gemm_into, sized, GEMM_MIN_ROWS, SCRATCH_MAX};
+use super::forward::{gemm_into, sized, with_kept, GEMM_MIN_ROWS, SCRATCH_MAX};
 use super::math;
 use crate::kv_cache::{BlockId, BlockTable, KvCache};
 use crate::model::BatchItem;
@@ -409,13 +409,8 @@ pub(super) fn softmax_step_max(scores: &mut [f32], bmax: f32, m: &mut f32, l: &f
 fn attend_task_gemm(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], max_pos: usize) -> Vec<f32> {
     let n_pos = max_pos + 1;
     let n_q = rows.len() * job.group;
-    let need = 2 * job.hd * n_pos + n_q * job.hd + n_q * n_pos;
-    // A task running inside another on this thread (a rayon steal while it waits) or one too
-    // large to keep takes fresh buffers.
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut s) if need <= SCRATCH_MAX => attend_gemm_in(job, rows, q, n_pos, &mut s),
-        _ => attend_gemm_in(job, rows, q, n_pos, &mut Default::default()),
-    })
+    let values = 2 * job.hd * n_pos + n_q * job.hd + n_q * n_pos;
+    with_kept(&SCRATCH, values <= SCRATCH_MAX, |s| attend_gemm_in(job, rows, q, n_pos, s))
 }
 
 thread_local! {

@@ -14,6 +14,27 @@ fn paths() -> Vec<Path> {
     p
 }
 
+/// A pseudo-random value in ±0.7.
+fn val(i: usize) -> f32 {
+    ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7
+}
+
+/// A one-layer cache of `n_kv` heads of `hd` values in blocks of `bs`, and a table holding `n`
+/// positions of pseudo-random K and V.
+fn filled(hd: usize, n_kv: usize, bs: usize, n: usize) -> (KvCache, BlockTable) {
+    let layout = KvLayout { n_layer: 1, kv_dim: n_kv * hd, head_dim: hd, block_size: bs };
+    let mut cache = KvCache::new(layout, n.div_ceil(bs)).unwrap();
+    let mut table = BlockTable::default();
+    cache.reserve(&mut table, n).unwrap();
+    for pos in 0..n {
+        let k: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 977 + j)).collect();
+        let v: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 131 + j + 7)).collect();
+        cache.write(&table, 0, pos, &k, &v);
+    }
+    cache.advance(&mut table, n);
+    (cache, table)
+}
+
 #[test]
 fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
     // (head width, group, KV heads, block size): one, two, three and four query heads per
@@ -22,18 +43,8 @@ fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
     for (hd, group, n_kv, bs) in
         [(64, 3, 2, 16), (128, 4, 2, 16), (64, 2, 1, 8), (64, 1, 2, 5), (128, 3, 1, 32)]
     {
-        let layout = KvLayout { n_layer: 1, kv_dim: n_kv * hd, head_dim: hd, block_size: bs };
-        let mut cache = KvCache::new(layout, 320usize.div_ceil(bs)).unwrap();
-        let mut table = BlockTable::default();
         let n = 300;
-        cache.reserve(&mut table, n).unwrap();
-        let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7;
-        for pos in 0..n {
-            let k: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 977 + j)).collect();
-            let v: Vec<f32> = (0..n_kv * hd).map(|j| val(pos * 131 + j + 7)).collect();
-            cache.write(&table, 0, pos, &k, &v);
-        }
-        cache.advance(&mut table, n);
+        let (cache, table) = filled(hd, n_kv, bs, n);
         let d = n_kv * group * hd;
         let rows = [(0, n - 1), (0, 140), (0, 15), (0, 0)];
         let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
@@ -77,19 +88,8 @@ fn prefill_attention_reads_nothing_its_kept_buffers_held_before() {
     // The GEMM path keeps its buffers between tasks on a thread; every value it reads it must
     // have written in this task. Poisoned with NaN (and larger than needed, from a longer task),
     // the buffers must give the bits fresh ones give.
-    let (hd, group, n_kv, bs) = (64, 3, 1, 16);
-    let layout = KvLayout { n_layer: 1, kv_dim: n_kv * hd, head_dim: hd, block_size: bs };
-    let mut cache = KvCache::new(layout, 8).unwrap();
-    let mut table = BlockTable::default();
-    let n = 100;
-    cache.reserve(&mut table, n).unwrap();
-    let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7;
-    for pos in 0..n {
-        let k: Vec<f32> = (0..hd).map(|j| val(pos * 977 + j)).collect();
-        let v: Vec<f32> = (0..hd).map(|j| val(pos * 131 + j + 7)).collect();
-        cache.write(&table, 0, pos, &k, &v);
-    }
-    cache.advance(&mut table, n);
+    let (hd, group, n) = (64, 3, 100);
+    let (cache, table) = filled(hd, 1, 16, n);
     let d = group * hd;
     let rows: Vec<(usize, usize)> = (60..n).map(|p| (0, p)).collect();
     let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
@@ -147,7 +147,6 @@ fn decode_attention_throughput() {
     let layout = KvLayout { n_layer, kv_dim: n_kv * hd, head_dim: hd, block_size: bs };
     let mut cache = KvCache::new(layout, seqs * ctx / bs).unwrap();
     let mut tables: Vec<BlockTable> = (0..seqs).map(|_| BlockTable::default()).collect();
-    let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7;
     for p0 in (0..ctx).step_by(bs) {
         for t in tables.iter_mut() {
             cache.reserve(t, p0 + bs).unwrap();

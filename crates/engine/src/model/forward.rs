@@ -349,19 +349,19 @@ impl Model {
         for (o, r) in normed.chunks_exact_mut(d).zip(rows_out) {
             rms_norm(&x[r * d..(r + 1) * d], &self.output_norm, c.rms_eps, o);
         }
-        let all = self.linear(&self.output, &normed, n_rows)?;
-        if wanted.len() == 1 {
-            // One item (every batch-1 step): its rows are the whole product, handed over as they
-            // are rather than copied (a 196 KB copy a step for a 49k vocabulary).
-            return Ok(ForwardOutput { logits: vec![all] });
-        }
+        let mut all = self.linear(&self.output, &normed, n_rows)?;
+        // Each item's rows split off the end, last item first; the first item keeps what is left
+        // of the product itself, so a batch-1 step hands its logits over without a copy (196 KB a
+        // step for a 49k vocabulary).
         let nv = c.n_vocab;
         let mut logits = Vec::with_capacity(batch.len());
-        let mut at = 0;
-        for r in &wanted {
-            logits.push(all[at * nv..(at + r.len()) * nv].to_vec());
-            at += r.len();
+        let mut end = n_rows;
+        for r in wanted.iter().skip(1).rev() {
+            end -= r.len();
+            logits.push(all.split_off(end * nv));
         }
+        logits.push(all);
+        logits.reverse();
         Ok(ForwardOutput { logits })
     }
 }
@@ -377,19 +377,29 @@ thread_local! {
     static DEQUANT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` on `m` dequantized to f32, in a reused per-thread buffer (no allocation, zeroing or
-/// page faults per prefill chunk) when the matrix is small enough and the buffer is free.
+/// `f` on this thread's buffers in `kept` when `fits` (at most [`SCRATCH_MAX`] values) and they
+/// are free, else on fresh ones: they are taken when a task runs inside another on this thread (a
+/// rayon steal while it waits). The one way the forward pass keeps scratch memory between calls
+/// (no allocation, zeroing or page faults per prefill chunk or attention task).
+pub(super) fn with_kept<T: Default, R>(
+    kept: &'static std::thread::LocalKey<std::cell::RefCell<T>>,
+    fits: bool,
+    f: impl FnOnce(&mut T) -> R,
+) -> R {
+    kept.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) if fits => f(&mut buf),
+        _ => f(&mut T::default()),
+    })
+}
+
+/// Runs `f` on `m` dequantized to f32, in this thread's kept buffer when the matrix is small
+/// enough ([`with_kept`]).
 fn with_dequantized<R>(m: &QMatrix<'_>, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let n = m.rows() * m.cols();
-    DEQUANT.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buf) if n <= SCRATCH_MAX => {
-            if buf.len() < n {
-                buf.resize(n, 0.0);
-            }
-            m.dequantize_into(&mut buf[..n])?;
-            Ok(f(&buf[..n]))
-        }
-        _ => Ok(f(&m.dequantize()?)),
+    with_kept(&DEQUANT, n <= SCRATCH_MAX, |buf| {
+        let w = sized(buf, n);
+        m.dequantize_into(w)?;
+        Ok(f(w))
     })
 }
 
