@@ -4,7 +4,7 @@
 //! many (prefill) two GEMMs over the gathered K and V. Apart from `forward.rs` because it is a
 //! kernel of its own with its own CPU paths and tests.
 
-use super::forward::{gemm_into, sized, with_kept, GEMM_MIN_ROWS, SCRATCH_MAX};
+use super::forward::{gemm_strided, sized, with_kept, GEMM_MIN_ROWS, SCRATCH_MAX};
 use super::math;
 use crate::kv_cache::{BlockId, BlockTable, KvCache};
 use crate::model::BatchItem;
@@ -455,18 +455,29 @@ fn attend_gemm_in(
         }
     }
     let sc = sized(sc, n_q * n_pos);
-    gemm_serial(qm, kt, sc, n_q, n_pos, hd, false);
-    // Unnormalized probabilities; each output row is divided by its sum after P·V (hd values
-    // per row instead of n_pos).
-    let mut sums = vec![0f32; n_q];
-    for ((qi, row), sum) in sc.chunks_exact_mut(n_pos).enumerate().zip(&mut sums) {
-        let pos = rows[qi / group].1;
-        let (live, masked) = row.split_at_mut(pos + 1);
-        masked.iter_mut().for_each(|x| *x = 0.0);
-        *sum = math::exp_shift_sum(live, math::max(live));
-    }
     let mut out = vec![0f32; n_q * hd];
-    gemm_serial(sc, v, &mut out, n_q, hd, n_pos, false);
+    // Rows in runs of `SUB`, each against only the positions its last row sees: causal rows of a
+    // 512-token prompt in tasks of 128 need 25% fewer scores than the task's whole square.
+    let mut sums = vec![0f32; n_q];
+    for r0 in (0..rows.len()).step_by(SUB) {
+        let r1 = (r0 + SUB).min(rows.len());
+        let n_sub = rows[r0..r1].iter().map(|r| r.1).max().unwrap_or(0) + 1;
+        let (q0, q1) = (r0 * group, r1 * group);
+        let seq = gemm::Parallelism::None;
+        // S = Q·Kᵀ over the first `n_sub` columns of Kᵀ, into rows of stride `n_pos`.
+        let scores = &mut sc[q0 * n_pos..];
+        gemm_strided((q1 - q0, n_sub, hd), (scores, n_pos), (&qm[q0 * hd..q1 * hd], hd), (kt, n_pos, 1), seq);
+        // Unnormalized probabilities; each output row is divided by its sum after P·V (hd
+        // values per row instead of n_sub).
+        for (qi, sum) in (q0..q1).zip(&mut sums[q0..q1]) {
+            let pos = rows[qi / group].1;
+            let (live, masked) = sc[qi * n_pos..qi * n_pos + n_sub].split_at_mut(pos + 1);
+            masked.iter_mut().for_each(|x| *x = 0.0);
+            *sum = math::exp_shift_sum(live, math::max(live));
+        }
+        let o = &mut out[q0 * hd..q1 * hd];
+        gemm_strided((q1 - q0, hd, n_sub), (o, hd), (&sc[q0 * n_pos..], n_pos), (v, hd, 1), seq);
+    }
     for (o, &sum) in out.chunks_exact_mut(hd).zip(&sums) {
         let inv = 1.0 / sum;
         o.iter_mut().for_each(|x| *x *= inv);
@@ -474,10 +485,12 @@ fn attend_gemm_in(
     out
 }
 
-/// Single-threaded [`gemm_into`] (attention tasks are themselves the parallelism).
-fn gemm_serial(x: &[f32], b: &[f32], y: &mut [f32], m: usize, n: usize, k: usize, b_is_nk: bool) {
-    gemm_into(x, b, y, m, n, k, b_is_nk, gemm::Parallelism::None);
-}
+/// Query rows per score block of [`attend_gemm_in`]: each block's scores stop at its own last
+/// row's position. Against 128 (one block a task: the whole square), 512-token prefills ran
+/// 1.9% and 6.0% faster (Q4_1) and 5.7% (Q4_K_M), the median of six each, the two alternating in
+/// one process with their order rotated every round; 64 gained 3.7%; 2048-token prefills (6% of
+/// their scores above the diagonal, not 25%) did not move.
+const SUB: usize = 32;
 
 /// Converts the keys of the first `slots` positions of KV head `kvh` in one block from f16 to
 /// f32, dimension-major as the cache holds them: dimension `e` of slot `s` to `kt[e · stride + s]`.

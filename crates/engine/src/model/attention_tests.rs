@@ -110,6 +110,25 @@ fn prefill_attention_reads_nothing_its_kept_buffers_held_before() {
 }
 
 #[test]
+fn prefill_attention_in_score_blocks_matches_the_online_softmax() {
+    // Rows spanning several score blocks of `SUB` and a ragged last one, each block stopping at
+    // its own last position: the GEMM path must agree with the online path row by row.
+    let (hd, group, n) = (64, 3, 2 * SUB + 45);
+    let (cache, table) = filled(hd, 1, 16, n);
+    let d = group * hd;
+    let rows: Vec<(usize, usize)> = (20..n).map(|p| (0, p)).collect();
+    let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
+    let job =
+        Job { cache: &cache, table: &table, layer: 0, kvh: 0, group, heads: 0..group, hd, scale: 0.125, d };
+    let gemm = attend_task_gemm(&job, &rows, &q, n - 1);
+    let online = attend_online(&job, &rows, &q);
+    assert_eq!(gemm.len(), online.len());
+    for (i, (a, b)) in gemm.iter().zip(&online).enumerate() {
+        assert!((a - b).abs() < 1e-5, "value {i} (row {}): {a} against {b}", i / d);
+    }
+}
+
+#[test]
 fn the_fixed_width_block_kernels_give_the_generic_kernels_bits() {
     let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.9;
     for hd in [64, 128] {

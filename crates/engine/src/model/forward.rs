@@ -87,7 +87,7 @@ pub(crate) fn gemm_xwt(x: &[f32], w: &[f32], y: &mut [f32], t: usize, n: usize, 
 }
 
 /// `y[m × n] = x[m × k] · (bᵀ if b_is_nk else b)`, with `b` row-major `[n × k]` when transposed,
-/// `[k × n]` otherwise. The one call site of the `gemm` crate.
+/// `[k × n]` otherwise; every operand dense.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemm_into(
     x: &[f32],
@@ -100,10 +100,35 @@ pub(super) fn gemm_into(
     par: gemm::Parallelism,
 ) {
     assert!(x.len() == m * k && b.len() == n * k && y.len() == m * n, "gemm operand sizes");
-    let (b_cs, b_rs) = if b_is_nk { (k as isize, 1) } else { (1, n as isize) };
-    // SAFETY: the assert above guarantees the slices have exactly the sizes these strides
-    // address: dst m × n row-major (col stride 1, row stride n), lhs m × k row-major, rhs k × n
-    // read through (b_rs, b_cs). `read_dst = false`, so `y`'s old contents are never read.
+    let (b_cs, b_rs) = if b_is_nk { (k, 1) } else { (1, n) };
+    gemm_strided((m, n, k), (y, n), (x, k), (b, b_rs, b_cs), par);
+}
+
+/// `y[m × n] = x[m × k] · b[k × n]` over views into larger row-major buffers: `y` and `x` with
+/// row strides `y_rs` and `x_rs` (columns adjacent), `b` element `(i, j)` at `i · b_rs + j · b_cs`.
+/// The one call site of the `gemm` crate.
+pub(super) fn gemm_strided(
+    (m, n, k): (usize, usize, usize),
+    (y, y_rs): (&mut [f32], usize),
+    (x, x_rs): (&[f32], usize),
+    (b, b_rs, b_cs): (&[f32], usize, usize),
+    par: gemm::Parallelism,
+) {
+    // The last element each view addresses must lie inside its slice.
+    let last = |rows: usize, rs: usize, cols: usize, cs: usize| {
+        (rows > 0 && cols > 0).then(|| (rows - 1) * rs + (cols - 1) * cs)
+    };
+    let fits = |len: usize, at: Option<usize>| at.is_none_or(|i| i < len);
+    assert!(
+        fits(y.len(), last(m, y_rs, n, 1))
+            && fits(x.len(), last(m, x_rs, k, 1))
+            && fits(b.len(), last(k, b_rs, n, b_cs)),
+        "gemm operand sizes"
+    );
+    assert!(m <= 1 || y_rs >= n, "gemm output rows overlap");
+    // SAFETY: every element the strides address is inside its slice (asserted above); the
+    // output's rows do not overlap (row stride at least its width, columns adjacent), and
+    // `read_dst = false`, so `y`'s old contents are never read.
     unsafe {
         gemm::gemm(
             m,
@@ -111,14 +136,14 @@ pub(super) fn gemm_into(
             k,
             y.as_mut_ptr(),
             1,
-            n as isize,
+            y_rs as isize,
             false,
             x.as_ptr(),
             1,
-            k as isize,
+            x_rs as isize,
             b.as_ptr(),
-            b_cs,
-            b_rs,
+            b_cs as isize,
+            b_rs as isize,
             0.0,
             1.0,
             false,
