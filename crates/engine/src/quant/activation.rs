@@ -31,8 +31,12 @@ pub struct BlockQ8x32 {
     pub d: f32,
     /// `d * Σ qs`.
     pub s: f32,
-    /// `Σ qs`, exact: the Q5_0 tiles multiply unsigned `q + 16` and take `16 · Σ qs` off.
+    /// `Σ qs`, exact: the Q5_0 tiles multiply unsigned `q + 16` and take `16 · Σ qs` off (the
+    /// AVX-512 Q8_0 tile: `w + 128`, `128 · Σ qs`).
     pub sum: i32,
+    /// `Σ qs[..16]`, exact: the AVX-512 Q6_K tile's two halves each take `32 · Σ` of their own
+    /// sixteen values off (it multiplies the unsigned `q6 = w + 32`).
+    pub sum_lo: i32,
 }
 
 /// 256 activations as i8 with scale `d` and the sums of each 16-element group.
@@ -109,6 +113,7 @@ fn q8x32_block(c: &[f32]) -> BlockQ8x32 {
         d: half::f16::from_f32(d).to_f32(),
         s: half::f16::from_f32(d * sum as f32).to_f32(),
         sum,
+        sum_lo: qs[..16].iter().map(|&q| q as i32).sum(),
     }
 }
 
@@ -153,10 +158,13 @@ unsafe fn q8x32_block_avx2(c: &[f32]) -> BlockQ8x32 {
             _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
         };
         let q = [round(v[0]), round(v[1]), round(v[2]), round(v[3])];
-        let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        let t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256::<1>(total));
-        let t2 = _mm_add_epi32(t4, _mm_shuffle_epi32::<0b01_00_11_10>(t4));
-        let sum = _mm_cvtsi128_si32(_mm_add_epi32(t2, _mm_shuffle_epi32::<0b10_11_00_01>(t2)));
+        let hsum = |v: __m256i| {
+            let t4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+            let t2 = _mm_add_epi32(t4, _mm_shuffle_epi32::<0b01_00_11_10>(t4));
+            _mm_cvtsi128_si32(_mm_add_epi32(t2, _mm_shuffle_epi32::<0b10_11_00_01>(t2)))
+        };
+        let lo16 = _mm256_add_epi32(q[0], q[1]);
+        let (sum, sum_lo) = (hsum(_mm256_add_epi32(lo16, _mm256_add_epi32(q[2], q[3]))), hsum(lo16));
         // packs work within 128-bit lanes: the dwords come out as elements 0-3, 8-11, 16-19,
         // 24-27, 4-7, 12-15, 20-23, 28-31; the permute puts them in order.
         let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
@@ -167,7 +175,7 @@ unsafe fn q8x32_block_avx2(c: &[f32]) -> BlockQ8x32 {
             _mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_setr_ps(d, d * sum as f32, 0.0, 0.0)));
         let mut ds = [0f32; 4];
         _mm_storeu_ps(ds.as_mut_ptr(), halves);
-        BlockQ8x32 { qs, d: ds[0], s: ds[1], sum }
+        BlockQ8x32 { qs, d: ds[0], s: ds[1], sum, sum_lo }
     }
 }
 
@@ -321,8 +329,8 @@ mod tests {
             // SAFETY: AVX2 (with F16C) detected above.
             let got = unsafe { q8x32_block_avx2(&c) };
             assert_eq!(
-                (got.qs, got.d.to_bits(), got.s.to_bits(), got.sum),
-                (want.qs, want.d.to_bits(), want.s.to_bits(), want.sum),
+                (got.qs, got.d.to_bits(), got.s.to_bits(), got.sum, got.sum_lo),
+                (want.qs, want.d.to_bits(), want.s.to_bits(), want.sum, want.sum_lo),
                 "block {n}: {c:?}"
             );
         }
@@ -345,6 +353,7 @@ mod tests {
             let sum: i32 = b.qs.iter().map(|&q| q as i32).sum();
             assert_eq!(b.d, half::f16::from_f32(amax / 127.0).to_f32());
             assert_eq!(b.s, half::f16::from_f32(amax / 127.0 * sum as f32).to_f32());
+            assert_eq!((b.sum, b.sum_lo), (sum, b.qs[..16].iter().map(|&q| q as i32).sum()));
         }
     }
 }

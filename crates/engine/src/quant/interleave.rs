@@ -25,7 +25,7 @@ use super::activation::BlockQ8x32;
 pub use super::interleave_pack::GROUP;
 use super::interleave_pack::{
     blocks_per_unit, dequantize_group, element, kind_of, quants_at, repack, row_min, row_scale, unit_bytes,
-    unit_of, Q4_1_KIND, Q4_K_KIND, Q5_0_KIND, Q6_K_KIND, Q8_0_KIND,
+    unit_of, Q4_1_KIND, Q4_K_KIND, Q5_0_KIND, Q6_K_KIND,
 };
 use super::{ActivationKind, GgmlType, Kernel, QMatrix, QuantizedActivation};
 use crate::error::{EngineError, Result};
@@ -183,15 +183,6 @@ pub fn matmul_group_interleaved_with(
     let amx = false;
     #[cfg(target_arch = "x86_64")]
     let amx_acts = if amx { super::interleave_amx::biased_rows(&ys, mats[0].cols) } else { Vec::new() };
-    // The AVX-512 tiles of the signed kinds take each activation byte biased by 128 (unsigned, as
-    // `vpdpbusd` wants its first operand), made once per product here, not once per row group.
-    let signed = mats.iter().any(|m| m.kind == Q8_0_KIND || m.kind == Q6_K_KIND);
-    let biased: Vec<Vec<u8>> = if wide && signed && !amx {
-        ys.iter().map(|y| y.iter().flat_map(|b| b.qs.map(|q| (q as u8) ^ 0x80)).collect()).collect()
-    } else {
-        Vec::new()
-    };
-    let yb: Vec<&[u8]> = biased.iter().map(Vec::as_slice).collect();
     let avx2 = kernel >= Kernel::Avx2 && Kernel::Avx2.is_available();
     // Tasks own runs of row groups and write their rows of every activation straight into the
     // outputs (disjoint ranges: no buffer to zero and copy back on one thread — a twelfth of a
@@ -267,7 +258,6 @@ pub fn matmul_group_interleaved_with(
                                 m.kind,
                                 m.group(g),
                                 m.group(g + 1),
-                                yb.get(c..c + k).unwrap_or(&[]),
                                 c == 0,
                                 &ys[c..c + k],
                                 &mut res,

@@ -15,11 +15,14 @@
 //! bit-identical to the AVX2 and portable paths, whatever the batch: a machine with AVX-512 and
 //! one without produce the same logits.
 //!
-//! The signed kinds (Q8_0, Q6_K): `vpdpbusd` needs one unsigned operand, so
-//! the activations are biased by 128 once per product (`a + 128` is 1..=255) and meet the signed
-//! weight bytes as they are; `128 · Σw` per row and block (eight more `vpdpbusd` against ones per
-//! block, shared by every activation) comes off each dot. The same exact integers as the AVX2
-//! tile's `vpsignb` trick, with one instruction per step instead of three.
+//! The signed kinds (Q8_0, Q6_K): `vpdpbusd` needs one unsigned operand, so their weight bytes
+//! are made unsigned in registers, as Q5_0's are — Q8_0's `w + 128` (a flipped sign bit), Q6_K's
+//! `w + 32` (its stored `q6`, 0..=63) — one instruction per register per block, shared by every
+//! activation; `128 · Σa` (the activation block's sum) or `32 · Σa` over each half (its low half's
+//! sum is kept beside the block's) comes off each dot. The same exact integers as the AVX2
+//! tile's `vpsignb` trick, with one instruction per step instead of three. (They were the other
+//! way round — activations biased by 128 in a copy made per product, `128 · Σw` by eight more
+//! `vpdpbusd` per block: the copy alone was 2% of a Q4_K_M prefill.)
 //!
 //! Safety contract: the CPU supports avx512f, avx512bw, avx512vl, avx512vnni (and avx2, fma,
 //! f16c), and both group pointers address one group block per activation block (checked by
@@ -149,15 +152,13 @@ pub(super) const ROWS: usize = 2 * GROUP;
 
 /// Groups `w0` and `w1` (sixteen rows: `out[k][..8]` are `w0`'s, `out[k][8..]` `w1`'s) ×
 /// `ys.len()` (1 to [`ACTS`]) activations of kind `kind`, written to `out[..ys.len()]` (every
-/// lane: the caller may hand rows it left uninitialized); for the signed kinds (Q8_0, Q6_K)
-/// `yb[k]` holds activation `k`'s bytes biased by 128 (32 per block). With `prefetch`, the next
-/// pair's weights are asked for while these are computed (the first tile of a pair).
+/// lane: the caller may hand rows it left uninitialized). With `prefetch`, the next pair's
+/// weights are asked for while these are computed (the first tile of a pair).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn tile_any(
     kind: u8,
     w0: &[u8],
     w1: &[u8],
-    yb: &[&[u8]],
     prefetch: bool,
     ys: &[&[BlockQ8x32]],
     out: &mut [std::mem::MaybeUninit<[f32; ROWS]>],
@@ -168,11 +169,11 @@ pub(super) unsafe fn tile_any(
         macro_rules! wide {
             ($k:literal) => {
                 match kind {
-                    Q8_0 => tile::<Q8_0, $k>(w0, w1, yb, prefetch, super::first(ys), out),
-                    Q5_0 => tile::<Q5_0, $k>(w0, w1, yb, prefetch, super::first(ys), out),
-                    Q4_K => tile::<Q4_K, $k>(w0, w1, yb, prefetch, super::first(ys), out),
-                    Q6_K => tile::<Q6_K, $k>(w0, w1, yb, prefetch, super::first(ys), out),
-                    _ => tile::<Q4_1, $k>(w0, w1, yb, prefetch, super::first(ys), out),
+                    Q8_0 => tile::<Q8_0, $k>(w0, w1, prefetch, super::first(ys), out),
+                    Q5_0 => tile::<Q5_0, $k>(w0, w1, prefetch, super::first(ys), out),
+                    Q4_K => tile::<Q4_K, $k>(w0, w1, prefetch, super::first(ys), out),
+                    Q6_K => tile::<Q6_K, $k>(w0, w1, prefetch, super::first(ys), out),
+                    _ => tile::<Q4_1, $k>(w0, w1, prefetch, super::first(ys), out),
                 }
             };
         }
@@ -181,7 +182,7 @@ pub(super) unsafe fn tile_any(
             7 => wide!(7),
             6 => wide!(6),
             5 => wide!(5),
-            _ => tile_for!(tile, kind, ys, (w0, w1, yb, prefetch), out),
+            _ => tile_for!(tile, kind, ys, (w0, w1, prefetch), out),
         }
     }
 }
@@ -191,13 +192,11 @@ pub(super) unsafe fn tile_any(
 unsafe fn tile<const KIND: u8, const CC: usize>(
     w0: &[u8],
     w1: &[u8],
-    yb: &[&[u8]],
     prefetch: bool,
     ys: [&[BlockQ8x32]; CC],
     out: &mut [std::mem::MaybeUninit<[f32; ROWS]>],
 ) {
     unsafe {
-        let signed = KIND == Q8_0 || KIND == Q6_K;
         let nb = ys[0].len();
         let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); CC];
@@ -227,38 +226,38 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
             let (base, sub) = unit_of(KIND, b);
             let (u0, u1) = (p0.add(base), p1.add(base));
             let (dw, dw_hi, mw) = block_scales!(KIND, u0, u1, sub);
-            // The unsigned nibbles, or the signed kinds' signed bytes: those meet the activations
-            // biased by 128 (unsigned), and `128 · Σw` per row comes off each dot — exact, the same
-            // integers as the AVX2 tile's sign trick, one instruction per step.
-            let (q, wsum_lo, wsum_hi) =
-                block_quants!(KIND, u0.add(quants_at(KIND, sub)), u1.add(quants_at(KIND, sub)), signed);
+            // Unsigned weight bytes for every kind: the nibbles, Q5_0's `q + 16`, and the signed
+            // kinds' bytes offset here (module docs).
+            let (mut q, _, _) =
+                block_quants!(KIND, u0.add(quants_at(KIND, sub)), u1.add(quants_at(KIND, sub)), false);
+            if KIND == Q8_0 {
+                q.iter_mut().for_each(|v| *v = _mm512_xor_si512(*v, _mm512_set1_epi8(-128)));
+            } else if KIND == Q6_K {
+                q.iter_mut().for_each(|v| *v = _mm512_add_epi8(*v, _mm512_set1_epi8(32)));
+            }
             for k in 0..CC {
                 let yblk = ys[k].get_unchecked(b);
                 let a = yblk.qs.as_ptr() as *const i32;
-                let ab = if signed { yb.get_unchecked(k).as_ptr().add(32 * b) as *const i32 } else { a };
                 // Indexed, not iterated: an iterator over `q` here stops the loop being unrolled
                 // into registers (measured: a third of the speed).
                 #[allow(clippy::needless_range_loop)]
                 let dot = |from: usize, to: usize| {
                     let mut dot = zero;
                     for st in from..to {
-                        if signed {
-                            let y = _mm512_set1_epi32(std::ptr::read_unaligned(ab.add(st)));
-                            dot = _mm512_dpbusd_epi32(dot, y, q[st]);
-                        } else {
-                            let y = _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st)));
-                            dot = _mm512_dpbusd_epi32(dot, q[st], y);
-                        }
+                        let y = _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st)));
+                        dot = _mm512_dpbusd_epi32(dot, q[st], y);
                     }
-                    if signed {
-                        dot = _mm512_sub_epi32(dot, if from == 0 { wsum_lo } else { wsum_hi });
-                        if from == 0 && to == 8 {
-                            dot = _mm512_sub_epi32(dot, wsum_hi);
-                        }
-                    }
-                    if KIND == Q5_0 {
-                        // Σ (q + 16) · a − 16 · Σ a: the signed values' exact dot.
-                        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * yblk.sum));
+                    // Less what the offset added, `offset · Σa` over the steps taken: the signed
+                    // values' exact dot.
+                    let off = match KIND {
+                        Q5_0 => Some(16 * yblk.sum),
+                        Q8_0 => Some(128 * yblk.sum),
+                        Q6_K if from == 0 => Some(32 * yblk.sum_lo),
+                        Q6_K => Some(32 * (yblk.sum - yblk.sum_lo)),
+                        _ => None,
+                    };
+                    if let Some(off) = off {
+                        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(off));
                     }
                     _mm512_cvtepi32_ps(dot)
                 };
