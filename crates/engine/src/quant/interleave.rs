@@ -211,6 +211,8 @@ pub fn matmul_group_interleaved_with(
         let mut g = g0;
         #[cfg(target_arch = "x86_64")]
         let (mut scratch, mut buf) = (super::interleave_amx::Scratch::default(), Vec::new());
+        #[cfg(target_arch = "x86_64")]
+        let mut unpacked = Vec::new();
         while g < g1 {
             let two = wide && g + 1 < g1;
             #[cfg(target_arch = "x86_64")]
@@ -235,6 +237,41 @@ pub fn matmul_group_interleaved_with(
                 }
                 for (b, r) in buf.chunks_exact(2 * GROUP).enumerate() {
                     put(b, g * GROUP, r);
+                }
+                g += 2;
+                continue;
+            }
+            // Many activations: the pair's blocks unpacked once, read by every tile.
+            #[cfg(target_arch = "x86_64")]
+            if two
+                && n >= super::interleave_avx512::UNPACK_MIN_ACTS
+                && super::interleave_avx512::unpack_pays(m.kind)
+            {
+                // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C detected (`wide`); both groups
+                // hold one group block per activation block (`check_dot` above).
+                unsafe {
+                    super::interleave_avx512::unpack_pair(
+                        m.kind,
+                        m.group(g),
+                        m.group(g + 1),
+                        ys[0].len(),
+                        &mut unpacked,
+                    )
+                };
+                let mut c = 0;
+                while c < n {
+                    let k = (n - c).min(super::interleave_avx512::ACTS);
+                    let mut res = [std::mem::MaybeUninit::<[f32; 2 * GROUP]>::uninit(); 8];
+                    // SAFETY: as above; `unpacked` holds a block per activation block; `res` has room for `k`
+                    // rows.
+                    unsafe {
+                        super::interleave_avx512::tile_unpacked(m.kind, &unpacked, &ys[c..c + k], &mut res)
+                    };
+                    for (kk, r) in res.iter().enumerate().take(k) {
+                        // SAFETY: `tile_unpacked` wrote rows `0..k`, one per activation.
+                        put(c + kk, g * GROUP, unsafe { r.assume_init_ref() });
+                    }
+                    c += k;
                 }
                 g += 2;
                 continue;

@@ -187,6 +187,123 @@ pub(super) unsafe fn tile_any(
     }
 }
 
+/// Decode reads each weight once, from DRAM: the hardware prefetchers lose two interleaved
+/// group streams of ~2 KB each at every pair (`kernel_throughput`'s
+/// `interleaved_decode_throughput`: 10–12 GB/s swept against 17–20 for the AVX2 tile's single
+/// stream), so ask for block `b` of the next pair (the two groups after `p0`, `p1`: `2 · (p1 −
+/// p0)` on) into L2 while this pair is computed (into L1 measured no better than none; 4–8
+/// groups ahead no better than 2). The callers ask for it once per pair: a prefill meets each
+/// pair in dozens of tiles, and prefetching in every one of them cost 14% of a 512-token prefill;
+/// decode steps of five to eight rows had none when this was decided by the tile's width, and
+/// ran 35% slower than four rows (the simulator's step model found that cliff). Addresses only: a
+/// prefetch never faults, and past the matrix's end it fetches nothing useful, harmlessly.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn prefetch_next<const KIND: u8>(p0: *const u8, p1: *const u8, b: usize) {
+    let ahead = 2 * (p1 as usize).wrapping_sub(p0 as usize);
+    let span = unit_bytes(KIND) / blocks_per_unit(KIND);
+    let at = ahead.wrapping_add(b * span);
+    for off in (0..span + 63).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T1>(p0.wrapping_add(at + off) as *const i8);
+        _mm_prefetch::<_MM_HINT_T1>(p1.wrapping_add(at + off) as *const i8);
+    }
+}
+
+/// One block of a pair of groups ready for the dot products: the weight bytes unsigned for every
+/// kind (the nibbles, Q5_0's `q + 16`, and the signed kinds' bytes offset as the module docs
+/// say), register `st` holding elements `4st..4st + 4` of the sixteen rows, and the scales of
+/// [`block_scales!`].
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(super) struct Unpacked {
+    q: [__m512i; 8],
+    dw: __m512,
+    dw_hi: __m512,
+    mw: __m512,
+}
+
+/// Block `b` of the pair whose groups start at `p0` and `p1`, unpacked (a macro, as
+/// [`block_scales!`], so that it inlines into every tile: a `#[target_feature]` function may not
+/// be `#[inline(always)]`, and as a call it costs the tile its registers).
+macro_rules! unpack {
+    ($kind:expr, $p0:expr, $p1:expr, $b:expr) => {{
+        let (p0, p1, b): (*const u8, *const u8, usize) = ($p0, $p1, $b);
+        let (base, sub) = unit_of($kind, b);
+        let (u0, u1) = (p0.add(base), p1.add(base));
+        let (dw, dw_hi, mw) = block_scales!($kind, u0, u1, sub);
+        let (mut q, _, _) =
+            block_quants!($kind, u0.add(quants_at($kind, sub)), u1.add(quants_at($kind, sub)), false);
+        if $kind == Q8_0 {
+            q.iter_mut().for_each(|v| *v = _mm512_xor_si512(*v, _mm512_set1_epi8(-128)));
+        } else if $kind == Q6_K {
+            q.iter_mut().for_each(|v| *v = _mm512_add_epi8(*v, _mm512_set1_epi8(32)));
+        }
+        Unpacked { q, dw, dw_hi, mw }
+    }};
+}
+
+/// Block `b` of every activation (`ys`, `cc` of them) against the unpacked block `un`, into the
+/// accumulators (a macro for the reason [`unpack!`] is).
+macro_rules! block_dots {
+    ($kind:expr, $cc:expr, $un:expr, $ys:expr, $b:expr, $acc:expr, $accm:expr) => {{
+        let zero = _mm512_setzero_si512();
+        let q = &$un.q;
+        for k in 0..$cc {
+            let yblk = $ys[k].get_unchecked($b);
+            let a = yblk.qs.as_ptr() as *const i32;
+            // Indexed, not iterated: an iterator over `q` here stops the loop being unrolled
+            // into registers (measured: a third of the speed).
+            #[allow(clippy::needless_range_loop)]
+            let dot = |from: usize, to: usize| {
+                let mut dot = zero;
+                for st in from..to {
+                    let y = _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st)));
+                    dot = _mm512_dpbusd_epi32(dot, q[st], y);
+                }
+                // Less what the offset added, `offset · Σa` over the steps taken: the signed
+                // values' exact dot.
+                let off = match $kind {
+                    Q5_0 => Some(16 * yblk.sum),
+                    Q8_0 => Some(128 * yblk.sum),
+                    Q6_K if from == 0 => Some(32 * yblk.sum_lo),
+                    Q6_K => Some(32 * (yblk.sum - yblk.sum_lo)),
+                    _ => None,
+                };
+                if let Some(off) = off {
+                    dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(off));
+                }
+                _mm512_cvtepi32_ps(dot)
+            };
+            let yd = _mm512_set1_ps(yblk.d);
+            if $kind == Q6_K {
+                $acc[k] = _mm512_fmadd_ps(dot(0, 4), _mm512_mul_ps($un.dw, yd), $acc[k]);
+                $acc[k] = _mm512_fmadd_ps(dot(4, 8), _mm512_mul_ps($un.dw_hi, yd), $acc[k]);
+            } else {
+                $acc[k] = _mm512_fmadd_ps(dot(0, 8), _mm512_mul_ps($un.dw, yd), $acc[k]);
+            }
+            if $kind == Q4_1 {
+                $accm[k] = _mm512_fmadd_ps($un.mw, _mm512_set1_ps(yblk.s), $accm[k]);
+            } else if $kind == Q4_K {
+                $accm[k] = _mm512_fnmadd_ps($un.mw, _mm512_set1_ps(yblk.s), $accm[k]);
+            }
+        }
+    }};
+}
+
+/// `acc + accm` of each activation into its output row.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn store<const CC: usize>(
+    acc: &[__m512; CC],
+    accm: &[__m512; CC],
+    out: &mut [std::mem::MaybeUninit<[f32; ROWS]>],
+) {
+    for k in 0..CC {
+        // SAFETY: `out[k]` is a row of sixteen f32 (indexing checks `k`).
+        unsafe { _mm512_storeu_ps(out[k].as_mut_ptr() as *mut f32, _mm512_add_ps(acc[k], accm[k])) };
+    }
+}
+
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile<const KIND: u8, const CC: usize>(
@@ -198,85 +315,113 @@ unsafe fn tile<const KIND: u8, const CC: usize>(
 ) {
     unsafe {
         let nb = ys[0].len();
-        let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); CC];
         let mut accm = [_mm512_setzero_ps(); CC];
         let (p0, p1) = (w0.as_ptr(), w1.as_ptr());
-        // Decode reads each weight once, from DRAM: the hardware prefetchers lose two
-        // interleaved group streams of ~2 KB each at every pair (`kernel_throughput`'s
-        // `interleaved_decode_throughput`: 10–12 GB/s swept against 17–20 for the AVX2 tile's
-        // single stream), so ask for the next pair's bytes (the two groups after these,
-        // `2 · (w1 − w0)` on) into L2 while this pair is computed (into L1 measured no better
-        // than none; 4–8 groups ahead no better than 2). The caller asks for it on a pair's first
-        // tile only: a prefill meets each pair in dozens of tiles, and prefetching in every one
-        // of them cost 14% of a 512-token prefill; decode steps of five to eight rows had none
-        // when this was decided by the tile's width, and ran 35% slower than four rows (the
-        // simulator's step model found that cliff). Addresses only: a prefetch never
-        // faults, and past the matrix's end it fetches nothing useful, harmlessly.
-        let ahead = 2 * (p1 as usize).wrapping_sub(p0 as usize);
-        let span = unit_bytes(KIND) / blocks_per_unit(KIND);
         for b in 0..nb {
             if prefetch {
-                let at = ahead.wrapping_add(b * span);
-                for off in (0..span + 63).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(p0.wrapping_add(at + off) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T1>(p1.wrapping_add(at + off) as *const i8);
-                }
+                prefetch_next::<KIND>(p0, p1, b);
             }
-            let (base, sub) = unit_of(KIND, b);
-            let (u0, u1) = (p0.add(base), p1.add(base));
-            let (dw, dw_hi, mw) = block_scales!(KIND, u0, u1, sub);
-            // Unsigned weight bytes for every kind: the nibbles, Q5_0's `q + 16`, and the signed
-            // kinds' bytes offset here (module docs).
-            let (mut q, _, _) =
-                block_quants!(KIND, u0.add(quants_at(KIND, sub)), u1.add(quants_at(KIND, sub)), false);
-            if KIND == Q8_0 {
-                q.iter_mut().for_each(|v| *v = _mm512_xor_si512(*v, _mm512_set1_epi8(-128)));
-            } else if KIND == Q6_K {
-                q.iter_mut().for_each(|v| *v = _mm512_add_epi8(*v, _mm512_set1_epi8(32)));
-            }
-            for k in 0..CC {
-                let yblk = ys[k].get_unchecked(b);
-                let a = yblk.qs.as_ptr() as *const i32;
-                // Indexed, not iterated: an iterator over `q` here stops the loop being unrolled
-                // into registers (measured: a third of the speed).
-                #[allow(clippy::needless_range_loop)]
-                let dot = |from: usize, to: usize| {
-                    let mut dot = zero;
-                    for st in from..to {
-                        let y = _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st)));
-                        dot = _mm512_dpbusd_epi32(dot, q[st], y);
-                    }
-                    // Less what the offset added, `offset · Σa` over the steps taken: the signed
-                    // values' exact dot.
-                    let off = match KIND {
-                        Q5_0 => Some(16 * yblk.sum),
-                        Q8_0 => Some(128 * yblk.sum),
-                        Q6_K if from == 0 => Some(32 * yblk.sum_lo),
-                        Q6_K => Some(32 * (yblk.sum - yblk.sum_lo)),
-                        _ => None,
-                    };
-                    if let Some(off) = off {
-                        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(off));
-                    }
-                    _mm512_cvtepi32_ps(dot)
-                };
-                let yd = _mm512_set1_ps(yblk.d);
-                if KIND == Q6_K {
-                    acc[k] = _mm512_fmadd_ps(dot(0, 4), _mm512_mul_ps(dw, yd), acc[k]);
-                    acc[k] = _mm512_fmadd_ps(dot(4, 8), _mm512_mul_ps(dw_hi, yd), acc[k]);
-                } else {
-                    acc[k] = _mm512_fmadd_ps(dot(0, 8), _mm512_mul_ps(dw, yd), acc[k]);
-                }
-                if KIND == Q4_1 {
-                    accm[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(yblk.s), accm[k]);
-                } else if KIND == Q4_K {
-                    accm[k] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(yblk.s), accm[k]);
-                }
+            let un = unpack!(KIND, p0, p1, b);
+            block_dots!(KIND, CC, un, ys, b, acc, accm);
+        }
+        store(&acc, &accm, out);
+    }
+}
+
+/// Activations from which a pair's blocks are unpacked once ([`unpack_pair`]) and every tile of
+/// the pair reads them from there, instead of unpacking them again per tile of eight. A Q4_K_M
+/// 512-token prefill (64 tiles a pair) ran 6.1% faster so (medians of six runs, old and new
+/// binaries alternating); a batch-16 decode step (two tiles a pair) 11% slower, so below eight
+/// tiles a pair the tiles unpack for themselves.
+pub(super) const UNPACK_MIN_ACTS: usize = 64;
+
+/// Whether unpacking once pays for `kind`: where a block's unpacking is real work — Q5_0's fifth
+/// bits, the K-quants' integer scales — not where it is a mask and a shift (Q4_1) or a sign flip
+/// (Q8_0), whose tiles ran slower reading the unpacked copy than redoing it.
+pub(super) fn unpack_pays(kind: u8) -> bool {
+    matches!(kind, Q5_0 | Q4_K | Q6_K)
+}
+
+/// Every block of the pair `w0`, `w1` (of kind `kind`, `nb` blocks) unpacked into `buf`, the
+/// next pair's bytes asked for meanwhile ([`prefetch_next`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn unpack_pair(kind: u8, w0: &[u8], w1: &[u8], nb: usize, buf: &mut Vec<Unpacked>) {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn each<const KIND: u8>(p0: *const u8, p1: *const u8, nb: usize, buf: &mut Vec<Unpacked>) {
+        buf.clear();
+        for b in 0..nb {
+            // SAFETY: the caller's contract (both groups hold `nb` blocks).
+            unsafe {
+                prefetch_next::<KIND>(p0, p1, b);
+                buf.push(unpack!(KIND, p0, p1, b));
             }
         }
-        for k in 0..CC {
-            _mm512_storeu_ps(out[k].as_mut_ptr() as *mut f32, _mm512_add_ps(acc[k], accm[k]));
+    }
+    let (p0, p1) = (w0.as_ptr(), w1.as_ptr());
+    // SAFETY: as `tile_any`'s.
+    unsafe {
+        match kind {
+            Q8_0 => each::<Q8_0>(p0, p1, nb, buf),
+            Q5_0 => each::<Q5_0>(p0, p1, nb, buf),
+            Q4_K => each::<Q4_K>(p0, p1, nb, buf),
+            Q6_K => each::<Q6_K>(p0, p1, nb, buf),
+            _ => each::<Q4_1>(p0, p1, nb, buf),
+        }
+    }
+}
+
+/// [`tile_any`] on a pair [`unpack_pair`] unpacked into `un` (one entry per activation block):
+/// the same operations on the same values, so the same bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn tile_unpacked(
+    kind: u8,
+    un: &[Unpacked],
+    ys: &[&[BlockQ8x32]],
+    out: &mut [std::mem::MaybeUninit<[f32; ROWS]>],
+) {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn each<const KIND: u8, const CC: usize>(
+        un: &[Unpacked],
+        ys: [&[BlockQ8x32]; CC],
+        out: &mut [std::mem::MaybeUninit<[f32; ROWS]>],
+    ) {
+        // SAFETY: every activation holds `ys[0].len()` blocks (the caller checked); `out` has a
+        // row per activation (indexing checks).
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); CC];
+            let mut accm = [_mm512_setzero_ps(); CC];
+            for (b, u) in un.iter().enumerate().take(ys[0].len()) {
+                block_dots!(KIND, CC, u, ys, b, acc, accm);
+            }
+            store(&acc, &accm, out);
+        }
+    }
+    macro_rules! width {
+        ($k:literal) => {
+            match kind {
+                Q8_0 => each::<Q8_0, $k>(un, super::first(ys), out),
+                Q5_0 => each::<Q5_0, $k>(un, super::first(ys), out),
+                Q4_K => each::<Q4_K, $k>(un, super::first(ys), out),
+                Q6_K => each::<Q6_K, $k>(un, super::first(ys), out),
+                _ => each::<Q4_1, $k>(un, super::first(ys), out),
+            }
+        };
+    }
+    assert!(un.len() >= ys.first().map_or(0, |y| y.len()), "an unpacked block per activation block");
+    // SAFETY: as `tile_any`'s; the blocks read are inside `un` (asserted).
+    unsafe {
+        match ys.len() {
+            8.. => width!(8),
+            7 => width!(7),
+            6 => width!(6),
+            5 => width!(5),
+            4 => width!(4),
+            3 => width!(3),
+            2 => width!(2),
+            _ => width!(1),
         }
     }
 }
