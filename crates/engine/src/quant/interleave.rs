@@ -243,38 +243,17 @@ pub fn matmul_group_interleaved_with(
             }
             // Many activations: the pair's blocks unpacked once, read by every tile.
             #[cfg(target_arch = "x86_64")]
-            if two
+            let unpack = two
                 && n >= super::interleave_avx512::UNPACK_MIN_ACTS
-                && super::interleave_avx512::unpack_pays(m.kind)
-            {
+                && super::interleave_avx512::unpack_pays(m.kind);
+            #[cfg(target_arch = "x86_64")]
+            if unpack {
                 // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C detected (`wide`); both groups
                 // hold one group block per activation block (`check_dot` above).
                 unsafe {
-                    super::interleave_avx512::unpack_pair(
-                        m.kind,
-                        m.group(g),
-                        m.group(g + 1),
-                        ys[0].len(),
-                        &mut unpacked,
-                    )
+                    let (w0, w1, nb) = (m.group(g), m.group(g + 1), ys[0].len());
+                    super::interleave_avx512::unpack_pair(m.kind, w0, w1, nb, &mut unpacked)
                 };
-                let mut c = 0;
-                while c < n {
-                    let k = (n - c).min(super::interleave_avx512::ACTS);
-                    let mut res = [std::mem::MaybeUninit::<[f32; 2 * GROUP]>::uninit(); 8];
-                    // SAFETY: as above; `unpacked` holds a block per activation block; `res` has room for `k`
-                    // rows.
-                    unsafe {
-                        super::interleave_avx512::tile_unpacked(m.kind, &unpacked, &ys[c..c + k], &mut res)
-                    };
-                    for (kk, r) in res.iter().enumerate().take(k) {
-                        // SAFETY: `tile_unpacked` wrote rows `0..k`, one per activation.
-                        put(c + kk, g * GROUP, unsafe { r.assume_init_ref() });
-                    }
-                    c += k;
-                }
-                g += 2;
-                continue;
             }
             let mut c = 0;
             while c < n {
@@ -289,16 +268,16 @@ pub fn matmul_group_interleaved_with(
                         let mut res = [std::mem::MaybeUninit::<[f32; 2 * GROUP]>::uninit(); 8];
                         // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C detected (`wide`);
                         // both groups hold one group block per activation block (`check_dot`
-                        // above); `res` has room for `k <= ACTS` rows.
+                        // above), and `unpacked` one unpacked block per activation block when
+                        // `unpack`; `res` has room for `k <= ACTS` rows.
                         unsafe {
-                            super::interleave_avx512::tile_any(
-                                m.kind,
-                                m.group(g),
-                                m.group(g + 1),
-                                c == 0,
-                                &ys[c..c + k],
-                                &mut res,
-                            );
+                            let ys = &ys[c..c + k];
+                            if unpack {
+                                super::interleave_avx512::tile_unpacked(m.kind, &unpacked, ys, &mut res);
+                            } else {
+                                let (w0, w1) = (m.group(g), m.group(g + 1));
+                                super::interleave_avx512::tile_any(m.kind, w0, w1, c == 0, ys, &mut res);
+                            }
                         }
                         for (kk, r) in res.iter().enumerate().take(k) {
                             // SAFETY: `tile_any` wrote rows `0..k`, one per activation.

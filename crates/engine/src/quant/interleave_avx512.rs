@@ -31,7 +31,7 @@
 use std::arch::x86_64::*;
 
 use super::activation::BlockQ8x32;
-use super::interleave::{tile_for, GROUP};
+use super::interleave::GROUP;
 use super::interleave_pack::{
     blocks_per_unit, min_bytes_at, quants_at, scale_bytes_at, unit_bytes, unit_of, Q4_1_KIND as Q4_1,
     Q4_K_KIND as Q4_K, Q5_0_KIND as Q5_0, Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
@@ -150,6 +150,35 @@ pub(super) const ACTS: usize = 8;
 /// Rows of one tile: two groups.
 pub(super) const ROWS: usize = 2 * GROUP;
 
+/// `$f::<KIND, $k>($a.., [ys[0], .., ys[$k - 1]], $out)` for the repacked kind `kind`.
+macro_rules! by_kind {
+    ($f:ident, $kind:expr, $k:literal, $ys:expr, ($($a:expr),*), $out:expr) => {
+        match $kind {
+            Q8_0 => $f::<Q8_0, $k>($($a,)* super::first($ys), $out),
+            Q5_0 => $f::<Q5_0, $k>($($a,)* super::first($ys), $out),
+            Q4_K => $f::<Q4_K, $k>($($a,)* super::first($ys), $out),
+            Q6_K => $f::<Q6_K, $k>($($a,)* super::first($ys), $out),
+            _ => $f::<Q4_1, $k>($($a,)* super::first($ys), $out),
+        }
+    };
+}
+
+/// [`by_kind!`] for `$k = ys.len()` (1 to [`ACTS`]; more are cut to [`ACTS`]).
+macro_rules! by_kind_and_width {
+    ($f:ident, $kind:expr, $ys:expr, ($($a:expr),*), $out:expr) => {
+        match $ys.len() {
+            8.. => by_kind!($f, $kind, 8, $ys, ($($a),*), $out),
+            7 => by_kind!($f, $kind, 7, $ys, ($($a),*), $out),
+            6 => by_kind!($f, $kind, 6, $ys, ($($a),*), $out),
+            5 => by_kind!($f, $kind, 5, $ys, ($($a),*), $out),
+            4 => by_kind!($f, $kind, 4, $ys, ($($a),*), $out),
+            3 => by_kind!($f, $kind, 3, $ys, ($($a),*), $out),
+            2 => by_kind!($f, $kind, 2, $ys, ($($a),*), $out),
+            _ => by_kind!($f, $kind, 1, $ys, ($($a),*), $out),
+        }
+    };
+}
+
 /// Groups `w0` and `w1` (sixteen rows: `out[k][..8]` are `w0`'s, `out[k][8..]` `w1`'s) ×
 /// `ys.len()` (1 to [`ACTS`]) activations of kind `kind`, written to `out[..ys.len()]` (every
 /// lane: the caller may hand rows it left uninitialized). With `prefetch`, the next pair's
@@ -163,28 +192,10 @@ pub(super) unsafe fn tile_any(
     ys: &[&[BlockQ8x32]],
     out: &mut [std::mem::MaybeUninit<[f32; ROWS]>],
 ) {
-    unsafe {
-        // Five to eight activations: 8 unpacked weight registers + 2 accumulators each still
-        // fit the 32 zmm registers, and each unpacked block meets twice as many activations.
-        macro_rules! wide {
-            ($k:literal) => {
-                match kind {
-                    Q8_0 => tile::<Q8_0, $k>(w0, w1, prefetch, super::first(ys), out),
-                    Q5_0 => tile::<Q5_0, $k>(w0, w1, prefetch, super::first(ys), out),
-                    Q4_K => tile::<Q4_K, $k>(w0, w1, prefetch, super::first(ys), out),
-                    Q6_K => tile::<Q6_K, $k>(w0, w1, prefetch, super::first(ys), out),
-                    _ => tile::<Q4_1, $k>(w0, w1, prefetch, super::first(ys), out),
-                }
-            };
-        }
-        match ys.len() {
-            8.. => wide!(8),
-            7 => wide!(7),
-            6 => wide!(6),
-            5 => wide!(5),
-            _ => tile_for!(tile, kind, ys, (w0, w1, prefetch), out),
-        }
-    }
+    // Five to eight activations: 8 unpacked weight registers + 2 accumulators each still fit the
+    // 32 zmm registers, and each unpacked block meets twice as many activations.
+    // SAFETY: the caller's contract.
+    unsafe { by_kind_and_width!(tile, kind, ys, (w0, w1, prefetch), out) }
 }
 
 /// Decode reads each weight once, from DRAM: the hardware prefetchers lose two interleaved
@@ -399,29 +410,7 @@ pub(super) unsafe fn tile_unpacked(
             store(&acc, &accm, out);
         }
     }
-    macro_rules! width {
-        ($k:literal) => {
-            match kind {
-                Q8_0 => each::<Q8_0, $k>(un, super::first(ys), out),
-                Q5_0 => each::<Q5_0, $k>(un, super::first(ys), out),
-                Q4_K => each::<Q4_K, $k>(un, super::first(ys), out),
-                Q6_K => each::<Q6_K, $k>(un, super::first(ys), out),
-                _ => each::<Q4_1, $k>(un, super::first(ys), out),
-            }
-        };
-    }
     assert!(un.len() >= ys.first().map_or(0, |y| y.len()), "an unpacked block per activation block");
     // SAFETY: as `tile_any`'s; the blocks read are inside `un` (asserted).
-    unsafe {
-        match ys.len() {
-            8.. => width!(8),
-            7 => width!(7),
-            6 => width!(6),
-            5 => width!(5),
-            4 => width!(4),
-            3 => width!(3),
-            2 => width!(2),
-            _ => width!(1),
-        }
-    }
+    unsafe { by_kind_and_width!(each, kind, ys, (un), out) }
 }
