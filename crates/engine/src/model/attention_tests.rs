@@ -83,18 +83,32 @@ fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
     }
 }
 
+/// Query heads per KV head and values per row of [`prefill_chunk`]'s queries (64-value heads).
+const CHUNK_GROUP: usize = 3;
+const CHUNK_D: usize = CHUNK_GROUP * 64;
+
+/// A one-KV-head cache of `n` positions and one sequence's rows `first..n` with their queries: a
+/// prefill chunk for the GEMM path.
+fn prefill_chunk(first: usize, n: usize) -> ((KvCache, BlockTable), Vec<(usize, usize)>, Vec<f32>) {
+    let rows: Vec<(usize, usize)> = (first..n).map(|p| (0, p)).collect();
+    let q = (0..rows.len() * CHUNK_D).map(|j| val(j * 31 + 3)).collect();
+    (filled(64, 1, 16, n), rows, q)
+}
+
+/// The task over every query head of [`prefill_chunk`]'s cache.
+fn chunk_job<'a>(cache: &'a KvCache, table: &'a BlockTable) -> Job<'a> {
+    let (group, hd) = (CHUNK_GROUP, 64);
+    Job { cache, table, layer: 0, kvh: 0, group, heads: 0..group, hd, scale: 0.125, d: CHUNK_D }
+}
+
 #[test]
 fn prefill_attention_reads_nothing_its_kept_buffers_held_before() {
     // The GEMM path keeps its buffers between tasks on a thread; every value it reads it must
     // have written in this task. Poisoned with NaN (and larger than needed, from a longer task),
     // the buffers must give the bits fresh ones give.
-    let (hd, group, n) = (64, 3, 100);
-    let (cache, table) = filled(hd, 1, 16, n);
-    let d = group * hd;
-    let rows: Vec<(usize, usize)> = (60..n).map(|p| (0, p)).collect();
-    let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
-    let job =
-        Job { cache: &cache, table: &table, layer: 0, kvh: 0, group, heads: 0..group, hd, scale: 0.125, d };
+    let n = 100;
+    let ((cache, table), rows, q) = prefill_chunk(60, n);
+    let (job, d, group) = (chunk_job(&cache, &table), CHUNK_D, CHUNK_GROUP);
     assert!(rows.len() * group >= GEMM_MIN_ROWS, "the test must take the GEMM path");
     let fresh = attend_gemm_in(&job, &rows, &q, n, &mut Default::default());
     let mut poisoned: [Vec<f32>; 4] = std::array::from_fn(|_| vec![f32::NAN; 1 << 16]);
@@ -113,13 +127,9 @@ fn prefill_attention_reads_nothing_its_kept_buffers_held_before() {
 fn prefill_attention_in_score_blocks_matches_the_online_softmax() {
     // Rows spanning several score blocks of `SUB` and a ragged last one, each block stopping at
     // its own last position: the GEMM path must agree with the online path row by row.
-    let (hd, group, n) = (64, 3, 2 * SUB + 45);
-    let (cache, table) = filled(hd, 1, 16, n);
-    let d = group * hd;
-    let rows: Vec<(usize, usize)> = (20..n).map(|p| (0, p)).collect();
-    let q: Vec<f32> = (0..rows.len() * d).map(|j| val(j * 31 + 3)).collect();
-    let job =
-        Job { cache: &cache, table: &table, layer: 0, kvh: 0, group, heads: 0..group, hd, scale: 0.125, d };
+    let n = 2 * SUB + 45;
+    let ((cache, table), rows, q) = prefill_chunk(20, n);
+    let (job, d) = (chunk_job(&cache, &table), CHUNK_D);
     let gemm = attend_task_gemm(&job, &rows, &q, n - 1);
     let online = attend_online(&job, &rows, &q);
     assert_eq!(gemm.len(), online.len());
