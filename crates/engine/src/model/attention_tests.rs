@@ -87,9 +87,12 @@ fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
 const CHUNK_GROUP: usize = 3;
 const CHUNK_D: usize = CHUNK_GROUP * 64;
 
+/// A cache and its table, `(sequence, position)` rows and their queries.
+type Chunk = ((KvCache, BlockTable), Vec<(usize, usize)>, Vec<f32>);
+
 /// A one-KV-head cache of `n` positions and one sequence's rows `first..n` with their queries: a
 /// prefill chunk for the GEMM path.
-fn prefill_chunk(first: usize, n: usize) -> ((KvCache, BlockTable), Vec<(usize, usize)>, Vec<f32>) {
+fn prefill_chunk(first: usize, n: usize) -> Chunk {
     let rows: Vec<(usize, usize)> = (first..n).map(|p| (0, p)).collect();
     let q = (0..rows.len() * CHUNK_D).map(|j| val(j * 31 + 3)).collect();
     (filled(64, 1, 16, n), rows, q)
