@@ -2,10 +2,10 @@
 """llama.cpp's side of scripts/bench-engine: the same figures as `tokenpath bench-engine`, measured
 with llama-cpp-python on the same GGUF and thread count, printed as JSON on stdout.
 
-usage: bench_llama.py MODEL.gguf [--threads 2] [--steps 32]
+usage: bench_llama.py MODEL.gguf [--threads 2] [--steps 32] [--prefills 3]
 
 After one warm-up prefill of 512 tokens (as on our side), figures: prefill_512 / prefill_2048 (prompt tokens per second for one prompt of that length, in
-ubatches of 512), decode_b1 (tokens per second, one sequence after a 32-token prompt), decode_b16
+ubatches of 512; the median of --prefills runs, as `tokenpath bench-engine --prefills` takes ours), decode_b1 (tokens per second, one sequence after a 32-token prompt), decode_b16
 (aggregate tokens per second, 16 sequences decoded together through the low-level batch API —
 llama.cpp's best parallel decoding). The prompt text is the same public-domain prose.
 """
@@ -46,6 +46,7 @@ def main():
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prefills", type=int, default=3)
     a = ap.parse_args()
     out = {}
     # The high-level Llama object loads the model and tokenizes; the context is made with the
@@ -65,13 +66,16 @@ def main():
     llama_cpp.llama_memory_clear(mem, True)
     for n in (512, 2048):
         toks = tokens(llm, n)
-        llama_cpp.llama_memory_clear(mem, True)
-        t = time.perf_counter()
-        for s in range(0, n, 512):
-            chunk = toks[s:s + 512]
-            decode(ctx, chunk, [0] * len(chunk), list(range(s, s + len(chunk))),
-                   [i == len(chunk) - 1 for i in range(len(chunk))])
-        out[f"prefill_{n}"] = n / (time.perf_counter() - t)
+        runs = []
+        for _ in range(max(1, a.prefills)):
+            llama_cpp.llama_memory_clear(mem, True)
+            t = time.perf_counter()
+            for s in range(0, n, 512):
+                chunk = toks[s:s + 512]
+                decode(ctx, chunk, [0] * len(chunk), list(range(s, s + len(chunk))),
+                       [i == len(chunk) - 1 for i in range(len(chunk))])
+            runs.append(n / (time.perf_counter() - t))
+        out[f"prefill_{n}"] = sorted(runs)[len(runs) // 2]
     for batch in (1, 16):
         llama_cpp.llama_memory_clear(mem, True)
         prompt = tokens(llm, 32)

@@ -6,7 +6,7 @@ use crate::generate::ModelArgs;
 use anyhow::Context as _;
 use clap::Args;
 use std::path::PathBuf;
-use tokenpath_engine::bench::run_engine_bench_only;
+use tokenpath_engine::bench::{run_engine_bench_only, Repeats};
 use tokenpath_engine::quant::{Kernel, KERNEL_ENV};
 
 #[derive(Debug, Args)]
@@ -20,8 +20,12 @@ pub struct BenchEngineArgs {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Decode steps per decode figure.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = Repeats::default().steps)]
     steps: usize,
+    /// Prefills per prefill figure (their median tok/s; `scripts/peer/bench_llama.py` takes the
+    /// median of as many on llama.cpp's side).
+    #[arg(long, default_value_t = Repeats::default().prefills as u32, value_parser = clap::value_parser!(u32).range(1..=100))]
+    prefills: u32,
     /// Run only the figures named here (comma-separated, e.g. `decode_b16_ctx512`): for a
     /// profile of one of them.
     #[arg(long, value_delimiter = ',')]
@@ -38,7 +42,8 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     let engine = args.model.open_engine()?;
     let peer_fig = |name: &str| peer.get(name).and_then(|v| v.as_f64());
     let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
-    let b = run_engine_bench_only(&engine, args.steps, &peer_fig, &wanted)?;
+    let repeats = Repeats { steps: args.steps, prefills: args.prefills as usize };
+    let b = run_engine_bench_only(&engine, repeats, &peer_fig, &wanted)?;
     let kernel = Kernel::best();
     let has: Vec<&str> = Kernel::ALL.into_iter().filter(|k| k.is_available()).map(Kernel::name).collect();
     println!("kernels: {kernel} (this CPU runs {}; {KERNEL_ENV} caps the choice, and `amx` opts in to the AMX tiles)", has.join(", "));
