@@ -176,7 +176,12 @@ pub fn core_round_trip_ns() -> Option<f64> {
             (done >= 100).then(|| secs * 1e9 / done as f64)
         })
     };
-    let mut runs: Vec<f64> = (0..3).filter_map(|_| once()).collect();
+    median((0..3).filter_map(|_| once()).collect())
+}
+
+/// The middle value of `runs` once sorted (the upper of the two middle ones for an even count),
+/// `None` for none.
+fn median(mut runs: Vec<f64>) -> Option<f64> {
     runs.sort_by(f64::total_cmp);
     runs.get(runs.len() / 2).copied()
 }
@@ -251,10 +256,8 @@ pub fn run_engine_bench(
 
 /// The median of `times` (at least one) runs of [`prefill_tok_s`].
 pub fn prefill_tok_s_median(engine: &Engine, n: usize, chunk: usize, times: usize) -> Result<f64> {
-    let mut runs =
-        (0..times.max(1)).map(|_| prefill_tok_s(engine, n, chunk)).collect::<Result<Vec<f64>>>()?;
-    runs.sort_by(f64::total_cmp);
-    Ok(runs[runs.len() / 2])
+    let runs = (0..times.max(1)).map(|_| prefill_tok_s(engine, n, chunk)).collect::<Result<Vec<f64>>>()?;
+    Ok(median(runs).unwrap_or_default())
 }
 
 /// [`run_engine_bench`] for the figures `wanted` accepts (a profile of one of them).
@@ -341,6 +344,13 @@ mod tests {
             assert!(t.is_finite() && t > 0.0, "{times} runs: {t}");
         }
         assert_eq!(Repeats::default(), Repeats { steps: 32, prefills: 3 });
+    }
+
+    #[test]
+    fn the_median_is_the_middle_run() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(vec![4.0, 1.0]), Some(4.0));
+        assert_eq!(median(Vec::new()), None);
     }
 
     #[test]

@@ -83,25 +83,10 @@ pub(super) const GEMM_MIN_ROWS: usize = 32;
 
 /// `y[t × n] = x[t × k] · wᵀ` with `w` row-major `[n × k]`, on every thread of the current pool.
 pub(crate) fn gemm_xwt(x: &[f32], w: &[f32], y: &mut [f32], t: usize, n: usize, k: usize) {
-    gemm_into(x, w, y, t, n, k, true, gemm::Parallelism::Rayon(rayon::current_num_threads()));
-}
-
-/// `y[m × n] = x[m × k] · (bᵀ if b_is_nk else b)`, with `b` row-major `[n × k]` when transposed,
-/// `[k × n]` otherwise; every operand dense.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn gemm_into(
-    x: &[f32],
-    b: &[f32],
-    y: &mut [f32],
-    m: usize,
-    n: usize,
-    k: usize,
-    b_is_nk: bool,
-    par: gemm::Parallelism,
-) {
-    assert!(x.len() == m * k && b.len() == n * k && y.len() == m * n, "gemm operand sizes");
-    let (b_cs, b_rs) = if b_is_nk { (k, 1) } else { (1, n) };
-    gemm_strided((m, n, k), (y, n), (x, k), (b, b_rs, b_cs), par);
+    assert!(x.len() == t * k && w.len() == n * k && y.len() == t * n, "gemm operand sizes");
+    let par = gemm::Parallelism::Rayon(rayon::current_num_threads());
+    // `wᵀ[kk, j]` is `w[j · k + kk]`: row stride 1, column stride `k`.
+    gemm_strided((t, n, k), (y, n), (x, k), (w, 1, k), par);
 }
 
 /// `y[m × n] = x[m × k] · b[k × n]` over views into larger row-major buffers: `y` and `x` with

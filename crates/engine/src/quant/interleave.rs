@@ -280,7 +280,7 @@ pub fn matmul_group_interleaved_with(
                             }
                         }
                         for (kk, r) in res.iter().enumerate().take(k) {
-                            // SAFETY: `tile_any` wrote rows `0..k`, one per activation.
+                            // SAFETY: the tile wrote rows `0..k`, one per activation.
                             put(c + kk, g * GROUP, unsafe { r.assume_init_ref() });
                         }
                     }
