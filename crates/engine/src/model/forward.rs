@@ -7,7 +7,7 @@ use super::attention::attention;
 use super::{ggml, math, Mat, Model, Numerics};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockTable, KvCache};
-use crate::quant::{matmul_group, matmul_group_interleaved, Interleaved, QMatrix};
+use crate::quant::{matmul_group, matmul_group_interleaved, matmul_swiglu_interleaved, Interleaved, QMatrix};
 use rayon::prelude::*;
 
 /// One sequence's part of a forward call.
@@ -327,17 +327,27 @@ impl Model {
             add(&mut x, o);
 
             norm_rows(&x, &layer.ffn_norm, &mut xn);
-            let (gate, up) =
-                (sized(&mut gate, rows_of(&layer.w_gate)?), sized(&mut up, rows_of(&layer.w_up)?));
-            self.linears_into(&[&layer.w_gate, &layer.w_up], &xn, t, &mut [&mut *gate, &mut *up])?;
-            let h = sized(&mut h, gate.len().min(up.len()));
-            if exact {
-                h.copy_from_slice(&ggml::silu_mul(gate, up));
-            } else {
-                math::silu_mul_into(gate, up, h);
-            }
             let down = sized(&mut down, rows_of(&layer.w_down)?);
-            self.linears_into(&[&layer.w_down], h, t, &mut [&mut *down])?;
+            let repacked = (&layer.w_gate.interleaved, &layer.w_up.interleaved, &layer.w_down.interleaved);
+            if let (false, Some(g), Some(u), Some(dn)) = (exact, repacked.0, repacked.1, repacked.2) {
+                // Gate, up, SiLU and the down product's quantized input in one region (each task
+                // its own rows); the same bits as the steps one by one below. Alternating every
+                // eight steps in one process: batch-1 steps 0.6–1.3% faster (three runs), a
+                // 512-token prefill 1.7–4.2% (Q4_1; Q4_K_M within ±3%).
+                let hq = matmul_swiglu_interleaved(g, u, &g.prepare_rows(&xn)?, &math::silu_mul_into)?;
+                matmul_group_interleaved(&[dn], &hq, &mut [&mut *down])?;
+            } else {
+                let (gate, up) =
+                    (sized(&mut gate, rows_of(&layer.w_gate)?), sized(&mut up, rows_of(&layer.w_up)?));
+                self.linears_into(&[&layer.w_gate, &layer.w_up], &xn, t, &mut [&mut *gate, &mut *up])?;
+                let h = sized(&mut h, gate.len().min(up.len()));
+                if exact {
+                    h.copy_from_slice(&ggml::silu_mul(gate, up));
+                } else {
+                    math::silu_mul_into(gate, up, h);
+                }
+                self.linears_into(&[&layer.w_down], h, t, &mut [&mut *down])?;
+            }
             add(&mut x, down);
         }
         for item in batch.iter_mut() {

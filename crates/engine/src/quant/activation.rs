@@ -22,7 +22,7 @@ use super::ActivationKind;
 use crate::error::{EngineError, Result};
 
 /// 32 activations as i8 with scale `d`; `s = d * sum(qs)` serves the Q4_1 minimum term.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 #[repr(C)]
 pub struct BlockQ8x32 {
     /// Quantized values in [-127, 127].
@@ -92,12 +92,25 @@ fn block_scale_32(x: &[f32]) -> (f32, f32) {
 /// with the portable path's operations per value, so the same bits (a tenth of a prefill's time
 /// went to this loop written per value).
 fn quantize_q8x32(x: &[f32]) -> Vec<BlockQ8x32> {
+    let mut out = vec![BlockQ8x32::default(); x.len() / 32];
+    quantize_q8x32_into(x, &mut out);
+    out
+}
+
+/// [`quantize_q8x32`] into `out` (one block per 32 values of `x`).
+pub(crate) fn quantize_q8x32_into(x: &[f32], out: &mut [BlockQ8x32]) {
+    assert_eq!(x.len(), out.len() * 32, "32 values a block");
     #[cfg(target_arch = "x86_64")]
     if super::Kernel::best() >= super::Kernel::Avx2 {
-        // SAFETY: `Kernel::best` only picks a family this CPU runs, and AVX2's includes F16C.
-        return x.chunks_exact(32).map(|c| unsafe { q8x32_block_avx2(c) }).collect();
+        for (o, c) in out.iter_mut().zip(x.chunks_exact(32)) {
+            // SAFETY: `Kernel::best` only picks a family this CPU runs, and AVX2's includes F16C.
+            *o = unsafe { q8x32_block_avx2(c) };
+        }
+        return;
     }
-    x.chunks_exact(32).map(q8x32_block).collect()
+    for (o, c) in out.iter_mut().zip(x.chunks_exact(32)) {
+        *o = q8x32_block(c);
+    }
 }
 
 /// One 32-element block, the portable way.

@@ -149,19 +149,8 @@ pub fn matmul_group_interleaved_with(
     if mats.len() != outs.len() {
         return Err(EngineError::shape("matmul group outputs", mats.len(), outs.len()));
     }
-    let mut ys: Vec<&[BlockQ8x32]> = Vec::with_capacity(n);
-    for a in acts {
-        match a {
-            QuantizedActivation::Q8x32(v) => ys.push(v),
-            _ => return Err(EngineError::InvalidArgument("repacked weights need Q8x32 activations".into())),
-        }
-    }
+    let p = Product::new(kernel, mats, acts)?;
     for (m, out) in mats.iter().zip(outs.iter()) {
-        for a in acts {
-            if a.len() != m.cols {
-                return Err(EngineError::shape(format!("activation for a {} matrix", m.ty), m.cols, a.len()));
-            }
-        }
         if Some(out.len()) != m.rows.checked_mul(n) {
             return Err(EngineError::shape("matmul output length", format!("{} x {n}", m.rows), out.len()));
         }
@@ -169,28 +158,14 @@ pub fn matmul_group_interleaved_with(
     if n == 0 {
         return Ok(());
     }
-    // Resolved once per product: the AVX-512 tiles take two groups at a time, AVX2 one.
-    let wide = kernel >= Kernel::Avx512 && Kernel::Avx512.is_available();
-    // Sixteen or more activations fill the AMX tiles: their biased bytes, made once here. (Not
-    // for Q5_0's layout: its tiles are the AVX-512 ones, which AMX does not beat here either.)
-    #[cfg(target_arch = "x86_64")]
-    let amx = wide
-        && n >= super::interleave_amx::MIN_ACTS
-        && kernel >= Kernel::Amx
-        && Kernel::Amx.is_available()
-        && mats.iter().all(|m| m.kind != Q5_0_KIND);
-    #[cfg(not(target_arch = "x86_64"))]
-    let amx = false;
-    #[cfg(target_arch = "x86_64")]
-    let amx_acts = if amx { super::interleave_amx::biased_rows(&ys, mats[0].cols) } else { Vec::new() };
-    let avx2 = kernel >= Kernel::Avx2 && Kernel::Avx2.is_available();
     // Tasks own runs of row groups and write their rows of every activation straight into the
     // outputs (disjoint ranges: no buffer to zero and copy back on one thread — a twelfth of a
     // prefill's time when they were).
     let out_ptrs: Vec<OutRows> =
         outs.iter_mut().map(|o| OutRows { ptr: o.as_mut_ptr(), len: o.len() }).collect();
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-    let per_task = if crate::par::partnered() { GROUPS_PER_TASK / 2 } else { GROUPS_PER_TASK };
+    let per_task = Product::groups_per_task();
+    let mut tasks: Vec<(usize, usize, usize)> =
+        Vec::with_capacity(mats.iter().map(|m| (m.rows / GROUP).div_ceil(per_task)).sum());
     for (i, m) in mats.iter().enumerate() {
         let groups = m.rows / GROUP;
         for g0 in (0..groups).step_by(per_task) {
@@ -198,16 +173,194 @@ pub fn matmul_group_interleaved_with(
         }
     }
     let run = |&(i, g0, g1): &(usize, usize, usize)| {
-        let m = mats[i];
-        let out = &out_ptrs[i];
-        // Row `r` of activation `b` is `b · m.rows + r`; this task's rows are `g0·8..g1·8`.
-        let put = |b: usize, r: usize, vals: &[f32]| {
+        let (m, out) = (mats[i], &out_ptrs[i]);
+        p.rows(m, g0, g1, |b, r, vals| {
+            // Row `r` of activation `b` is `b · m.rows + r`; this task's rows are `g0·8..g1·8`.
             assert!(r >= g0 * GROUP && r + vals.len() <= g1 * GROUP && b < n, "tile output outside its task");
             // SAFETY: in bounds of the output (its length is `m.rows · n`, checked above), and
             // only this task writes rows `g0·8..g1·8` of any activation (asserted), while the
             // outputs are borrowed mutably by this function.
             unsafe { out.write(b * m.rows + r, vals) };
+        });
+    };
+    p.run(mats, tasks.len(), |t| run(&tasks[t]));
+    Ok(())
+}
+
+/// An element-wise `h = silu(g) · u` over runs of a row (`silu_mul(g, u, h)`).
+pub type SiluMul = dyn Fn(&[f32], &[f32], &mut [f32]) + Sync;
+
+/// `silu(gate · x) ⊙ (up · x)` for every activation `x`, quantized as the next product's
+/// activations ([`Interleaved::prepare_rows`]): each task computes the same rows of both
+/// matrices, then `silu_mul` and the quantization of its own 32-row blocks, inside the parallel
+/// region. A decode step otherwise runs both on one thread between two regions while the other
+/// waits. `silu_mul(g, u, h)` must be element-wise (`h[i]` from `g[i]` and `u[i]` alone, the same
+/// whichever run it is given), so the result has the bits of the product, `silu_mul` over whole
+/// rows, then [`Interleaved::prepare_rows`].
+pub fn matmul_swiglu_interleaved(
+    gate: &Interleaved,
+    up: &Interleaved,
+    acts: &[QuantizedActivation],
+    silu_mul: &SiluMul,
+) -> Result<Vec<QuantizedActivation>> {
+    matmul_swiglu_interleaved_with(Kernel::best(), gate, up, acts, silu_mul)
+}
+
+/// [`matmul_swiglu_interleaved`] on `kernel`'s path.
+pub fn matmul_swiglu_interleaved_with(
+    kernel: Kernel,
+    gate: &Interleaved,
+    up: &Interleaved,
+    acts: &[QuantizedActivation],
+    silu_mul: &SiluMul,
+) -> Result<Vec<QuantizedActivation>> {
+    let (n, rows) = (acts.len(), gate.rows);
+    if up.rows != rows || !rows.is_multiple_of(32) {
+        return Err(EngineError::shape(
+            "SwiGLU up rows (as many as gate's, a multiple of 32)",
+            rows,
+            up.rows,
+        ));
+    }
+    let p = Product::new(kernel, &[gate, up], acts)?;
+    let mut hs: Vec<Vec<BlockQ8x32>> = (0..n).map(|_| vec![BlockQ8x32::default(); rows / 32]).collect();
+    let out_ptrs: Vec<OutBlocks> =
+        hs.iter_mut().map(|h| OutBlocks { ptr: h.as_mut_ptr(), len: h.len() }).collect();
+    // Whole 32-row blocks per task: a multiple of four groups.
+    let per_task = Product::groups_per_task();
+    assert!(per_task.is_multiple_of(32 / GROUP));
+    let groups = rows / GROUP;
+    let tasks = groups.div_ceil(per_task);
+    let run = |t: usize| {
+        let (g0, g1) = (t * per_task, ((t + 1) * per_task).min(groups));
+        let (r0, len) = (g0 * GROUP, (g1 - g0) * GROUP);
+        // Both matrices' rows of this task, `[activation][row]`, then one activation's `h` at a
+        // time: in this thread's kept buffer (a fresh one per task was three allocations, 48
+        // tasks a layer).
+        SWIGLU.with(|cell| {
+            let mut kept = cell.take();
+            kept.clear();
+            kept.resize(2 * n * len + len, 0f32);
+            let (gu, h) = kept.split_at_mut(2 * n * len);
+            for (j, m) in [gate, up].into_iter().enumerate() {
+                let part = &mut gu[j * n * len..(j + 1) * n * len];
+                p.rows(m, g0, g1, |b, r, vals| part[b * len + r - r0..][..vals.len()].copy_from_slice(vals));
+            }
+            let (g, u) = gu.split_at(n * len);
+            let mut blocks = [BlockQ8x32::default(); GROUPS_PER_TASK * GROUP / 32];
+            let blocks = &mut blocks[..len / 32];
+            for (b, out) in out_ptrs.iter().enumerate() {
+                silu_mul(&g[b * len..(b + 1) * len], &u[b * len..(b + 1) * len], h);
+                super::activation::quantize_q8x32_into(h, blocks);
+                // SAFETY: blocks `r0/32..(r0+len)/32` of activation `b` belong to this task alone
+                // (tasks cover disjoint row ranges), and `hs` is not touched until the region ends.
+                unsafe { out.write(r0 / 32, blocks) };
+            }
+            cell.set(kept);
+        });
+    };
+    p.run(&[gate, up], tasks, run);
+    Ok(hs.into_iter().map(QuantizedActivation::Q8x32).collect())
+}
+
+thread_local! {
+    /// [`matmul_swiglu_interleaved`]'s per-thread task buffer (taken while a task runs, so a task
+    /// a rayon steal nests inside another gets a fresh one).
+    static SWIGLU: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// What every task of one product reads, resolved once per product: the activations' blocks
+/// and the kernel path.
+struct Product<'a> {
+    n: usize,
+    ys: Vec<&'a [BlockQ8x32]>,
+    /// The AVX-512 tiles, two groups at a time.
+    wide: bool,
+    avx2: bool,
+    #[cfg(target_arch = "x86_64")]
+    amx: bool,
+    /// AMX's biased activation bytes (empty without AMX).
+    #[cfg(target_arch = "x86_64")]
+    amx_acts: Vec<u8>,
+}
+
+impl<'a> Product<'a> {
+    fn new(kernel: Kernel, mats: &[&Interleaved], acts: &'a [QuantizedActivation]) -> Result<Self> {
+        let n = acts.len();
+        let mut ys: Vec<&[BlockQ8x32]> = Vec::with_capacity(n);
+        for a in acts {
+            match a {
+                QuantizedActivation::Q8x32(v) => ys.push(v),
+                _ => {
+                    return Err(EngineError::InvalidArgument(
+                        "repacked weights need Q8x32 activations".into(),
+                    ))
+                }
+            }
+        }
+        for m in mats {
+            for a in acts {
+                if a.len() != m.cols {
+                    return Err(EngineError::shape(
+                        format!("activation for a {} matrix", m.ty),
+                        m.cols,
+                        a.len(),
+                    ));
+                }
+            }
+        }
+        let wide = kernel >= Kernel::Avx512 && Kernel::Avx512.is_available();
+        // Sixteen or more activations fill the AMX tiles: their biased bytes, made once here. (Not
+        // for Q5_0's layout: its tiles are the AVX-512 ones, which AMX does not beat here either.)
+        #[cfg(target_arch = "x86_64")]
+        let amx = wide
+            && n >= super::interleave_amx::MIN_ACTS
+            && kernel >= Kernel::Amx
+            && Kernel::Amx.is_available()
+            && mats.iter().all(|m| m.kind != Q5_0_KIND);
+        #[cfg(target_arch = "x86_64")]
+        let amx_acts = if amx && !mats.is_empty() {
+            super::interleave_amx::biased_rows(&ys, mats[0].cols)
+        } else {
+            Vec::new()
         };
+        let avx2 = kernel >= Kernel::Avx2 && Kernel::Avx2.is_available();
+        Ok(Product {
+            n,
+            ys,
+            wide,
+            avx2,
+            #[cfg(target_arch = "x86_64")]
+            amx,
+            #[cfg(target_arch = "x86_64")]
+            amx_acts,
+        })
+    }
+
+    /// Row groups per task.
+    fn groups_per_task() -> usize {
+        if crate::par::partnered() {
+            GROUPS_PER_TASK / 2
+        } else {
+            GROUPS_PER_TASK
+        }
+    }
+
+    /// `run(t)` for every task `t < tasks` of a product over `mats`: as one parallel region, or
+    /// on this thread when the whole product is too small to share.
+    fn run(&self, mats: &[&Interleaved], tasks: usize, run: impl Fn(usize) + Sync + Send) {
+        let work: usize = mats.iter().map(|m| m.data.len()).sum::<usize>() * self.n;
+        if work < 64 * 1024 {
+            (0..tasks).for_each(run);
+        } else {
+            crate::par::for_each(tasks, run);
+        }
+    }
+
+    /// Rows `g0·8..g1·8` of `m` for every activation, each tile's rows handed to `put(activation,
+    /// first row, values)`.
+    fn rows(&self, m: &Interleaved, g0: usize, g1: usize, mut put: impl FnMut(usize, usize, &[f32])) {
+        let (n, ys, wide) = (self.n, &self.ys[..], self.wide);
         let mut g = g0;
         #[cfg(target_arch = "x86_64")]
         let (mut scratch, mut buf) = (super::interleave_amx::Scratch::default(), Vec::new());
@@ -216,19 +369,19 @@ pub fn matmul_group_interleaved_with(
         while g < g1 {
             let two = wide && g + 1 < g1;
             #[cfg(target_arch = "x86_64")]
-            if amx && two {
+            if self.amx && two {
                 // AMX writes `[activation][16 rows]` into a buffer of its own (opt-in, not the
                 // hot path), copied into place.
                 buf.resize(2 * GROUP * n, 0f32);
                 // SAFETY: AMX granted and AVX-512 detected (`amx`); both groups hold one unit per
-                // activation unit (checked above); `amx_acts` is `biased_rows` of `ys`; `buf`
+                // activation unit (checked in `new`); `amx_acts` is `biased_rows` of `ys`; `buf`
                 // holds `n × 16` and `0 + 16 <= 16`.
                 unsafe {
                     let op = super::interleave_amx::Rows16 {
                         w0: m.group(g),
                         w1: m.group(g + 1),
-                        ab: &amx_acts,
-                        ys: &ys,
+                        ab: &self.amx_acts,
+                        ys,
                         buf: &mut buf[..],
                         rows: 2 * GROUP,
                         at: 0,
@@ -249,7 +402,7 @@ pub fn matmul_group_interleaved_with(
             #[cfg(target_arch = "x86_64")]
             if unpack {
                 // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C detected (`wide`); both groups
-                // hold one group block per activation block (`check_dot` above).
+                // hold one group block per activation block (checked in `new`).
                 unsafe {
                     let (w0, w1, nb) = (m.group(g), m.group(g + 1), ys[0].len());
                     super::interleave_avx512::unpack_pair(m.kind, w0, w1, nb, &mut unpacked)
@@ -267,8 +420,8 @@ pub fn matmul_group_interleaved_with(
                     {
                         let mut res = [std::mem::MaybeUninit::<[f32; 2 * GROUP]>::uninit(); 8];
                         // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C detected (`wide`);
-                        // both groups hold one group block per activation block (`check_dot`
-                        // above), and `unpacked` one unpacked block per activation block when
+                        // both groups hold one group block per activation block (checked in
+                        // `new`), and `unpacked` one unpacked block per activation block when
                         // `unpack`; `res` has room for `k <= ACTS` rows.
                         unsafe {
                             let ys = &ys[c..c + k];
@@ -286,7 +439,7 @@ pub fn matmul_group_interleaved_with(
                     }
                 } else {
                     let mut res = [[0f32; GROUP]; C];
-                    one_group(avx2, m.kind, m.group(g), &ys[c..c + k], &mut res);
+                    one_group(self.avx2, m.kind, m.group(g), &ys[c..c + k], &mut res);
                     for (kk, r) in res.iter().enumerate().take(k) {
                         put(c + kk, g * GROUP, r);
                     }
@@ -295,14 +448,32 @@ pub fn matmul_group_interleaved_with(
             }
             g += if two { 2 } else { 1 };
         }
-    };
-    let work: usize = mats.iter().map(|m| m.data.len()).sum::<usize>() * n;
-    if work < 64 * 1024 {
-        tasks.iter().for_each(run);
-    } else {
-        crate::par::for_each(tasks.len(), |i| run(&tasks[i]));
     }
-    Ok(())
+}
+
+/// One activation's quantized blocks, written by several tasks at once, each into blocks of
+/// its own.
+struct OutBlocks {
+    ptr: *mut BlockQ8x32,
+    len: usize,
+}
+
+// SAFETY: as `OutRows`: disjoint ranges per task, the vector borrowed for the region.
+unsafe impl Sync for OutBlocks {}
+
+impl OutBlocks {
+    /// Copies `blocks` to `at..at + blocks.len()`.
+    ///
+    /// # Safety
+    /// No other thread reads or writes that range meanwhile.
+    unsafe fn write(&self, at: usize, blocks: &[BlockQ8x32]) {
+        assert!(
+            at.checked_add(blocks.len()).is_some_and(|end| end <= self.len),
+            "output blocks out of bounds"
+        );
+        // SAFETY: in bounds (asserted); exclusivity is the caller's promise.
+        unsafe { std::ptr::copy_nonoverlapping(blocks.as_ptr(), self.ptr.add(at), blocks.len()) };
+    }
 }
 
 /// One output of a product, written by several tasks at once, each into rows of its own.

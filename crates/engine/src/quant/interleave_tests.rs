@@ -240,3 +240,45 @@ fn only_repackable_types_with_whole_groups_are_repacked() {
     let bad = acts(1, 32, 0);
     assert!(matmul_group_interleaved(&[&il], &bad, &mut [&mut [0f32; 8]]).is_err());
 }
+
+#[test]
+fn swiglu_in_one_region_gives_the_bits_of_its_steps() {
+    // Gate and up products, SiLU over whole rows, then the next product's quantization — against
+    // all of it inside the product's tasks: every kind, one to seventy activations (the unpacked
+    // tiles from 64), each path, with the pair's halves and with rayon's tasks.
+    let silu = |g: &[f32], u: &[f32], h: &mut [f32]| crate::model::math::silu_mul_into(g, u, h);
+    let bits = |a: &[QuantizedActivation]| -> Vec<(Vec<i8>, u32, u32, i32, i32)> {
+        a.iter()
+            .flat_map(|x| match x {
+                QuantizedActivation::Q8x32(v) => v.clone(),
+                _ => unreachable!(),
+            })
+            .map(|b| (b.qs.to_vec(), b.d.to_bits(), b.s.to_bits(), b.sum, b.sum_lo))
+            .collect()
+    };
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    for ty in TYPES {
+        let (rows, cols) = (160, if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) { 256 } else { 64 });
+        let (gd, ud) = (matrix_of(ty, rows, cols, 11), matrix_of(ty, rows, cols, 12));
+        let gi = Interleaved::from_matrix(&QMatrix::new(ty, rows, cols, &gd).unwrap()).unwrap();
+        let ui = Interleaved::from_matrix(&QMatrix::new(ty, rows, cols, &ud).unwrap()).unwrap();
+        for n in [1, 3, 70] {
+            let a = acts(n, cols, 5);
+            for k in Kernel::ALL.into_iter().filter(|k| k.is_available()) {
+                let (mut g, mut u, mut h) =
+                    (vec![0f32; rows * n], vec![0f32; rows * n], vec![0f32; rows * n]);
+                matmul_group_interleaved_with(k, &[&gi, &ui], &a, &mut [&mut g, &mut u]).unwrap();
+                silu(&g, &u, &mut h);
+                let want = super::super::matrix::prepare_rows_as(ActivationKind::Q8x32, rows, &h).unwrap();
+                let alone = pool.install(|| matmul_swiglu_interleaved_with(k, &gi, &ui, &a, &silu)).unwrap();
+                let paired = pool
+                    .install(|| {
+                        crate::par::with_partner(|| matmul_swiglu_interleaved_with(k, &gi, &ui, &a, &silu))
+                    })
+                    .unwrap();
+                assert_eq!(bits(&alone), bits(&want), "{ty}, {n} activations, {k}");
+                assert_eq!(bits(&paired), bits(&want), "{ty}, {n} activations, {k}, paired");
+            }
+        }
+    }
+}

@@ -39,7 +39,9 @@ mod types;
 mod tests;
 
 pub use activation::{BlockQ8K, BlockQ8x32, QuantizedActivation};
-pub use interleave::{matmul_group_interleaved, matmul_group_interleaved_with, Interleaved};
+pub use interleave::{
+    matmul_group_interleaved, matmul_group_interleaved_with, matmul_swiglu_interleaved, Interleaved,
+};
 pub use matrix::{matmul_group, QMatrix};
 pub use types::{ActivationKind, GgmlType};
 
