@@ -215,11 +215,14 @@ pub fn matmul_swiglu_interleaved_with(
     silu_mul: &SiluMul,
 ) -> Result<Vec<QuantizedActivation>> {
     let (n, rows) = (acts.len(), gate.rows);
-    if up.rows != rows || !rows.is_multiple_of(32) {
+    if up.rows != rows {
+        return Err(EngineError::shape("SwiGLU up rows (as many as gate's)", rows, up.rows));
+    }
+    if !rows.is_multiple_of(32) {
         return Err(EngineError::shape(
-            "SwiGLU up rows (as many as gate's, a multiple of 32)",
+            "SwiGLU rows (whole 32-value blocks)",
+            rows.next_multiple_of(32),
             rows,
-            up.rows,
         ));
     }
     let p = Product::new(kernel, &[gate, up], acts)?;
@@ -228,7 +231,7 @@ pub fn matmul_swiglu_interleaved_with(
         hs.iter_mut().map(|h| OutBlocks { ptr: h.as_mut_ptr(), len: h.len() }).collect();
     // Whole 32-row blocks per task: a multiple of four groups.
     let per_task = Product::groups_per_task();
-    assert!(per_task.is_multiple_of(32 / GROUP));
+    assert!(per_task.is_multiple_of(32 / GROUP), "a SwiGLU task must cover whole 32-row blocks");
     let groups = rows / GROUP;
     let tasks = groups.div_ceil(per_task);
     let run = |t: usize| {

@@ -282,3 +282,17 @@ fn swiglu_in_one_region_gives_the_bits_of_its_steps() {
         }
     }
 }
+
+#[test]
+fn swiglu_refuses_unequal_or_partial_block_rows() {
+    let silu = |g: &[f32], u: &[f32], h: &mut [f32]| crate::model::math::silu_mul_into(g, u, h);
+    let il = |rows: usize| {
+        let data = matrix(rows, 64, 3);
+        Interleaved::from_matrix(&QMatrix::new(GgmlType::Q4_1, rows, 64, &data).unwrap()).unwrap()
+    };
+    let a = acts(1, 64, 1);
+    assert!(matmul_swiglu_interleaved(&il(64), &il(32), &a, &silu).is_err());
+    assert!(matmul_swiglu_interleaved(&il(40), &il(40), &a, &silu).is_err());
+    assert!(matmul_swiglu_interleaved(&il(64), &il(64), &acts(1, 32, 1), &silu).is_err());
+    assert!(matmul_swiglu_interleaved(&il(64), &il(64), &a, &silu).is_ok());
+}
