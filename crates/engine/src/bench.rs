@@ -245,22 +245,14 @@ impl Default for Repeats {
     }
 }
 
-/// Runs every figure; `peer` gives llama.cpp's numbers by figure name.
-pub fn run_engine_bench(
-    engine: &Engine,
-    repeats: Repeats,
-    peer: &dyn Fn(&str) -> Option<f64>,
-) -> Result<EngineBench> {
-    run_engine_bench_only(engine, repeats, peer, &|_| true)
-}
-
 /// The median of `times` (at least one) runs of [`prefill_tok_s`].
 pub fn prefill_tok_s_median(engine: &Engine, n: usize, chunk: usize, times: usize) -> Result<f64> {
     let runs = (0..times.max(1)).map(|_| prefill_tok_s(engine, n, chunk)).collect::<Result<Vec<f64>>>()?;
     Ok(median(runs).unwrap_or_default())
 }
 
-/// [`run_engine_bench`] for the figures `wanted` accepts (a profile of one of them).
+/// Runs the figures `wanted` accepts (all of them, or one for a profile); `peer` gives
+/// llama.cpp's numbers by figure name.
 pub fn run_engine_bench_only(
     engine: &Engine,
     Repeats { steps, prefills }: Repeats,
