@@ -161,8 +161,7 @@ pub fn matmul_group_interleaved_with(
     // Tasks own runs of row groups and write their rows of every activation straight into the
     // outputs (disjoint ranges: no buffer to zero and copy back on one thread — a twelfth of a
     // prefill's time when they were).
-    let out_ptrs: Vec<OutRows> =
-        outs.iter_mut().map(|o| OutRows { ptr: o.as_mut_ptr(), len: o.len() }).collect();
+    let out_ptrs: Vec<SharedOut<f32>> = outs.iter_mut().map(|o| SharedOut::new(o)).collect();
     let per_task = Product::groups_per_task();
     let mut tasks: Vec<(usize, usize, usize)> =
         Vec::with_capacity(mats.iter().map(|m| (m.rows / GROUP).div_ceil(per_task)).sum());
@@ -227,8 +226,7 @@ pub fn matmul_swiglu_interleaved_with(
     }
     let p = Product::new(kernel, &[gate, up], acts)?;
     let mut hs: Vec<Vec<BlockQ8x32>> = (0..n).map(|_| vec![BlockQ8x32::default(); rows / 32]).collect();
-    let out_ptrs: Vec<OutBlocks> =
-        hs.iter_mut().map(|h| OutBlocks { ptr: h.as_mut_ptr(), len: h.len() }).collect();
+    let out_ptrs: Vec<SharedOut<BlockQ8x32>> = hs.iter_mut().map(|h| SharedOut::new(h)).collect();
     // Whole 32-row blocks per task: a multiple of four groups.
     let per_task = Product::groups_per_task();
     assert!(per_task.is_multiple_of(32 / GROUP), "a SwiGLU task must cover whole 32-row blocks");
@@ -454,47 +452,27 @@ impl<'a> Product<'a> {
     }
 }
 
-/// One activation's quantized blocks, written by several tasks at once, each into blocks of
-/// its own.
-struct OutBlocks {
-    ptr: *mut BlockQ8x32,
+/// One output of a product (a matrix's rows, an activation's quantized blocks), written by
+/// several tasks at once, each into a range of its own.
+struct SharedOut<T> {
+    ptr: *mut T,
     len: usize,
 }
 
-// SAFETY: as `OutRows`: disjoint ranges per task, the vector borrowed for the region.
-unsafe impl Sync for OutBlocks {}
+// SAFETY: the tasks sharing a `SharedOut` write disjoint ranges (their callers assert whose range
+// is whose), and the slice it points into is borrowed mutably for as long as they run.
+unsafe impl<T: Send> Sync for SharedOut<T> {}
 
-impl OutBlocks {
-    /// Copies `blocks` to `at..at + blocks.len()`.
-    ///
-    /// # Safety
-    /// No other thread reads or writes that range meanwhile.
-    unsafe fn write(&self, at: usize, blocks: &[BlockQ8x32]) {
-        assert!(
-            at.checked_add(blocks.len()).is_some_and(|end| end <= self.len),
-            "output blocks out of bounds"
-        );
-        // SAFETY: in bounds (asserted); exclusivity is the caller's promise.
-        unsafe { std::ptr::copy_nonoverlapping(blocks.as_ptr(), self.ptr.add(at), blocks.len()) };
+impl<T: Copy> SharedOut<T> {
+    fn new(out: &mut [T]) -> Self {
+        SharedOut { ptr: out.as_mut_ptr(), len: out.len() }
     }
-}
 
-/// One output of a product, written by several tasks at once, each into rows of its own.
-struct OutRows {
-    ptr: *mut f32,
-    len: usize,
-}
-
-// SAFETY: the tasks sharing an `OutRows` write disjoint ranges (see `put` above), and the slice
-// it points into is borrowed mutably for as long as they run.
-unsafe impl Sync for OutRows {}
-
-impl OutRows {
     /// Copies `vals` to `at..at + vals.len()`.
     ///
     /// # Safety
     /// No other thread reads or writes that range meanwhile.
-    unsafe fn write(&self, at: usize, vals: &[f32]) {
+    unsafe fn write(&self, at: usize, vals: &[T]) {
         assert!(at.checked_add(vals.len()).is_some_and(|end| end <= self.len), "output range out of bounds");
         // SAFETY: in bounds (asserted); exclusivity is the caller's promise.
         unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), self.ptr.add(at), vals.len()) };
