@@ -273,7 +273,7 @@ thread_local! {
 /// What every task of one product reads, resolved once per product: the activations' blocks
 /// and the kernel path.
 struct Product<'a> {
-    n: usize,
+    /// Each activation's blocks.
     ys: Vec<&'a [BlockQ8x32]>,
     /// The AVX-512 tiles, two groups at a time.
     wide: bool,
@@ -327,7 +327,6 @@ impl<'a> Product<'a> {
         };
         let avx2 = kernel >= Kernel::Avx2 && Kernel::Avx2.is_available();
         Ok(Product {
-            n,
             ys,
             wide,
             avx2,
@@ -350,7 +349,7 @@ impl<'a> Product<'a> {
     /// `run(t)` for every task `t < tasks` of a product over `mats`: as one parallel region, or
     /// on this thread when the whole product is too small to share.
     fn run(&self, mats: &[&Interleaved], tasks: usize, run: impl Fn(usize) + Sync + Send) {
-        let work: usize = mats.iter().map(|m| m.data.len()).sum::<usize>() * self.n;
+        let work: usize = mats.iter().map(|m| m.data.len()).sum::<usize>() * self.ys.len();
         if work < 64 * 1024 {
             (0..tasks).for_each(run);
         } else {
@@ -361,7 +360,8 @@ impl<'a> Product<'a> {
     /// Rows `g0·8..g1·8` of `m` for every activation, each tile's rows handed to `put(activation,
     /// first row, values)`.
     fn rows(&self, m: &Interleaved, g0: usize, g1: usize, mut put: impl FnMut(usize, usize, &[f32])) {
-        let (n, ys, wide) = (self.n, &self.ys[..], self.wide);
+        let (ys, wide) = (&self.ys[..], self.wide);
+        let n = ys.len();
         let mut g = g0;
         #[cfg(target_arch = "x86_64")]
         let (mut scratch, mut buf) = (super::interleave_amx::Scratch::default(), Vec::new());
