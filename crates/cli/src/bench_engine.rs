@@ -46,7 +46,7 @@ pub fn run(args: BenchEngineArgs) -> anyhow::Result<()> {
     let b = run_engine_bench_only(&engine, repeats, &peer_fig, &wanted)?;
     let kernel = Kernel::best();
     let has: Vec<&str> = Kernel::ALL.into_iter().filter(|k| k.is_available()).map(Kernel::name).collect();
-    println!("kernels: {kernel} (this CPU runs {}; {KERNEL_ENV} caps the choice, and `amx` opts in to the AMX tiles)", has.join(", "));
+    println!("kernels: {kernel} (this CPU runs {}; {KERNEL_ENV} caps the choice)", has.join(", "));
     println!(
         "machine (measured now): f32 GEMM {:.1} GFLOP/s, read bandwidth {:.1} GB/s (the highest measured)",
         b.gemm_gflops, b.read_gb_s

@@ -194,7 +194,7 @@ fn long_version() -> String {
     use tokenpath_engine::quant::{Kernel, KERNEL_ENV};
     let runs: Vec<&str> = Kernel::ALL.into_iter().filter(|k| k.is_available()).map(Kernel::name).collect();
     format!(
-        "{}\nkernels: {} (this CPU runs {}; {KERNEL_ENV} caps the choice, `amx` opts in to AMX tiles)\nbuild: {} {}, {} profile",
+        "{}\nkernels: {} (this CPU runs {}; {KERNEL_ENV} caps the choice)\nbuild: {} {}, {} profile",
         env!("CARGO_PKG_VERSION"),
         Kernel::best().name(),
         runs.join(", "),

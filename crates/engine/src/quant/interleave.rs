@@ -25,7 +25,7 @@ use super::activation::BlockQ8x32;
 pub use super::interleave_pack::GROUP;
 use super::interleave_pack::{
     blocks_per_unit, dequantize_group, element, kind_of, quants_at, repack, row_min, row_scale, unit_bytes,
-    unit_of, Q4_1_KIND, Q4_K_KIND, Q5_0_KIND, Q6_K_KIND,
+    unit_of, Q4_1_KIND, Q4_K_KIND, Q6_K_KIND,
 };
 use super::{ActivationKind, GgmlType, Kernel, QMatrix, QuantizedActivation};
 use crate::error::{EngineError, Result};
@@ -278,11 +278,9 @@ struct Product<'a> {
     /// The AVX-512 tiles, two groups at a time.
     wide: bool,
     avx2: bool,
+    /// The activations as AMX's tiles read them (with AMX only).
     #[cfg(target_arch = "x86_64")]
-    amx: bool,
-    /// AMX's biased activation bytes (empty without AMX).
-    #[cfg(target_arch = "x86_64")]
-    amx_acts: Vec<u8>,
+    amx: Option<super::interleave_amx::Acts>,
 }
 
 impl<'a> Product<'a> {
@@ -311,20 +309,15 @@ impl<'a> Product<'a> {
             }
         }
         let wide = kernel >= Kernel::Avx512 && Kernel::Avx512.is_available();
-        // Sixteen or more activations fill the AMX tiles: their biased bytes, made once here. (Not
-        // for Q5_0's layout: its tiles are the AVX-512 ones, which AMX does not beat here either.)
+        // Sixteen or more activations fill the AMX tiles: their bytes and scales as the tiles
+        // read them, made once here.
         #[cfg(target_arch = "x86_64")]
-        let amx = wide
+        let amx = (wide
             && n >= super::interleave_amx::MIN_ACTS
             && kernel >= Kernel::Amx
-            && Kernel::Amx.is_available()
-            && mats.iter().all(|m| m.kind != Q5_0_KIND);
-        #[cfg(target_arch = "x86_64")]
-        let amx_acts = if amx && !mats.is_empty() {
-            super::interleave_amx::biased_rows(&ys, mats[0].cols)
-        } else {
-            Vec::new()
-        };
+            && Kernel::Amx.is_available())
+        .then(|| mats.first().map(|m| super::interleave_amx::acts(&ys, m.cols)))
+        .flatten();
         let avx2 = kernel >= Kernel::Avx2 && Kernel::Avx2.is_available();
         Ok(Product {
             ys,
@@ -332,8 +325,6 @@ impl<'a> Product<'a> {
             avx2,
             #[cfg(target_arch = "x86_64")]
             amx,
-            #[cfg(target_arch = "x86_64")]
-            amx_acts,
         })
     }
 
@@ -370,19 +361,17 @@ impl<'a> Product<'a> {
         while g < g1 {
             let two = wide && g + 1 < g1;
             #[cfg(target_arch = "x86_64")]
-            if self.amx && two {
-                // AMX writes `[activation][16 rows]` into a buffer of its own (opt-in, not the
-                // hot path), copied into place.
+            if let (Some(acts), true) = (&self.amx, two) {
+                // AMX writes `[activation][16 rows]` into a buffer of its own, copied into
+                // place.
                 buf.resize(2 * GROUP * n, 0f32);
                 // SAFETY: AMX granted and AVX-512 detected (`amx`); both groups hold one unit per
-                // activation unit (checked in `new`); `amx_acts` is `biased_rows` of `ys`; `buf`
-                // holds `n × 16` and `0 + 16 <= 16`.
+                // activation unit (checked in `new`); `buf` holds `n × 16` and `0 + 16 <= 16`.
                 unsafe {
                     let op = super::interleave_amx::Rows16 {
                         w0: m.group(g),
                         w1: m.group(g + 1),
-                        ab: &self.amx_acts,
-                        ys,
+                        acts,
                         buf: &mut buf[..],
                         rows: 2 * GROUP,
                         at: 0,

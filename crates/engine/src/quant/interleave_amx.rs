@@ -1,15 +1,25 @@
-//! The repacked products of many activations (prefill) on AMX: `tdpbusd` multiplies a 16 × 32
+//! The repacked products of many activations (prefill) on AMX: `tdpbssd` multiplies a 16 × 32
 //! byte tile of activations by a 32 × 16 tile of one block's weights for sixteen rows into a
 //! 16 × 16 tile of exact 32-bit dots — 8,192 products per instruction, where `vpdpbusd` does 64.
 //!
 //! The layout is [`super::interleave`]'s unchanged: a block's eight registers of sixteen rows
 //! (four consecutive elements of each row in its 32-bit lane, as [`block_quants!`] unpacks them
-//! for the AVX-512 tile) *are* the weight tile in the layout `tdpbusd` wants for its second
+//! for the AVX-512 tile) *are* the weight tile in the layout `tdpbssd` wants for its second
 //! operand (row `st` of the tile holds elements `4st..4st + 4` of each of the sixteen rows), so
 //! each block is unpacked once per sixteen rows into a scratch tile and met by every activation.
-//! The first operand must be unsigned: the activations are biased by 128 once per product (as
-//! the AVX-512 tile does for its signed kinds) and `128 · Σw` per row and block comes off each
-//! dot, for every kind.
+//! Both operands are signed bytes as they are — the activations' `qs`, the weights as
+//! `block_quants!` gives them (Q8_0's and Q6_K's signed values, the 4-bit kinds' nibbles, Q5_0's
+//! `q + 16`, whose `16 · Σa` comes off as on the AVX-512 tile) — so no copy is biased and no
+//! correction is computed per row.
+//!
+//! Why it is shaped so: every 32-element block has its own weight and activation scales, so each
+//! block's tile of dots must be stored, converted and scaled before the next block's is added —
+//! the scaling, not the multiplication, is the work. It runs at three vector operations per
+//! (activation, block) of sixteen rows: the dot row converted straight from memory, `d_w` times
+//! the activation's `d` broadcast from memory ([`Acts`] keeps the scales block-major for that),
+//! one FMA into one of sixteen accumulators that stay in registers for the whole row of blocks;
+//! the minimum terms (Q4_1, Q4_K) in a pass of their own. The tile unit computes the next
+//! block's dots while the vector unit scales this one's (two slots of dots, one block ahead).
 //!
 //! Numerics: the tile's dots are the same exact integers the other paths form, and the scaling
 //! is the AVX-512 tile's, lane for lane and in the same order (`acc = fma(dot, d_w · d_a, acc)`,
@@ -31,14 +41,23 @@ use super::activation::BlockQ8x32;
 use super::interleave_avx512::{block_quants, block_scales, ROWS};
 use super::interleave_pack::{
     min_bytes_at, quants_at, scale_bytes_at, unit_of, Q4_1_KIND as Q4_1, Q4_K_KIND as Q4_K,
-    Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
+    Q5_0_KIND as Q5_0, Q6_K_KIND as Q6_K, Q8_0_KIND as Q8_0,
 };
 
-/// Fewest activations a product must have to take these tiles (fewer fill too little of one).
-pub(super) const MIN_ACTS: usize = 16;
+/// Fewest activations a product must have to take these tiles: a call prepares every block's
+/// weight tile for its sixteen rows, which pays over a prefill's passes but not over the one or
+/// two of a decode step (16 sequences ran 10–20% slower on AMX than on the AVX-512 tiles,
+/// prefills of 512 and 2,048 tokens 3–19% faster: `TOKENPATH_KERNEL=amx|avx512 tokenpath
+/// bench-engine`, alternating).
+pub(super) const MIN_ACTS: usize = 64;
 
 /// Activations per tile (its rows).
 pub(super) const TILE: usize = 16;
+
+/// Units whose dots the tiles compute ahead of the one being scaled, and the ring of slots
+/// they are stored in.
+const AHEAD: usize = 3;
+const SLOTS: usize = AHEAD + 1;
 
 /// Whether this CPU has AMX-TILE and AMX-INT8 and the kernel granted this process the tile
 /// state (asked once per process; the grant holds for every thread).
@@ -85,11 +104,12 @@ struct TileConfig {
 }
 
 impl TileConfig {
-    /// Dots over `k` bytes (32: a block; 16: a Q6_K half): tmm0, tmm1 hold 16 × 16 dots, tmm2,
-    /// tmm4 16 activations × `k` bytes, tmm3, tmm5 the weights (`k / 4` rows of 64 bytes).
+    /// Dots over `k` bytes (32: a block; 16: a Q6_K half): tmm0, tmm1, tmm6, tmm7 hold 16 × 16
+    /// dots, tmm2, tmm4 16 activations × `k` bytes, tmm3, tmm5 the weights (`k / 4` rows of 64
+    /// bytes).
     fn for_k(k: usize) -> Self {
         let mut c = Self { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
-        for t in [0, 1] {
+        for t in [0, 1, 6, 7] {
             c.colsb[t] = 64;
             c.rows[t] = TILE as u8;
         }
@@ -105,44 +125,68 @@ impl TileConfig {
     }
 }
 
+/// A product's activations as the tiles read them, made once per product: each activation's
+/// quantized bytes as one row of `cols` (`tdpbssd`'s signed first operand; rows padded with
+/// zeros to a whole tile), and each block's `d`, `s` and Q5_0's `16 · Σqs` block-major
+/// (`[b · n_pad + m]`), so one block's values for sixteen activations sit together and each is
+/// broadcast from memory by the instruction that uses it.
+pub(super) struct Acts {
+    bytes: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+    off: Vec<i32>,
+    /// Activations, and that rounded up to whole tiles.
+    n: usize,
+    n_pad: usize,
+    cols: usize,
+}
+
+/// [`Acts`] of `ys`, each `cols` values.
+pub(super) fn acts(ys: &[&[BlockQ8x32]], cols: usize) -> Acts {
+    let (n, nb) = (ys.len(), cols / 32);
+    let n_pad = n.div_ceil(TILE) * TILE;
+    let mut a = Acts {
+        bytes: vec![0; n_pad * cols],
+        d: vec![0.0; nb * n_pad],
+        s: vec![0.0; nb * n_pad],
+        off: vec![0; nb * n_pad],
+        n,
+        n_pad,
+        cols,
+    };
+    for (m, (row, y)) in a.bytes.chunks_exact_mut(cols).zip(ys).enumerate() {
+        for (b, (dst, blk)) in row.chunks_exact_mut(32).zip(y.iter()).enumerate() {
+            dst.copy_from_slice(&blk.qs);
+            a.d[b * n_pad + m] = blk.d;
+            a.s[b * n_pad + m] = blk.s;
+            a.off[b * n_pad + m] = 16 * blk.sum;
+        }
+    }
+    a
+}
+
 /// A block's weight tile and what scales its dots, for sixteen rows.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct Prepared {
-    /// The weight tile: eight rows (steps) of sixteen rows' four bytes.
+    /// The weight tile: eight rows (steps) of sixteen rows' four bytes (Q6_K: its halves' four
+    /// steps each).
     tile: [[u8; 64]; 8],
-    /// `128 · Σw` per row over steps 0..4 and 4..8 (Q6_K's halves), or the whole block in `[0]`.
-    wsum: [[i32; ROWS]; 2],
     /// `dw`, `dw_hi`, `mw` of [`block_scales!`].
     scales: [[f32; ROWS]; 3],
 }
 
-/// Where [`rows16`] keeps its prepared blocks between calls on one thread.
+/// Where [`rows16`] keeps its prepared blocks and its two slots of dots between calls on one
+/// thread.
 #[derive(Default)]
 pub(super) struct Scratch(Vec<Prepared>, Vec<[i32; ROWS]>);
 
-/// The activations biased by 128 (`tdpbusd`'s unsigned operand), `cols` bytes each, padded with
-/// zeros to a whole number of tiles: what [`rows16`] reads its activation tiles from.
-pub(super) fn biased_rows(ys: &[&[BlockQ8x32]], cols: usize) -> Vec<u8> {
-    let mut out = vec![0u8; ys.len().div_ceil(2 * TILE) * 2 * TILE * cols];
-    for (row, y) in out.chunks_exact_mut(cols).zip(ys) {
-        for (dst, b) in row.chunks_exact_mut(32).zip(y.iter()) {
-            for (d, q) in dst.iter_mut().zip(b.qs) {
-                *d = (q as u8) ^ 0x80;
-            }
-        }
-    }
-    out
-}
-
-/// One call's operands: groups `w0` and `w1` (sixteen rows) × every activation of `ys`, whose
-/// biased bytes are `ab` ([`biased_rows`]); row `r` of activation `m` goes to
-/// `buf[m * rows + at + r]`.
+/// One call's operands: groups `w0` and `w1` (sixteen rows) × every activation of `acts`; row
+/// `r` of activation `m` goes to `buf[m * rows + at + r]`.
 pub(super) struct Rows16<'a> {
     pub w0: &'a [u8],
     pub w1: &'a [u8],
-    pub ab: &'a [u8],
-    pub ys: &'a [&'a [BlockQ8x32]],
+    pub acts: &'a Acts,
     pub buf: &'a mut [f32],
     pub rows: usize,
     pub at: usize,
@@ -152,13 +196,15 @@ pub(super) struct Rows16<'a> {
 ///
 /// # Safety
 /// [`available`] returned true (and the AVX-512 F/BW/VL/VNNI, AVX2, FMA, F16C features are
-/// present); both groups hold one unit per activation unit; `ab` is [`biased_rows`] of `ys`;
-/// `buf` holds `ys.len() * rows` values and `at + 16 <= rows`.
+/// present); both groups hold one unit per activation unit; `buf` holds `acts.n * rows` values
+/// and `at + 16 <= rows`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn rows16(kind: u8, op: Rows16<'_>, scratch: &mut Scratch) {
+    assert!(op.buf.len() >= op.acts.n * op.rows && op.at + ROWS <= op.rows, "rows16's output");
     unsafe {
         match kind {
             Q8_0 => run::<Q8_0>(op, scratch),
+            Q5_0 => run::<Q5_0>(op, scratch),
             Q4_K => run::<Q4_K>(op, scratch),
             Q6_K => run::<Q6_K>(op, scratch),
             _ => run::<Q4_1>(op, scratch),
@@ -169,11 +215,10 @@ pub(super) unsafe fn rows16(kind: u8, op: Rows16<'_>, scratch: &mut Scratch) {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn run<const KIND: u8>(op: Rows16<'_>, scratch: &mut Scratch) {
-    let Rows16 { w0, w1, ab, ys, buf, rows, at } = op;
+    let Rows16 { w0, w1, acts, buf, rows, at } = op;
     unsafe {
-        let nb = ys[0].len();
-        let cols = 32 * nb;
-        let n = ys.len();
+        let (cols, n_pad) = (acts.cols, acts.n_pad);
+        let nb = cols / 32;
         // Every block's weight tile and scales, once for all the activations.
         let prep = &mut scratch.0;
         prep.clear();
@@ -181,119 +226,116 @@ unsafe fn run<const KIND: u8>(op: Rows16<'_>, scratch: &mut Scratch) {
         for b in 0..nb {
             let (base, sub) = unit_of(KIND, b);
             let (u0, u1) = (p0.add(base), p1.add(base));
-            let (q, lo, hi) =
-                block_quants!(KIND, u0.add(quants_at(KIND, sub)), u1.add(quants_at(KIND, sub)), true);
+            let (q, _, _) =
+                block_quants!(KIND, u0.add(quants_at(KIND, sub)), u1.add(quants_at(KIND, sub)), false);
             let (dw, dw_hi, mw) = block_scales!(KIND, u0, u1, sub);
-            let mut p = Prepared { tile: [[0; 64]; 8], wsum: [[0; ROWS]; 2], scales: [[0.0; ROWS]; 3] };
+            let mut p = Prepared { tile: [[0; 64]; 8], scales: [[0.0; ROWS]; 3] };
             for (t, v) in p.tile.iter_mut().zip(q) {
                 _mm512_storeu_si512(t.as_mut_ptr() as *mut __m512i, v);
-            }
-            if KIND == Q6_K {
-                _mm512_storeu_si512(p.wsum[0].as_mut_ptr() as *mut __m512i, lo);
-                _mm512_storeu_si512(p.wsum[1].as_mut_ptr() as *mut __m512i, hi);
-            } else {
-                _mm512_storeu_si512(p.wsum[0].as_mut_ptr() as *mut __m512i, _mm512_add_epi32(lo, hi));
             }
             for (s, v) in p.scales.iter_mut().zip([dw, dw_hi, mw]) {
                 _mm512_storeu_ps(s.as_mut_ptr(), v);
             }
             prep.push(p);
         }
-        let k = if KIND == Q6_K { 16 } else { 32 };
-        let config = TileConfig::for_k(k);
+        let config = TileConfig::for_k(if KIND == Q6_K { 16 } else { 32 });
         asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
-        // Activations per pass: two tiles (one weight tile load for both); Q6_K one, whose two
-        // 16-byte halves take the second tile's place.
-        let step = if KIND == Q6_K { TILE } else { 2 * TILE };
-        // Every block's two 16 × 16 dot tiles of the pass, stored back to back (`2 · 1 KB` per
-        // block); the scaling reads them after all are computed, so it never waits on a store
-        // in flight and each (activation, rows) pair keeps its sums in registers.
+        // A unit is what one `tdpbssd` covers: a block, or a Q6_K half (its own scale). A unit's
+        // dots are read back from memory (a tile leaves only by a store), and a load waits for
+        // the store before it to reach the cache, which waits for the `tdpbssd` — so the tiles
+        // run `AHEAD` units in front of the scaling, into a ring of slots, each unit's dots in
+        // one of four dot registers and its operands in one of two pairs: the tile unit works
+        // through the next units while the vector unit scales this one's (one unit ahead, the
+        // scaling waited on every store: a quarter of the speed).
+        let per_block = if KIND == Q6_K { 2 } else { 1 };
+        let units = nb * per_block;
         let dots = &mut scratch.1;
         dots.clear();
-        dots.resize(nb * 2 * TILE, [0; ROWS]);
+        dots.resize(SLOTS * TILE, [0; ROWS]);
         let d = dots.as_mut_ptr() as *mut u8;
-        for m0 in (0..n).step_by(step) {
-            let mv = (n - m0).min(step);
-            for b in 0..nb {
-                let a = ab.as_ptr().add(m0 * cols + 32 * b);
-                let w = prep.get_unchecked(b).tile.as_ptr() as *const u8;
-                let c = d.add(2048 * b);
-                if KIND == Q6_K {
+        // Unit `u`'s dots of the sixteen activations at `a` into slot `u % SLOTS`.
+        let tile_dots = |a: *const i8, u: usize| {
+            let (b, h) = (u / per_block, u % per_block);
+            let w = (prep.get_unchecked(b).tile.as_ptr() as *const u8).add(256 * h);
+            let c = d.add(1024 * (u % SLOTS));
+            let a = a.add(32 * b + 16 * h);
+            macro_rules! dots {
+                ($c:literal, $a:literal, $w:literal) => {
                     asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tileloadd tmm2, [{a} + {s}*1]",
-                        "tileloadd tmm4, [{a2} + {s}*1]",
-                        "tileloadd tmm3, [{w} + {ws}*1]",
-                        "tileloadd tmm5, [{w2} + {ws}*1]",
-                        "tdpbusd tmm0, tmm2, tmm3",
-                        "tdpbusd tmm1, tmm4, tmm5",
-                        "tilestored [{c} + {ws}*1], tmm0",
-                        "tilestored [{c2} + {ws}*1], tmm1",
+                        concat!("tilezero ", $c),
+                        concat!("tileloadd ", $a, ", [{a} + {s}*1]"),
+                        concat!("tileloadd ", $w, ", [{w} + {ws}*1]"),
+                        concat!("tdpbssd ", $c, ", ", $a, ", ", $w),
+                        concat!("tilestored [{c} + {ws}*1], ", $c),
                         a = in(reg) a,
-                        a2 = in(reg) a.add(16),
-                        s = in(reg) cols,
-                        w = in(reg) w,
-                        w2 = in(reg) w.add(256),
-                        ws = in(reg) 64usize,
-                        c = in(reg) c,
-                        c2 = in(reg) c.add(64 * TILE),
-                        options(nostack),
-                    );
-                } else {
-                    asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tileloadd tmm2, [{a} + {s}*1]",
-                        "tileloadd tmm4, [{a2} + {s}*1]",
-                        "tileloadd tmm3, [{w} + {ws}*1]",
-                        "tdpbusd tmm0, tmm2, tmm3",
-                        "tdpbusd tmm1, tmm4, tmm3",
-                        "tilestored [{c} + {ws}*1], tmm0",
-                        "tilestored [{c2} + {ws}*1], tmm1",
-                        a = in(reg) a,
-                        a2 = in(reg) a.add(TILE * cols),
                         s = in(reg) cols,
                         w = in(reg) w,
                         ws = in(reg) 64usize,
                         c = in(reg) c,
-                        c2 = in(reg) c.add(64 * TILE),
                         options(nostack),
-                    );
-                }
+                    )
+                };
             }
-            // Dot row `i` (of 32) of block `b`: activation tile `i / 16`'s row `i % 16`, or
-            // Q6_K's half `i / 16`.
-            let row = |b: usize, i: usize| _mm512_loadu_si512(d.add(2048 * b + 64 * i) as *const __m512i);
-            for m in 0..mv {
-                let y = *ys.get_unchecked(m0 + m);
-                let mut acc = _mm512_setzero_ps();
-                let mut accm = _mm512_setzero_ps();
+            match u % 4 {
+                0 => dots!("tmm0", "tmm2", "tmm3"),
+                1 => dots!("tmm1", "tmm4", "tmm5"),
+                2 => dots!("tmm6", "tmm2", "tmm3"),
+                _ => dots!("tmm7", "tmm4", "tmm5"),
+            }
+        };
+        let zero = _mm512_setzero_ps();
+        let mut minimums = [[0f32; ROWS]; TILE];
+        for m0 in (0..n_pad).step_by(TILE) {
+            let a = acts.bytes.as_ptr().add(m0 * cols);
+            for u in 0..AHEAD.min(units) {
+                tile_dots(a, u);
+            }
+            // The minimum terms first, in sixteen registers of their own.
+            if KIND == Q4_1 || KIND == Q4_K {
+                let mut accm = [zero; TILE];
                 for (b, p) in prep.iter().enumerate() {
-                    let yblk = y.get_unchecked(b);
-                    let yd = _mm512_set1_ps(yblk.d);
-                    let ws0 = _mm512_loadu_si512(p.wsum[0].as_ptr() as *const __m512i);
-                    let dw = _mm512_loadu_ps(p.scales[0].as_ptr());
-                    let dot = _mm512_sub_epi32(row(b, m), ws0);
-                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, yd), acc);
-                    if KIND == Q6_K {
-                        let ws1 = _mm512_loadu_si512(p.wsum[1].as_ptr() as *const __m512i);
-                        let dw_hi = _mm512_loadu_ps(p.scales[1].as_ptr());
-                        let dot = _mm512_sub_epi32(row(b, TILE + m), ws1);
-                        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw_hi, yd), acc);
-                    }
-                    if KIND == Q4_1 || KIND == Q4_K {
-                        let mw = _mm512_loadu_ps(p.scales[2].as_ptr());
-                        let s = _mm512_set1_ps(yblk.s);
-                        accm = if KIND == Q4_1 {
-                            _mm512_fmadd_ps(mw, s, accm)
+                    let mw = _mm512_loadu_ps(p.scales[2].as_ptr());
+                    let s = acts.s.as_ptr().add(b * n_pad + m0);
+                    for (m, am) in accm.iter_mut().enumerate() {
+                        let s = _mm512_set1_ps(*s.add(m));
+                        *am = if KIND == Q4_1 {
+                            _mm512_fmadd_ps(mw, s, *am)
                         } else {
-                            _mm512_fnmadd_ps(mw, s, accm)
+                            _mm512_fnmadd_ps(mw, s, *am)
                         };
                     }
                 }
+                for (dst, am) in minimums.iter_mut().zip(accm) {
+                    _mm512_storeu_ps(dst.as_mut_ptr(), am);
+                }
+            }
+            let mut acc = [zero; TILE];
+            for u in 0..units {
+                if u + AHEAD < units {
+                    tile_dots(a, u + AHEAD);
+                }
+                let (b, h) = (u / per_block, u % per_block);
+                let c = d.add(1024 * (u % SLOTS)) as *const __m512i;
+                let yd = acts.d.as_ptr().add(b * n_pad + m0);
+                let off = acts.off.as_ptr().add(b * n_pad + m0);
+                // `dw`, or Q6_K's second half's `dw_hi`.
+                let dw = _mm512_loadu_ps(prep.get_unchecked(b).scales[h].as_ptr());
+                for (m, am) in acc.iter_mut().enumerate() {
+                    let mut dot = _mm512_loadu_si512(c.add(m));
+                    if KIND == Q5_0 {
+                        // Less `16 · Σa`: the signed values' exact dot.
+                        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(*off.add(m)));
+                    }
+                    *am = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(dot),
+                        _mm512_mul_ps(dw, _mm512_set1_ps(*yd.add(m))),
+                        *am,
+                    );
+                }
+            }
+            for (m, (am, mins)) in acc.iter().zip(&minimums).enumerate().take(acts.n - m0) {
                 let out = buf.as_mut_ptr().add((m0 + m) * rows + at);
-                _mm512_storeu_ps(out, _mm512_add_ps(acc, accm));
+                _mm512_storeu_ps(out, _mm512_add_ps(*am, _mm512_loadu_ps(mins.as_ptr())));
             }
         }
         asm!("tilerelease", options(nostack, nomem));

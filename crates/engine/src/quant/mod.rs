@@ -57,11 +57,9 @@ pub enum Kernel {
     /// AVX2's, plus AVX-512 F/BW/VL/VNNI for the repacked products (sixteen rows per
     /// `vpdpbusd`); the row-layout kernels stay AVX2's. Bit-identical to the other paths.
     Avx512,
-    /// AVX-512's, plus AMX-INT8 tiles for repacked products of sixteen or more activations
-    /// (prefill: 16 × 16 dots per `tdpbusd`). Bit-identical to the other paths. Opt-in
-    /// (`TOKENPATH_KERNEL=amx`), not the default: on the AMX machine measured, the per-block
-    /// scaling every 32 products (which keeps the bits identical) costs what the tiles save —
-    /// prefill within ±7% of `avx512` (docs/engine.md).
+    /// AVX-512's, plus AMX-INT8 tiles for repacked products of 64 or more activations
+    /// (prefill: 16 × 16 dots per `tdpbssd`). Bit-identical to the other paths; the default
+    /// where the CPU has it and Linux grants the tile state (docs/engine.md, Kernel paths).
     Amx,
 }
 
@@ -88,9 +86,8 @@ impl Kernel {
         })
     }
 
-    /// The highest family picked without [`KERNEL_ENV`]: AMX is asked for by name (see
-    /// [`Kernel::Amx`]).
-    pub const DEFAULT_CAP: Kernel = Kernel::Avx512;
+    /// The highest family picked without [`KERNEL_ENV`]: every family.
+    pub const DEFAULT_CAP: Kernel = Kernel::Amx;
 
     /// The fastest family at or below `cap` (default [`Kernel::DEFAULT_CAP`]) that `available`
     /// says this CPU runs.

@@ -256,9 +256,10 @@ fn the_fastest_available_kernel_is_picked_under_the_cap() {
         assert_eq!(Kernel::best(), Kernel::pick(None, Kernel::is_available));
     }
     let all = |_: Kernel| true;
-    // AMX only when asked for by name; then a CPU without it (or a kernel that refuses its tile
-    // state) runs AVX-512.
-    assert_eq!(Kernel::pick(None, all), Kernel::Avx512);
+    // AMX where the CPU has it; a CPU without it (or a kernel that refuses its tile state) runs
+    // AVX-512.
+    assert_eq!(Kernel::pick(None, all), Kernel::Amx);
+    assert_eq!(Kernel::pick(None, |k| k != Kernel::Amx), Kernel::Avx512);
     assert_eq!(Kernel::pick(Some(Kernel::Amx), all), Kernel::Amx);
     assert_eq!(Kernel::pick(Some(Kernel::Amx), |k| k != Kernel::Amx), Kernel::Avx512);
     assert_eq!(Kernel::pick(Some(Kernel::Avx512), all), Kernel::Avx512);
