@@ -18,8 +18,9 @@
 //! (activation, block) of sixteen rows: the dot row converted straight from memory, `d_w` times
 //! the activation's `d` broadcast from memory ([`Acts`] keeps the scales block-major for that),
 //! one FMA into one of sixteen accumulators that stay in registers for the whole row of blocks;
-//! the minimum terms (Q4_1, Q4_K) in a pass of their own. The tile unit computes the next
-//! block's dots while the vector unit scales this one's (two slots of dots, one block ahead).
+//! the minimum terms (Q4_1, Q4_K) in a pass of their own. The tiles run a few blocks ahead of the
+//! scaling, so no reload waits for its `tdpbssd` (docs/engine.md, Kernel paths: where the time
+//! goes).
 //!
 //! Numerics: the tile's dots are the same exact integers the other paths form, and the scaling
 //! is the AVX-512 tile's, lane for lane and in the same order (`acc = fma(dot, d_w · d_a, acc)`,
@@ -176,7 +177,7 @@ struct Prepared {
     scales: [[f32; ROWS]; 3],
 }
 
-/// Where [`rows16`] keeps its prepared blocks and its two slots of dots between calls on one
+/// Where [`rows16`] keeps its prepared blocks and its ring of dot slots between calls on one
 /// thread.
 #[derive(Default)]
 pub(super) struct Scratch(Vec<Prepared>, Vec<[i32; ROWS]>);
@@ -241,12 +242,12 @@ unsafe fn run<const KIND: u8>(op: Rows16<'_>, scratch: &mut Scratch) {
         let config = TileConfig::for_k(if KIND == Q6_K { 16 } else { 32 });
         asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
         // A unit is what one `tdpbssd` covers: a block, or a Q6_K half (its own scale). A unit's
-        // dots are read back from memory (a tile leaves only by a store), and a load waits for
-        // the store before it to reach the cache, which waits for the `tdpbssd` — so the tiles
-        // run `AHEAD` units in front of the scaling, into a ring of slots, each unit's dots in
-        // one of four dot registers and its operands in one of two pairs: the tile unit works
-        // through the next units while the vector unit scales this one's (one unit ahead, the
-        // scaling waited on every store: a quarter of the speed).
+        // dots are read back from memory (a tile leaves only by a store), and a load of them
+        // waits for the store, which waits for the `tdpbssd` — so the tiles run `AHEAD` units in
+        // front of the scaling, into a ring of slots, each unit's dots in one of four dot
+        // registers and its operands in one of two pairs, and no `tdpbssd` waits for the one
+        // before it. (One unit ahead measured the same on the machine measured, where the tile
+        // work and the scaling add up rather than overlap; further ahead costs nothing.)
         let per_block = if KIND == Q6_K { 2 } else { 1 };
         let units = nb * per_block;
         let dots = &mut scratch.1;
