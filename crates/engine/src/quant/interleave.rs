@@ -309,8 +309,8 @@ impl<'a> Product<'a> {
             }
         }
         let wide = kernel >= Kernel::Avx512 && Kernel::Avx512.is_available();
-        // Sixteen or more activations fill the AMX tiles: their bytes and scales as the tiles
-        // read them, made once here.
+        // Prefill-sized products take the AMX tiles: the activations' bytes and scales as the
+        // tiles read them, made once here.
         #[cfg(target_arch = "x86_64")]
         let amx = (wide
             && n >= super::interleave_amx::MIN_ACTS
@@ -364,21 +364,19 @@ impl<'a> Product<'a> {
             if let (Some(acts), true) = (&self.amx, two) {
                 // AMX writes `[activation][16 rows]` into a buffer of its own, copied into
                 // place.
-                buf.resize(2 * GROUP * n, 0f32);
+                buf.resize(n, [0f32; 2 * GROUP]);
                 // SAFETY: AMX granted and AVX-512 detected (`amx`); both groups hold one unit per
-                // activation unit (checked in `new`); `buf` holds `n × 16` and `0 + 16 <= 16`.
+                // activation unit (checked in `new`).
                 unsafe {
                     let op = super::interleave_amx::Rows16 {
                         w0: m.group(g),
                         w1: m.group(g + 1),
                         acts,
                         buf: &mut buf[..],
-                        rows: 2 * GROUP,
-                        at: 0,
                     };
                     super::interleave_amx::rows16(m.kind, op, &mut scratch);
                 }
-                for (b, r) in buf.chunks_exact(2 * GROUP).enumerate() {
+                for (b, r) in buf.iter().enumerate() {
                     put(b, g * GROUP, r);
                 }
                 g += 2;

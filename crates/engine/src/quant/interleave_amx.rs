@@ -182,26 +182,23 @@ struct Prepared {
 #[derive(Default)]
 pub(super) struct Scratch(Vec<Prepared>, Vec<[i32; ROWS]>);
 
-/// One call's operands: groups `w0` and `w1` (sixteen rows) × every activation of `acts`; row
-/// `r` of activation `m` goes to `buf[m * rows + at + r]`.
+/// One call's operands: groups `w0` and `w1` (sixteen rows) × every activation of `acts`; the
+/// sixteen rows of activation `m` go to `buf[m]`.
 pub(super) struct Rows16<'a> {
     pub w0: &'a [u8],
     pub w1: &'a [u8],
     pub acts: &'a Acts,
-    pub buf: &'a mut [f32],
-    pub rows: usize,
-    pub at: usize,
+    pub buf: &'a mut [[f32; ROWS]],
 }
 
 /// [`Rows16`]'s product for weights of `kind`.
 ///
 /// # Safety
 /// [`available`] returned true (and the AVX-512 F/BW/VL/VNNI, AVX2, FMA, F16C features are
-/// present); both groups hold one unit per activation unit; `buf` holds `acts.n * rows` values
-/// and `at + 16 <= rows`.
+/// present); both groups hold one unit per activation unit.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn rows16(kind: u8, op: Rows16<'_>, scratch: &mut Scratch) {
-    assert!(op.buf.len() >= op.acts.n * op.rows && op.at + ROWS <= op.rows, "rows16's output");
+    assert!(op.buf.len() >= op.acts.n, "rows16's output: a row set per activation");
     unsafe {
         match kind {
             Q8_0 => run::<Q8_0>(op, scratch),
@@ -216,7 +213,7 @@ pub(super) unsafe fn rows16(kind: u8, op: Rows16<'_>, scratch: &mut Scratch) {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn run<const KIND: u8>(op: Rows16<'_>, scratch: &mut Scratch) {
-    let Rows16 { w0, w1, acts, buf, rows, at } = op;
+    let Rows16 { w0, w1, acts, buf } = op;
     unsafe {
         let (cols, n_pad) = (acts.cols, acts.n_pad);
         let nb = cols / 32;
@@ -335,7 +332,7 @@ unsafe fn run<const KIND: u8>(op: Rows16<'_>, scratch: &mut Scratch) {
                 }
             }
             for (m, (am, mins)) in acc.iter().zip(&minimums).enumerate().take(acts.n - m0) {
-                let out = buf.as_mut_ptr().add((m0 + m) * rows + at);
+                let out = buf.as_mut_ptr().add(m0 + m) as *mut f32;
                 _mm512_storeu_ps(out, _mm512_add_ps(*am, _mm512_loadu_ps(mins.as_ptr())));
             }
         }
