@@ -1,7 +1,7 @@
 //! Causal attention over the paged KV cache, the only per-sequence part of the forward pass:
 //! split into tasks of (sequence, KV head, query rows) so a long prefill and a wide decode batch
-//! both spread over every core; few query rows (decode) take an online softmax over each block,
-//! many (prefill) two GEMMs over the gathered K and V. Apart from `forward.rs` because it is a
+//! both spread over every core; few query rows (decode) take two passes over the blocks — every
+//! score, one softmax, then `P·V` — many (prefill) two GEMMs over the gathered K and V. Apart from `forward.rs` because it is a
 //! kernel of its own with its own CPU paths and tests.
 
 use super::forward::{gemm_strided, sized, with_kept, GEMM_MIN_ROWS, SCRATCH_MAX};
@@ -11,11 +11,10 @@ use crate::model::BatchItem;
 
 /// Causal attention for every stacked row and query head; returns `[T × n_head·hd]`.
 ///
-/// Work is split into tasks of (sequence, KV head, up to 32 query rows), so a long prefill and a
-/// wide decode batch both spread over every core. Each task walks the sequence's KV blocks once:
-/// a block's K and V for that head are converted from f16 to f32 once and reused by every query
-/// row and every query head of the group, with an online softmax (running max and sum), so the
-/// cost is the arithmetic, not the conversions.
+/// Work is split into tasks of (sequence, KV head, up to 128 query rows), so a long prefill and a
+/// wide decode batch both spread over every core. A task's K and V for its head are converted
+/// from f16 to f32 once for every query head of the group (in registers, block by block, on the
+/// AVX2 and AVX-512 decode paths), so the cost is the arithmetic, not the conversions.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention(
     cache: &KvCache,
@@ -105,7 +104,7 @@ struct Job<'a> {
 /// The decode attention kernels, by CPU path (capped with the products' by `TOKENPATH_KERNEL`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Path {
-    /// Blocks converted to f32, then [`online_block`].
+    /// Blocks converted to f32, then [`attend_decode`]'s plain loops.
     Portable,
     /// `attention_avx2.rs`: one head, eight positions per vector, f16 read in place.
     Avx2,
@@ -133,274 +132,151 @@ fn attend_task(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
         let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
         return attend_task_gemm(job, rows, q, max_pos);
     }
-    attend_online_path(job, rows, q, Path::best())
+    attend_decode_path(job, rows, q, Path::best())
 }
 
-/// [`attend_online`] on `path`: for heads of 64 or 128 values on AVX2 or AVX-512 the cache's
+/// A sequence's blocks for one layer and KV head, in order: each one's keys (`hd × bs`,
+/// dimension-major) and values (`bs × hd`), read in place from the cache.
+pub(super) type Blocks<'a> = [(&'a [half::f16], &'a [half::f16])];
+
+/// [`attend_decode`] on `path`: for heads of 64 or 128 values on AVX2 or AVX-512 the cache's
 /// f16 blocks are read in place by `attention_avx2.rs` / `attention_avx512.rs`; otherwise the
 /// portable walk. All give the portable path's bits.
-fn attend_online_path(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], path: Path) -> Vec<f32> {
+fn attend_decode_path(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], path: Path) -> Vec<f32> {
     let (hd, d) = (job.hd, job.d);
     if path == Path::Portable || (hd != 64 && hd != 128) {
-        return attend_online(job, rows, q);
+        return attend_decode(job, rows, q);
     }
     let bs = job.cache.layout().block_size;
     let w = job.heads.len();
-    let n_q = rows.len() * w;
-    let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
-    let mut m = vec![f32::NEG_INFINITY; n_q];
-    let mut l = vec![0f32; n_q];
-    let mut acc = vec![0f32; n_q * hd];
-    let mut scores = vec![0f32; 3 * bs];
+    let mut out = vec![0f32; rows.len() * w * hd];
     // A row's query heads of this group are side by side in `q`: each kernel call takes a run.
     let g0 = job.kvh * job.group + job.heads.start;
-    for (bi, block) in job.table.blocks().iter().enumerate() {
-        let p0 = bi * bs;
-        if p0 > max_pos {
-            break;
-        }
-        let slots = bs.min(max_pos + 1 - p0);
-        let (k, v) =
-            (job.cache.k_head(*block, job.layer, job.kvh), job.cache.v_head(*block, job.layer, job.kvh));
-        // The next blocks are elsewhere in the cache, where no hardware prefetcher looks: ask
-        // for this head's part of the block `AHEAD` on (the first call: of every block up to it)
-        // into L2 now, so it arrives while the blocks before it are computed.
-        let first = if bi == 0 { 1 } else { bi + AHEAD };
-        for next in first..=bi + AHEAD {
-            if let Some(b) = job.table.blocks().get(next).filter(|_| next * bs <= max_pos) {
-                prefetch(job.cache.k_head(*b, job.layer, job.kvh));
-                prefetch(job.cache.v_head(*b, job.layer, job.kvh));
-            }
-        }
-        for (ri, &(_, pos)) in rows.iter().enumerate() {
-            if pos < p0 {
-                continue;
-            }
-            let n = slots.min(pos + 1 - p0);
-            let qs = &q[ri * d + g0 * hd..][..w * hd];
-            let mut j = 0;
-            while j < w {
-                let nh = if path == Path::Avx512 { (w - j).min(3) } else { 1 };
-                let qi = ri * w + j;
-                let (mj, lj) = (&mut m[qi..qi + nh], &mut l[qi..qi + nh]);
-                let (qj, aj) = (&qs[j * hd..(j + nh) * hd], &mut acc[qi * hd..(qi + nh) * hd]);
-                // SAFETY: the path was picked from the detected CPU (`Path::best`, or a test
-                // that checked it); `k` is `hd × bs`, `v` `bs × hd` and `n <= bs`; the kernels
-                // assert the slice lengths.
-                #[cfg(target_arch = "x86_64")]
-                unsafe {
-                    use super::{attention_avx2 as a2, attention_avx512 as a5};
-                    let sc = &mut scores[..nh * bs];
-                    // One call per kernel instance: (heads of 8·NC values, NH heads per call).
-                    macro_rules! avx512 {
-                        ($nc:literal, $nh:literal) => {
-                            a5::online_block_f16::<$nc, $nh>(qj, k, v, bs, n, sc, job.scale, mj, lj, aj)
-                        };
-                    }
-                    macro_rules! avx2 {
-                        ($nc:literal) => {{
-                            let (sc, m0, l0) = (&mut sc[..n], &mut mj[0], &mut lj[0]);
-                            a2::online_block_f16::<$nc>(qj, k, v, bs, sc, job.scale, m0, l0, aj)
-                        }};
-                    }
-                    match (path, hd, nh) {
-                        (Path::Avx512, 64, 3) => avx512!(8, 3),
-                        (Path::Avx512, 64, 2) => avx512!(8, 2),
-                        (Path::Avx512, 64, _) => avx512!(8, 1),
-                        (Path::Avx512, _, 3) => avx512!(16, 3),
-                        (Path::Avx512, _, 2) => avx512!(16, 2),
-                        (Path::Avx512, _, _) => avx512!(16, 1),
-                        (_, 64, _) => avx2!(8),
-                        (_, _, _) => avx2!(16),
-                    }
+    for (ri, &(_, pos)) in rows.iter().enumerate() {
+        let n = pos + 1;
+        let blocks: Vec<_> = job.table.blocks()[..n.div_ceil(bs)]
+            .iter()
+            .map(|b| (job.cache.k_head(*b, job.layer, job.kvh), job.cache.v_head(*b, job.layer, job.kvh)))
+            .collect();
+        let mut scores = vec![0f32; w.min(3) * n];
+        let qs = &q[ri * d + g0 * hd..][..w * hd];
+        let mut j = 0;
+        while j < w {
+            let nh = if path == Path::Avx512 { (w - j).min(3) } else { 1 };
+            let (qj, oj) = (&qs[j * hd..(j + nh) * hd], &mut out[(ri * w + j) * hd..(ri * w + j + nh) * hd]);
+            // SAFETY: the path was picked from the detected CPU (`Path::best`, or a test that
+            // checked it); every block is a whole one of the cache and they cover `n`
+            // positions; the kernels assert the slice lengths.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                use super::{attention_avx2 as a2, attention_avx512 as a5};
+                let (sc, scale) = (&mut scores[..nh * n], job.scale);
+                // One call per kernel instance: (heads of 8·NC values, NH heads per call).
+                macro_rules! avx512 {
+                    ($nc:literal, $nh:literal) => {
+                        a5::attend_f16::<$nc, $nh>(qj, &blocks, bs, n, scale, sc, oj)
+                    };
                 }
-                j += nh;
+                match (path, hd, nh) {
+                    (Path::Avx512, 64, 3) => avx512!(8, 3),
+                    (Path::Avx512, 64, 2) => avx512!(8, 2),
+                    (Path::Avx512, 64, _) => avx512!(8, 1),
+                    (Path::Avx512, _, 3) => avx512!(16, 3),
+                    (Path::Avx512, _, 2) => avx512!(16, 2),
+                    (Path::Avx512, _, _) => avx512!(16, 1),
+                    (_, 64, _) => a2::attend_f16::<8>(qj, &blocks, bs, n, scale, sc, oj),
+                    (_, _, _) => a2::attend_f16::<16>(qj, &blocks, bs, n, scale, sc, oj),
+                }
+            }
+            j += nh;
+        }
+    }
+    out
+}
+
+/// Blocks ahead whose K (while scoring) or V (while summing) a decode task asks for while it
+/// computes the current one. Measured with the ignored `decode_attention_throughput` (16
+/// sequences at 720 positions, 30 layers; variants alternating in one process) on the earlier
+/// one-pass kernel: two blocks ahead into L2 was 6–15% faster than one block ahead into L1; three
+/// ahead, or L1 hints added for the next block, no better.
+pub(super) const AHEAD: usize = 2;
+
+/// Asks for the keys (`keys`) or values of `blocks[range]` (those that exist) to be brought
+/// into L2: a sequence's next blocks are elsewhere in the cache, where no hardware prefetcher
+/// looks.
+#[inline(always)]
+pub(super) fn prefetch_blocks(blocks: &Blocks<'_>, range: std::ops::Range<usize>, keys: bool) {
+    #[cfg(target_arch = "x86_64")]
+    for &(k, v) in blocks.get(range.start.min(blocks.len())..range.end.min(blocks.len())).unwrap_or(&[]) {
+        let run = if keys { k } else { v };
+        for off in (0..run.len()).step_by(32) {
+            // SAFETY: a prefetch never faults; the address is inside `run`.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+                _mm_prefetch::<_MM_HINT_T1>(run.as_ptr().add(off) as *const i8);
             }
         }
     }
-    for (qi, a) in acc.chunks_exact_mut(hd).enumerate() {
-        let inv = 1.0 / l[qi];
-        a.iter_mut().for_each(|x| *x *= inv);
-    }
-    acc
 }
 
-/// Blocks ahead whose K and V a decode task asks for while it computes the current one. Measured
-/// with the ignored `decode_attention_throughput` (16 sequences at 720 positions, 30 layers;
-/// variants alternating in one process): two blocks ahead into L2 is 6–15% faster than one block
-/// ahead into L1; three ahead, or L1 hints added for the next block, no better.
-const AHEAD: usize = 2;
-
-/// Asks for `run` (a KV head's part of a block) to be brought into L2.
-#[inline(always)]
-fn prefetch(run: &[half::f16]) {
-    #[cfg(target_arch = "x86_64")]
-    for off in (0..run.len()).step_by(32) {
-        // SAFETY: a prefetch never faults; the address is inside `run`.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-            _mm_prefetch::<_MM_HINT_T1>(run.as_ptr().add(off) as *const i8);
-        }
-    }
-}
-
-/// Few query rows (decode): each block's K and V converted once, then an online softmax
-/// (running max and sum) per (row, head). Head widths that are a multiple of 8 up to 128 (every
-/// model we load) take [`online_block`]; others a plain loop with the same order of operations.
-#[inline(always)]
-fn attend_online(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
+/// Few query rows (decode), the portable path and the reference the others match bit for bit:
+/// per row and query head, the scores of every position (each block's keys converted to f32
+/// once for all heads), one softmax over them all — the largest score, `e^(s - max)` summed in
+/// sixteen lanes ([`math::exp_shift_sum16`]) — then `acc = fma(p, v, acc)` position by position
+/// and `acc · (1 / sum)`. Two passes over the blocks rather than an online softmax per block:
+/// the per-block rescaling of the output and the block-sized exponentials cost more than
+/// the scores kept between the passes (`n` values per head).
+fn attend_decode(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32]) -> Vec<f32> {
     let (hd, d) = (job.hd, job.d);
     let bs = job.cache.layout().block_size;
     let w = job.heads.len();
-    let n_q = rows.len() * w;
-    let max_pos = rows.iter().map(|r| r.1).max().unwrap_or(0);
-    let mut m = vec![f32::NEG_INFINITY; n_q];
-    let mut l = vec![0f32; n_q];
-    let mut acc = vec![0f32; n_q * hd];
+    let mut out = vec![0f32; rows.len() * w * hd];
     let mut kb = vec![0f32; hd * bs];
     let mut vb = vec![0f32; bs * hd];
-    let mut scores = vec![0f32; bs];
-    for (bi, block) in job.table.blocks().iter().enumerate() {
-        let p0 = bi * bs;
-        if p0 > max_pos {
-            break;
-        }
-        let slots = bs.min(max_pos + 1 - p0);
-        gather_keys(job.cache, *block, job.layer, job.kvh, slots, &mut kb, bs);
-        gather_values(job.cache, *block, job.layer, job.kvh, slots, &mut vb);
-        for (ri, &(_, pos)) in rows.iter().enumerate() {
-            if pos < p0 {
-                continue;
-            }
-            let valid = slots.min(pos + 1 - p0);
+    for (ri, &(_, pos)) in rows.iter().enumerate() {
+        let n = pos + 1;
+        let blocks = &job.table.blocks()[..n.div_ceil(bs)];
+        let mut scores = vec![0f32; w * n];
+        for (bi, block) in blocks.iter().enumerate() {
+            let (p0, slots) = (bi * bs, bs.min(n - bi * bs));
+            gather_keys(job.cache, *block, job.layer, job.kvh, slots, &mut kb, bs);
             for (j, g) in job.heads.clone().enumerate() {
-                let qi = ri * w + j;
                 let qh = &q[ri * d + (job.kvh * job.group + g) * hd..][..hd];
-                let (k, v, sc) = ((&kb[..], bs), &vb[..valid * hd], &mut scores[..valid]);
-                let a = &mut acc[qi * hd..(qi + 1) * hd];
-                match hd / 8 {
-                    8 if hd == 64 => online_block::<8>(qh, k, v, sc, job.scale, &mut m[qi], &mut l[qi], a),
-                    16 if hd == 128 => online_block::<16>(qh, k, v, sc, job.scale, &mut m[qi], &mut l[qi], a),
-                    _ => online_block_any(qh, k, v, sc, job.scale, &mut m[qi], &mut l[qi], a),
+                for s in 0..slots {
+                    let mut part = [0f32; 8];
+                    for (e, &qx) in qh.iter().enumerate() {
+                        part[e % 8] = kb[e * bs + s].mul_add(qx, part[e % 8]);
+                    }
+                    scores[j * n + p0 + s] = math::fold8(&part) * job.scale;
                 }
             }
         }
-    }
-    for (qi, a) in acc.chunks_exact_mut(hd).enumerate() {
-        let inv = 1.0 / l[qi];
-        a.iter_mut().for_each(|x| *x *= inv);
-    }
-    acc
-}
-
-/// One block of one (row, head) for a head of `8 · NC` values, keys dimension-major (`k.0[e ·
-/// k.1 + s]`, as the cache holds them) and values position-major: scores eight positions at a time
-/// in eight-lane partial sums (fused multiply-adds; Rust's `mul_add` is one rounding everywhere,
-/// an instruction where FMA is compiled in and a correctly rounded call where not, so every path
-/// gives the same bits), folded pairwise; then the online-softmax update and `acc += p · V` with
-/// the accumulator held in registers across the block's positions.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn online_block<const NC: usize>(
-    q: &[f32],
-    (k, ks): (&[f32], usize),
-    v: &[f32],
-    scores: &mut [f32],
-    scale: f32,
-    m: &mut f32,
-    l: &mut f32,
-    acc: &mut [f32],
-) {
-    let hd = 8 * NC;
-    let qv: [[f32; 8]; NC] = std::array::from_fn(|c| std::array::from_fn(|i| q[8 * c + i]));
-    let n = scores.len();
-    let mut s0 = 0;
-    while s0 < n {
-        let np = (n - s0).min(8);
-        let mut part = [[0f32; 8]; 8];
-        for (c, qc) in qv.iter().enumerate() {
-            for (p, pp) in part.iter_mut().enumerate().take(np) {
-                for i in 0..8 {
-                    pp[i] = k[(8 * c + i) * ks + s0 + p].mul_add(qc[i], pp[i]);
+        let sums: Vec<f32> = scores
+            .chunks_exact_mut(n)
+            .map(|sc| {
+                let max = sc.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                math::exp_shift_sum16(sc, max)
+            })
+            .collect();
+        let acc = &mut out[ri * w * hd..(ri + 1) * w * hd];
+        for (bi, block) in blocks.iter().enumerate() {
+            let (p0, slots) = (bi * bs, bs.min(n - bi * bs));
+            gather_values(job.cache, *block, job.layer, job.kvh, slots, &mut vb[..slots * hd]);
+            for (j, a) in acc.chunks_exact_mut(hd).enumerate() {
+                for s in 0..slots {
+                    let p = scores[j * n + p0 + s];
+                    for (x, &vx) in a.iter_mut().zip(&vb[s * hd..(s + 1) * hd]) {
+                        *x = p.mul_add(vx, *x);
+                    }
                 }
             }
         }
-        for (p, pp) in part.iter().enumerate().take(np) {
-            scores[s0 + p] = fold8(pp) * scale;
-        }
-        s0 += np;
-    }
-    let (sum, correction) = softmax_step(scores, m, l);
-    let mut a: [[f32; 8]; NC] = std::array::from_fn(|c| std::array::from_fn(|i| acc[8 * c + i] * correction));
-    for (s, &wt) in scores.iter().enumerate() {
-        for (c, ac) in a.iter_mut().enumerate() {
-            let vr = &v[s * hd + 8 * c..][..8];
-            for i in 0..8 {
-                ac[i] = wt.mul_add(vr[i], ac[i]);
-            }
+        for (a, sum) in acc.chunks_exact_mut(hd).zip(sums) {
+            let inv = 1.0 / sum;
+            a.iter_mut().for_each(|x| *x *= inv);
         }
     }
-    for (c, ac) in a.iter().enumerate() {
-        acc[8 * c..8 * c + 8].copy_from_slice(ac);
-    }
-    *l = sum;
-}
-
-/// [`online_block`] for any head width, with the same operations in the same order.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn online_block_any(
-    q: &[f32],
-    (k, ks): (&[f32], usize),
-    v: &[f32],
-    scores: &mut [f32],
-    scale: f32,
-    m: &mut f32,
-    l: &mut f32,
-    acc: &mut [f32],
-) {
-    let hd = q.len();
-    for (s, sc) in scores.iter_mut().enumerate() {
-        let mut part = [0f32; 8];
-        for (e, &qx) in q.iter().enumerate() {
-            part[e % 8] = k[e * ks + s].mul_add(qx, part[e % 8]);
-        }
-        *sc = fold8(&part) * scale;
-    }
-    let (sum, correction) = softmax_step(scores, m, l);
-    acc.iter_mut().for_each(|x| *x *= correction);
-    for (s, &wt) in scores.iter().enumerate() {
-        for (x, &vx) in acc.iter_mut().zip(&v[s * hd..(s + 1) * hd]) {
-            *x = wt.mul_add(vx, *x);
-        }
-    }
-    *l = sum;
-}
-
-/// `((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`.
-#[inline(always)]
-fn fold8(p: &[f32; 8]) -> f32 {
-    ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
-}
-
-/// The online softmax's update for a block's `scores`: turns them into `e^(s - m')` for the new
-/// running max `m'`, stores `m'`, and returns the new running sum and the factor the accumulator
-/// must be scaled by (`e^(m - m')`).
-#[inline(always)]
-fn softmax_step(scores: &mut [f32], m: &mut f32, l: &f32) -> (f32, f32) {
-    let bmax = scores.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    softmax_step_max(scores, bmax, m, l)
-}
-
-/// [`softmax_step`] with the block's largest score `bmax` already known (the maximum of finite
-/// values does not depend on the order it is taken in).
-#[inline(always)]
-pub(super) fn softmax_step_max(scores: &mut [f32], bmax: f32, m: &mut f32, l: &f32) -> (f32, f32) {
-    let new_m = m.max(bmax);
-    let correction = math::exp(*m - new_m);
-    let sum = l * correction + math::exp_shift_sum(scores, new_m);
-    *m = new_m;
-    (sum, correction)
+    out
 }
 
 /// [`attend_task`] for many query rows (prefill): the sequence's K and V for this head are

@@ -60,16 +60,16 @@ fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
             d,
         };
         for kvh in 0..n_kv {
-            let whole = attend_online(&job(kvh, 0..group), &rows, &q);
+            let whole = attend_decode(&job(kvh, 0..group), &rows, &q);
             for path in paths() {
-                let got = attend_online_path(&job(kvh, 0..group), &rows, &q, path);
+                let got = attend_decode_path(&job(kvh, 0..group), &rows, &q, path);
                 assert_eq!(
                     bits(&got),
                     bits(&whole),
                     "{path:?}, head width {hd}, group {group}, blocks of {bs}"
                 );
                 for g in 0..group {
-                    let one = attend_online_path(&job(kvh, g..g + 1), &rows, &q, path);
+                    let one = attend_decode_path(&job(kvh, g..g + 1), &rows, &q, path);
                     for r in 0..rows.len() {
                         assert_eq!(
                             bits(&one[r * hd..(r + 1) * hd]),
@@ -127,41 +127,17 @@ fn prefill_attention_reads_nothing_its_kept_buffers_held_before() {
 }
 
 #[test]
-fn prefill_attention_in_score_blocks_matches_the_online_softmax() {
+fn prefill_attention_in_score_blocks_matches_the_decode_path() {
     // Rows spanning several score blocks of `SUB` and a ragged last one, each block stopping at
-    // its own last position: the GEMM path must agree with the online path row by row.
+    // its own last position: the GEMM path must agree with the decode path row by row.
     let n = 2 * SUB + 45;
     let ((cache, table), rows, q) = prefill_chunk(20, n);
     let (job, d) = (chunk_job(&cache, &table), CHUNK_D);
     let gemm = attend_task_gemm(&job, &rows, &q, n - 1);
-    let online = attend_online(&job, &rows, &q);
-    assert_eq!(gemm.len(), online.len());
-    for (i, (a, b)) in gemm.iter().zip(&online).enumerate() {
+    let decode = attend_decode(&job, &rows, &q);
+    assert_eq!(gemm.len(), decode.len());
+    for (i, (a, b)) in gemm.iter().zip(&decode).enumerate() {
         assert!((a - b).abs() < 1e-5, "value {i} (row {}): {a} against {b}", i / d);
-    }
-}
-
-#[test]
-fn the_fixed_width_block_kernels_give_the_generic_kernels_bits() {
-    let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.9;
-    for hd in [64, 128] {
-        for n in [1, 5, 8, 13, 16] {
-            let q: Vec<f32> = (0..hd).map(|i| val(i + 11)).collect();
-            let k: Vec<f32> = (0..n * hd).map(|i| val(i * 7 + 3)).collect();
-            let k = (&k[..], n);
-            let v: Vec<f32> = (0..n * hd).map(|i| val(i * 13 + 5)).collect();
-            let start: Vec<f32> = (0..hd).map(|i| val(i * 3 + 1)).collect();
-            let run = |fixed: bool| {
-                let (mut m, mut l, mut acc, mut sc) = (0.3f32, 1.7f32, start.clone(), vec![0f32; n]);
-                match (fixed, hd) {
-                    (true, 64) => online_block::<8>(&q, k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
-                    (true, _) => online_block::<16>(&q, k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
-                    (false, _) => online_block_any(&q, k, &v, &mut sc, 0.125, &mut m, &mut l, &mut acc),
-                }
-                (m.to_bits(), l.to_bits(), bits(&acc))
-            };
-            assert_eq!(run(true), run(false), "head width {hd}, {n} positions");
-        }
     }
 }
 

@@ -180,6 +180,115 @@ pub(crate) fn exp_shift_sum(xs: &mut [f32], max: f32) -> f32 {
     exp_shift_sum_body(xs, max)
 }
 
+/// `((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`.
+#[inline(always)]
+pub(crate) fn fold8(p: &[f32; 8]) -> f32 {
+    ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+}
+
+/// [`fold8`] of lanes 0–7 plus [`fold8`] of lanes 8–15.
+#[inline(always)]
+pub(crate) fn fold16(p: &[f32; 16]) -> f32 {
+    let (lo, hi) = p.split_at(8);
+    fold8(lo.try_into().expect("8 lanes")) + fold8(hi.try_into().expect("8 lanes"))
+}
+
+/// Replaces each `x` by `e^(x - max)` and returns their sum in sixteen lanes — lane `i` adds the
+/// values at `i`, `i + 16`, `i + 32`, … in order — folded by [`fold16`]. The decode attention's
+/// softmax: one defined order of additions that a 16-lane AVX-512 loop, a two-register AVX2
+/// loop and this plain loop all follow, so every path gives the same bits
+/// ([`exp_shift_sum16_avx2`], [`exp_shift_sum16_avx512`]).
+pub(crate) fn exp_shift_sum16(xs: &mut [f32], max: f32) -> f32 {
+    let mut lanes = [0f32; 16];
+    for (i, x) in xs.iter_mut().enumerate() {
+        *x = exp(*x - max);
+        lanes[i % 16] += *x;
+    }
+    fold16(&lanes)
+}
+
+/// [`exp_shift_sum16`] on AVX2: lanes 0–7 and 8–15 in two registers.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn exp_shift_sum16_avx2(xs: &mut [f32], max: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let m = _mm256_set1_ps(max);
+    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut chunks = xs.chunks_exact_mut(16);
+    // SAFETY: every load and store is of eight values inside a 16-value chunk.
+    unsafe {
+        for c in &mut chunks {
+            let el = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+            let eh = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr().add(8)), m));
+            _mm256_storeu_ps(c.as_mut_ptr(), el);
+            _mm256_storeu_ps(c.as_mut_ptr().add(8), eh);
+            lo = _mm256_add_ps(lo, el);
+            hi = _mm256_add_ps(hi, eh);
+        }
+        let mut lanes = [0f32; 16];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), lo);
+        _mm256_storeu_ps(lanes.as_mut_ptr().add(8), hi);
+        for (i, x) in chunks.into_remainder().iter_mut().enumerate() {
+            *x = exp(*x - max);
+            lanes[i] += *x;
+        }
+        fold16(&lanes)
+    }
+}
+
+/// [`exp_shift_sum16`] on AVX-512: one register of sixteen lanes, the tail masked.
+///
+/// # Safety
+/// The CPU supports AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn exp_shift_sum16_avx512(xs: &mut [f32], max: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let m = _mm512_set1_ps(max);
+    let mut acc = _mm512_setzero_ps();
+    // SAFETY: the masked loads and stores touch only `xs[i..i + 16]`'s lanes inside `xs`.
+    unsafe {
+        for i in (0..xs.len()).step_by(16) {
+            let left = xs.len() - i;
+            let mask: __mmask16 = if left >= 16 { 0xffff } else { (1u16 << left) - 1 };
+            let p = xs.as_mut_ptr().add(i);
+            let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p), m));
+            _mm512_mask_storeu_ps(p, mask, e);
+            acc = _mm512_mask_add_ps(acc, mask, acc, e);
+        }
+        let mut lanes = [0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+        fold16(&lanes)
+    }
+}
+
+/// [`exp`] on sixteen lanes (the same operations, so the same results lane by lane).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let s = _mm512_set1_ps;
+    let xc = _mm512_min_ps(_mm512_max_ps(x, s(LO)), s(HI));
+    let t = _mm512_add_ps(_mm512_mul_ps(xc, s(LOG2E)), s(MAGIC));
+    let n = _mm512_sub_ps(t, s(MAGIC));
+    let r = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, s(LN2_HI))), _mm512_mul_ps(n, s(LN2_LO)));
+    let mut p = _mm512_add_ps(_mm512_mul_ps(s(C5), r), s(C4));
+    for c in [C3, C2, C1, C0] {
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), s(c));
+    }
+    let e = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), s(1.0));
+    let k = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+    let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(k, _mm512_set1_epi32(127))));
+    let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, s(LO));
+    _mm512_maskz_mov_ps(keep, _mm512_mul_ps(e, scale))
+}
+
 /// SwiGLU: `silu(g) · u`, element-wise.
 /// `h[i] = silu(g[i]) · u[i]` (as long as the shortest of the three), in chunks on every thread:
 /// each value's arithmetic is the same whichever chunk it falls in (the chunks are whole vectors).
@@ -305,6 +414,35 @@ mod tests {
         assert!(exp(100.0).is_finite());
         for x in [-30.0f32, -1.0, -1e-6, 1e-6, 0.5, 10.0] {
             assert!(ulps(exp(x), x.exp()) <= 2, "{x}");
+        }
+    }
+
+    #[test]
+    fn the_sixteen_lane_softmax_sum_gives_the_same_bits_on_every_path() {
+        // Lengths below, at and past a vector, with tails of every size.
+        for n in [0, 1, 7, 8, 15, 16, 17, 31, 33, 100, 577] {
+            let xs: Vec<f32> = (0..n).map(|i| (i as f32 * 0.61).sin() * 30.0 - 5.0).collect();
+            let max = xs.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let mut plain = xs.clone();
+            let sum = exp_shift_sum16(&mut plain, max);
+            let libm: f32 = xs.iter().map(|x| (x - max).exp()).sum();
+            assert!((sum - libm).abs() <= 1e-5 * libm.max(1.0), "{n}: {sum} vs {libm}");
+            #[cfg(target_arch = "x86_64")]
+            {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                if has_avx2() {
+                    let mut v = xs.clone();
+                    // SAFETY: AVX2 and FMA detected.
+                    let s = unsafe { exp_shift_sum16_avx2(&mut v, max) };
+                    assert_eq!((s.to_bits(), bits(&v)), (sum.to_bits(), bits(&plain)), "avx2, {n}");
+                }
+                if is_x86_feature_detected!("avx512f") {
+                    let mut v = xs.clone();
+                    // SAFETY: AVX-512 F detected.
+                    let s = unsafe { exp_shift_sum16_avx512(&mut v, max) };
+                    assert_eq!((s.to_bits(), bits(&v)), (sum.to_bits(), bits(&plain)), "avx512, {n}");
+                }
+            }
         }
     }
 

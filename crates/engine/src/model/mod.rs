@@ -109,7 +109,7 @@ pub struct Model {
 /// Which arithmetic the forward pass uses.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Numerics {
-    /// The engine's own kernels (repacked integer tiles, online softmax, vectorized exp): the
+    /// The engine's own kernels (repacked integer tiles, two-pass softmax, vectorized exp): the
     /// serving default. Logits match llama.cpp's to quantization noise (≈ 0.7 on the default
     /// model), so a greedy continuation may part from llama.cpp's at a near-tie.
     #[default]
