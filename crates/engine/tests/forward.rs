@@ -138,6 +138,67 @@ fn a_batch_gives_each_sequence_its_solo_logits() {
 }
 
 #[test]
+fn every_decode_batch_size_gives_each_sequence_its_solo_bits() {
+    // Decode steps of 1 to 63 rows run on the calling thread and the pool's spinning partner
+    // (`crate::par`), from 64 on rayon's pool; a sequence's logits are the same bits whichever,
+    // and whatever the batch (invariant 12, Q4_1 repacked).
+    let m = tiny(GgmlType::Q4_1);
+    let mut kv = cache(&m, 1024);
+    let prompt =
+        |i: usize| -> Vec<u32> { (0..3 + i % 5).map(|j| (i * 31 + j * 7 + 1) as u32 % 200).collect() };
+    let solo: Vec<Vec<f32>> = (0..70)
+        .map(|i| {
+            let mut t = BlockTable::default();
+            run(&m, &mut kv, &mut t, &prompt(i), false);
+            let got = run(&m, &mut kv, &mut t, &[77], false);
+            kv.free_table(&mut t).unwrap();
+            got
+        })
+        .collect();
+    // A 40-token prompt alone (the tiny model's output matrix is not repacked: an item of 32 or
+    // more rows takes dequantize + GEMM for it).
+    let long: Vec<u32> = (0..40).map(|j| (j * 13 + 5) % 200).collect();
+    let long_solo = {
+        let mut t = BlockTable::default();
+        let got = run(&m, &mut kv, &mut t, &long, true);
+        kv.free_table(&mut t).unwrap();
+        got
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // Decode steps of n sequences, alone and beside that prompt.
+    for (n, with_long) in
+        [(2, false), (16, false), (20, false), (63, false), (64, false), (70, false), (20, true)]
+    {
+        let mut tables: Vec<BlockTable> = (0..n).map(|_| BlockTable::default()).collect();
+        for (i, t) in tables.iter_mut().enumerate() {
+            run(&m, &mut kv, t, &prompt(i), false);
+        }
+        let mut long_table = BlockTable::default();
+        let step = {
+            let mut batch: Vec<BatchItem<'_>> = tables
+                .iter_mut()
+                .map(|table| BatchItem { table, tokens: &[77], all_logits: false })
+                .collect();
+            if with_long {
+                batch.insert(n / 2, BatchItem { table: &mut long_table, tokens: &long, all_logits: true });
+            }
+            m.forward(&mut kv, &mut batch).unwrap().logits
+        };
+        let mut step = step.into_iter();
+        for (i, want) in solo.iter().enumerate().take(n) {
+            if with_long && i == n / 2 {
+                assert_eq!(bits(&step.next().unwrap()), bits(&long_solo), "the prompt beside {n} decodes");
+            }
+            assert_eq!(bits(&step.next().unwrap()), bits(want), "sequence {i} of a decode step of {n}");
+        }
+        for t in tables.iter_mut().chain([&mut long_table]) {
+            kv.free_table(t).unwrap();
+        }
+    }
+    assert_eq!(kv.used_blocks(), 0);
+}
+
+#[test]
 fn exported_kv_continues_identically_in_another_cache() {
     let m = tiny(GgmlType::Q4_1);
     let prompt: Vec<u32> = (10..27).collect();

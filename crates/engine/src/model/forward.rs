@@ -140,33 +140,37 @@ pub(super) fn gemm_strided(
 }
 
 impl Model {
-    /// `y[T × rows] = W · x[T × cols]` for every row of `x`.
-    fn linear(&self, w: &Mat, x: &[f32], t: usize) -> Result<Vec<f32>> {
-        Ok(self.linears(&[w], x, t)?.pop().unwrap_or_default())
+    /// `y[T × rows] = W · x[T × cols]` for every row of `x`, stacked from items of `spans` rows.
+    fn linear(&self, w: &Mat, x: &[f32], spans: &[usize]) -> Result<Vec<f32>> {
+        let t = spans.iter().sum::<usize>();
+        let mut y = vec![0f32; t * self.q(w)?.rows()];
+        self.linears_into(&[w], x, spans, &mut [&mut y])?;
+        Ok(y)
     }
 
-    /// [`Model::linear`] for several matrices reading the same `x` (Q, K and V; gate and up):
-    /// `x` is quantized once per activation kind and the matrices sharing it run as one parallel
-    /// region. Matrices with a repacked copy (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) always run the 8-row integer tiles —
-    /// for prefill too: they beat dequantize + f32 GEMM on this CPU class (measured: 600 vs 530
-    /// prompt tok/s at 512 tokens), and one kernel for every batch size means a prompt's logits
-    /// do not depend on its chunking or on a prefix-cache hit. Other types take dequantize + f32
-    /// GEMM from [`GEMM_MIN_ROWS`] rows on.
-    fn linears(&self, ws: &[&Mat], x: &[f32], t: usize) -> Result<Vec<Vec<f32>>> {
-        let mut ys = ws.iter().map(|w| Ok(vec![0f32; t * self.q(w)?.rows()])).collect::<Result<Vec<_>>>()?;
-        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(Vec::as_mut_slice).collect();
-        self.linears_into(ws, x, t, &mut outs)?;
-        Ok(ys)
-    }
-
-    /// [`Model::linears`] into `ys` (`t × rows` each, every value overwritten): the forward pass
-    /// keeps one buffer per projection for all layers instead of zeroing new ones per layer.
-    fn linears_into(&self, ws: &[&Mat], x: &[f32], t: usize, ys: &mut [&mut [f32]]) -> Result<()> {
+    /// [`Model::linear`] for several matrices reading the same `x` (Q, K and V; gate and up),
+    /// into `ys` (`T × rows` each, every value overwritten: the forward pass keeps one buffer per
+    /// projection for all layers instead of zeroing new ones per layer). `x` is quantized once
+    /// per activation kind and the matrices sharing it run as one parallel region.
+    ///
+    /// Matrices with a repacked copy (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K) always run the 8-row integer
+    /// tiles — for prefill too: they beat dequantize + f32 GEMM on this CPU class (measured: 600
+    /// vs 530 prompt tok/s at 512 tokens), and one kernel for every batch size means a prompt's
+    /// logits do not depend on its chunking or on a prefix-cache hit. Other types take
+    /// dequantize + f32 GEMM for the rows of each item (`spans`: rows per item, in order) of at
+    /// least [`GEMM_MIN_ROWS`] rows — one GEMM per item, so an item's own row count decides, never
+    /// the batch around it (invariant 12): a decode step of 40 sequences gives each the bits it
+    /// gets alone — and the integer kernels for the rest.
+    fn linears_into(&self, ws: &[&Mat], x: &[f32], spans: &[usize], ys: &mut [&mut [f32]]) -> Result<()> {
+        let t = spans.iter().sum::<usize>();
         let mats = ws.iter().map(|w| self.q(w)).collect::<Result<Vec<QMatrix<'_>>>>()?;
         for (m, y) in mats.iter().zip(ys.iter()) {
             if y.len() != t * m.rows() {
                 return Err(EngineError::shape("projection output", t * m.rows(), y.len()));
             }
+        }
+        if x.len() != t * mats.first().map_or(0, |m| m.cols()) {
+            return Err(EngineError::shape("projection input", t, x.len()));
         }
         if self.numerics == Numerics::Ggml {
             for (m, y) in mats.iter().zip(ys.iter_mut()) {
@@ -174,15 +178,80 @@ impl Model {
             }
             return Ok(());
         }
-        let mut done = vec![false; mats.len()];
-        for (i, m) in mats.iter().enumerate() {
-            if t >= GEMM_MIN_ROWS && ws[i].interleaved.is_none() {
-                with_dequantized(m, |wf| gemm_xwt(x, wf, ys[i], t, m.rows(), m.cols()))?;
-                done[i] = true;
+        let (repacked, plain): (Vec<usize>, Vec<usize>) =
+            (0..mats.len()).partition(|&i| ws[i].interleaved.is_some());
+        self.kernel_groups(
+            ws,
+            &mats,
+            &repacked,
+            x,
+            &mut ys.iter_mut().map(|y| &mut **y).collect::<Vec<_>>(),
+        )?;
+        if plain.is_empty() {
+            return Ok(());
+        }
+        // Items long enough for dequantize + GEMM, as row ranges; the other rows stay together.
+        let (mut long, mut short, mut r0) = (Vec::new(), Vec::new(), 0);
+        for &n in spans {
+            if n >= GEMM_MIN_ROWS {
+                long.push(r0..r0 + n)
+            } else {
+                short.extend(r0..r0 + n)
+            }
+            r0 += n;
+        }
+        for &i in &plain {
+            let (m, (rows, cols)) = (&mats[i], (mats[i].rows(), mats[i].cols()));
+            if !long.is_empty() {
+                with_dequantized(m, |wf| {
+                    for r in &long {
+                        let (xr, yr) =
+                            (&x[r.start * cols..r.end * cols], &mut ys[i][r.start * rows..r.end * rows]);
+                        gemm_xwt(xr, wf, yr, r.len(), rows, cols);
+                    }
+                })?;
             }
         }
-        // Repacked copies first, all in one parallel region; then the rest, one region per
-        // activation kind.
+        if short.len() == t {
+            let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut **y).collect();
+            return self.kernel_groups(ws, &mats, &plain, x, &mut outs);
+        }
+        if short.is_empty() {
+            return Ok(());
+        }
+        // The short items' rows gathered, multiplied, and put back in place.
+        let cols = mats[plain[0]].cols();
+        let xs: Vec<f32> = short.iter().flat_map(|&r| x[r * cols..(r + 1) * cols].iter().copied()).collect();
+        let mut parts: Vec<Vec<f32>> = (0..mats.len())
+            .map(|i| vec![0f32; if plain.contains(&i) { short.len() * mats[i].rows() } else { 0 }])
+            .collect();
+        self.kernel_groups(
+            ws,
+            &mats,
+            &plain,
+            &xs,
+            &mut parts.iter_mut().map(Vec::as_mut_slice).collect::<Vec<_>>(),
+        )?;
+        for &i in &plain {
+            let rows = mats[i].rows();
+            for (k, &r) in short.iter().enumerate() {
+                ys[i][r * rows..(r + 1) * rows].copy_from_slice(&parts[i][k * rows..(k + 1) * rows]);
+            }
+        }
+        Ok(())
+    }
+
+    /// The integer kernels for matrices `which` over every row of `x` into `ys[i]`: repacked
+    /// copies all in one parallel region, the rest one region per activation kind.
+    fn kernel_groups(
+        &self,
+        ws: &[&Mat],
+        mats: &[QMatrix<'_>],
+        which: &[usize],
+        x: &[f32],
+        ys: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let mut done: Vec<bool> = (0..mats.len()).map(|i| !which.contains(&i)).collect();
         let repacked = |i: usize| ws[i].interleaved.is_some();
         // Repacked copies all take 32-element Q8 activations, whatever their type.
         let key_of =
@@ -247,7 +316,10 @@ impl Model {
         // A decode-sized step (every row-wise step serial, every product and attention task
         // through `par::for_each`) keeps the pool's other worker spinning beside this one for
         // the whole call: its regions are too short for rayon's idle loop (`crate::par`;
-        // measured 5–9% faster at batch 1, 1–5% at 4 to 8 rows, alternating in one process).
+        // measured 5–9% faster at batch 1, 1–5% at 4 to 8 rows, alternating in one process; at
+        // 16 sequences, where rayon's wake-ups were a tenth of a step's time under `perf`,
+        // +15–23% at short context and +16–20% at 512 tokens of it, three alternating runs of
+        // two binaries).
         // `ggml` numerics keep rayon: their kernels do not go through `par::for_each`.
         let t: usize = batch.iter().map(|i| i.tokens.len()).sum();
         if t < PAR_MIN_ROWS && self.numerics == Numerics::Fast {
@@ -266,6 +338,7 @@ impl Model {
             .flat_map(|(i, it)| (0..it.tokens.len()).map(move |k| (i, it.table.len() + k)))
             .collect();
         let t = rows.len();
+        let spans: Vec<usize> = batch.iter().map(|it| it.tokens.len()).collect();
         let emb = self.q(&self.token_embd)?;
         let mut x = vec![0f32; t * d];
         for (row, tok) in x.chunks_exact_mut(d).zip(batch.iter().flat_map(|it| it.tokens.iter())) {
@@ -303,7 +376,12 @@ impl Model {
                 sized(&mut k, rows_of(&layer.wk)?),
                 sized(&mut v, rows_of(&layer.wv)?),
             );
-            self.linears_into(&[&layer.wq, &layer.wk, &layer.wv], &xn, t, &mut [&mut *q, &mut *k, &mut *v])?;
+            self.linears_into(
+                &[&layer.wq, &layer.wk, &layer.wv],
+                &xn,
+                &spans,
+                &mut [&mut *q, &mut *k, &mut *v],
+            )?;
             let rope_row = |(r, (qr, kr)): (usize, (&mut [f32], &mut [f32]))| {
                 let angles = &rope_at[r * half..(r + 1) * half];
                 rope(qr, hd, angles);
@@ -323,7 +401,7 @@ impl Model {
                 attention(&*cache, batch, &rows, q, l, c.n_head, group, hd)
             };
             let o = sized(&mut o, rows_of(&layer.wo)?);
-            self.linears_into(&[&layer.wo], &attn, t, &mut [&mut *o])?;
+            self.linears_into(&[&layer.wo], &attn, &spans, &mut [&mut *o])?;
             add(&mut x, o);
 
             norm_rows(&x, &layer.ffn_norm, &mut xn);
@@ -339,14 +417,14 @@ impl Model {
             } else {
                 let (gate, up) =
                     (sized(&mut gate, rows_of(&layer.w_gate)?), sized(&mut up, rows_of(&layer.w_up)?));
-                self.linears_into(&[&layer.w_gate, &layer.w_up], &xn, t, &mut [&mut *gate, &mut *up])?;
+                self.linears_into(&[&layer.w_gate, &layer.w_up], &xn, &spans, &mut [&mut *gate, &mut *up])?;
                 let h = sized(&mut h, gate.len().min(up.len()));
                 if exact {
                     h.copy_from_slice(&ggml::silu_mul(gate, up));
                 } else {
                     math::silu_mul_into(gate, up, h);
                 }
-                self.linears_into(&[&layer.w_down], h, t, &mut [&mut *down])?;
+                self.linears_into(&[&layer.w_down], h, &spans, &mut [&mut *down])?;
             }
             add(&mut x, down);
         }
@@ -369,7 +447,8 @@ impl Model {
         for (o, r) in normed.chunks_exact_mut(d).zip(rows_out) {
             rms_norm(&x[r * d..(r + 1) * d], &self.output_norm, c.rms_eps, o);
         }
-        let mut all = self.linear(&self.output, &normed, n_rows)?;
+        let out_spans: Vec<usize> = wanted.iter().map(|r| r.len()).collect();
+        let mut all = self.linear(&self.output, &normed, &out_spans)?;
         // Each item's rows split off the end, last item first; the first item keeps what is left
         // of the product itself, so a batch-1 step hands its logits over without a copy (196 KB a
         // step for a 49k vocabulary).
@@ -386,8 +465,11 @@ impl Model {
     }
 }
 
-/// Rows from which the forward pass's row-wise steps are split over the threads.
-const PAR_MIN_ROWS: usize = 16;
+/// Rows from which a forward call runs on rayon's pool, its row-wise steps split over the
+/// threads; below, on the calling thread with the pool's other worker spinning beside it. As
+/// many as the AMX tiles' smallest product (`quant::interleave_amx::MIN_ACTS`), so every
+/// decode step of up to 63 sequences is decode-sized.
+const PAR_MIN_ROWS: usize = 64;
 
 /// Largest matrix (in elements) whose dequantized copy is kept in a per-thread scratch buffer:
 /// every layer matrix of a small model, not a 50k-row vocabulary.
