@@ -4,7 +4,8 @@
 //! score, one softmax, then `P·V` — many (prefill) two GEMMs over the gathered K and V. Apart from `forward.rs` because it is a
 //! kernel of its own with its own CPU paths and tests.
 
-use super::forward::{gemm_strided, sized, with_kept, GEMM_MIN_ROWS, SCRATCH_MAX};
+use super::attention_gemm::matmul;
+use super::forward::{sized, with_kept, GEMM_MIN_ROWS, SCRATCH_MAX};
 use super::math;
 use crate::kv_cache::{BlockId, BlockTable, KvCache};
 use crate::model::BatchItem;
@@ -286,7 +287,7 @@ fn attend_task_gemm(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], max_pos: 
     let n_pos = max_pos + 1;
     let n_q = rows.len() * job.group;
     let values = 2 * job.hd * n_pos + n_q * job.hd + n_q * n_pos;
-    with_kept(&SCRATCH, values <= SCRATCH_MAX, |s| attend_gemm_in(job, rows, q, n_pos, s))
+    with_kept(&SCRATCH, values <= SCRATCH_MAX, |s| attend_gemm_in(job, rows, q, n_pos, Path::best(), s))
 }
 
 thread_local! {
@@ -304,6 +305,7 @@ fn attend_gemm_in(
     rows: &[(usize, usize)],
     q: &[f32],
     n_pos: usize,
+    path: Path,
     s: &mut [Vec<f32>; 4],
 ) -> Vec<f32> {
     let Job { cache, table, layer, kvh, group, hd, scale, d, .. } = *job;
@@ -339,26 +341,39 @@ fn attend_gemm_in(
         let r1 = (r0 + SUB).min(rows.len());
         let n_sub = rows[r0..r1].iter().map(|r| r.1).max().unwrap_or(0) + 1;
         let (q0, q1) = (r0 * group, r1 * group);
-        let seq = gemm::Parallelism::None;
         // S = Q·Kᵀ over the first `n_sub` columns of Kᵀ, into rows of stride `n_pos`.
         let scores = &mut sc[q0 * n_pos..];
-        gemm_strided((q1 - q0, n_sub, hd), (scores, n_pos), (&qm[q0 * hd..q1 * hd], hd), (kt, n_pos, 1), seq);
+        matmul(path, (q1 - q0, n_sub, hd), (scores, n_pos), (&qm[q0 * hd..q1 * hd], hd), (kt, n_pos));
         // Unnormalized probabilities; each output row is divided by its sum after P·V (hd
         // values per row instead of n_sub).
         for (qi, sum) in (q0..q1).zip(&mut sums[q0..q1]) {
             let pos = rows[qi / group].1;
             let (live, masked) = sc[qi * n_pos..qi * n_pos + n_sub].split_at_mut(pos + 1);
             masked.iter_mut().for_each(|x| *x = 0.0);
-            *sum = math::exp_shift_sum(live, math::max(live));
+            *sum = exp_sum(path, live, math::max(live));
         }
         let o = &mut out[q0 * hd..q1 * hd];
-        gemm_strided((q1 - q0, hd, n_sub), (o, hd), (&sc[q0 * n_pos..], n_pos), (v, hd, 1), seq);
+        matmul(path, (q1 - q0, hd, n_sub), (o, hd), (&sc[q0 * n_pos..], n_pos), (v, hd));
     }
     for (o, &sum) in out.chunks_exact_mut(hd).zip(&sums) {
         let inv = 1.0 / sum;
         o.iter_mut().for_each(|x| *x *= inv);
     }
     out
+}
+
+/// [`math::exp_shift_sum16`] on `path` (the same bits on each).
+fn exp_sum(path: Path, xs: &mut [f32], max: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    match path {
+        // SAFETY: the path was picked from the detected CPU (`Path::best`, or a test that
+        // checked it).
+        Path::Avx512 => return unsafe { math::exp_shift_sum16_avx512(xs, max) },
+        Path::Avx2 => return unsafe { math::exp_shift_sum16_avx2(xs, max) },
+        Path::Portable => {}
+    }
+    let _ = path;
+    math::exp_shift_sum16(xs, max)
 }
 
 /// Query rows per score block of [`attend_gemm_in`]: each block's scores stop at its own last

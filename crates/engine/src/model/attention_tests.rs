@@ -113,17 +113,31 @@ fn prefill_attention_reads_nothing_its_kept_buffers_held_before() {
     let ((cache, table), rows, q) = prefill_chunk(60, n);
     let (job, d, group) = (chunk_job(&cache, &table), CHUNK_D, CHUNK_GROUP);
     assert!(rows.len() * group >= GEMM_MIN_ROWS, "the test must take the GEMM path");
-    let fresh = attend_gemm_in(&job, &rows, &q, n, &mut Default::default());
+    let fresh = attend_gemm_in(&job, &rows, &q, n, Path::best(), &mut Default::default());
     let mut poisoned: [Vec<f32>; 4] = std::array::from_fn(|_| vec![f32::NAN; 1 << 16]);
-    let kept = attend_gemm_in(&job, &rows, &q, n, &mut poisoned);
+    let kept = attend_gemm_in(&job, &rows, &q, n, Path::best(), &mut poisoned);
     assert!(kept.iter().all(|x| x.is_finite()));
     assert_eq!(bits(&kept), bits(&fresh));
     // And through the thread's own buffers, after a longer task left them full.
     let _ = attend_task_gemm(&job, &rows, &q, n - 1);
     assert_eq!(
         bits(&attend_task_gemm(&job, &rows[..10], &q[..10 * d], 69)),
-        bits(&attend_gemm_in(&job, &rows[..10], &q[..10 * d], 70, &mut Default::default()))
+        bits(&attend_gemm_in(&job, &rows[..10], &q[..10 * d], 70, Path::best(), &mut Default::default()))
     );
+}
+
+#[test]
+fn prefill_attention_gives_the_same_bits_on_each_path() {
+    // Several score blocks and a ragged last one, from a prefix offset, on every path this CPU
+    // runs (the products in `attention_gemm.rs`, the sum in `math::exp_shift_sum16`).
+    let n = 2 * SUB + 45;
+    let ((cache, table), rows, q) = prefill_chunk(20, n);
+    let job = chunk_job(&cache, &table);
+    let want = attend_gemm_in(&job, &rows, &q, n, Path::Portable, &mut Default::default());
+    for path in paths() {
+        let got = attend_gemm_in(&job, &rows, &q, n, path, &mut Default::default());
+        assert_eq!(bits(&got), bits(&want), "{path:?}");
+    }
 }
 
 #[test]

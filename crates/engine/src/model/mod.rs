@@ -11,6 +11,7 @@ mod attention;
 mod attention_avx2;
 #[cfg(target_arch = "x86_64")]
 mod attention_avx512;
+mod attention_gemm;
 mod config;
 mod forward;
 mod ggml;
