@@ -81,54 +81,30 @@ fn rope(x: &mut [f32], head_dim: usize, table: &[(f32, f32)]) {
 /// (bandwidth-bound decode, where dequantizing the whole matrix would cost more than the product).
 pub(super) const GEMM_MIN_ROWS: usize = 32;
 
-/// `y[t × n] = x[t × k] · wᵀ` with `w` row-major `[n × k]`, on every thread of the current pool.
+/// `y[t × n] = x[t × k] · wᵀ` with `w` row-major `[n × k]`, on every thread of the current pool:
+/// the products of weights without a repacked copy, and the one call site of the `gemm` crate.
 pub(crate) fn gemm_xwt(x: &[f32], w: &[f32], y: &mut [f32], t: usize, n: usize, k: usize) {
     assert!(x.len() == t * k && w.len() == n * k && y.len() == t * n, "gemm operand sizes");
     let par = gemm::Parallelism::Rayon(rayon::current_num_threads());
-    // `wᵀ[kk, j]` is `w[j · k + kk]`: row stride 1, column stride `k`.
-    gemm_strided((t, n, k), (y, n), (x, k), (w, 1, k), par);
-}
-
-/// `y[m × n] = x[m × k] · b[k × n]` over views into larger row-major buffers: `y` and `x` with
-/// row strides `y_rs` and `x_rs` (columns adjacent), `b` element `(i, j)` at `i · b_rs + j · b_cs`.
-/// The one call site of the `gemm` crate.
-pub(super) fn gemm_strided(
-    (m, n, k): (usize, usize, usize),
-    (y, y_rs): (&mut [f32], usize),
-    (x, x_rs): (&[f32], usize),
-    (b, b_rs, b_cs): (&[f32], usize, usize),
-    par: gemm::Parallelism,
-) {
-    // The last element each view addresses must lie inside its slice.
-    let last = |rows: usize, rs: usize, cols: usize, cs: usize| {
-        (rows > 0 && cols > 0).then(|| (rows - 1) * rs + (cols - 1) * cs)
-    };
-    let fits = |len: usize, at: Option<usize>| at.is_none_or(|i| i < len);
-    assert!(
-        fits(y.len(), last(m, y_rs, n, 1))
-            && fits(x.len(), last(m, x_rs, k, 1))
-            && fits(b.len(), last(k, b_rs, n, b_cs)),
-        "gemm operand sizes"
-    );
-    assert!(m <= 1 || y_rs >= n, "gemm output rows overlap");
-    // SAFETY: every element the strides address is inside its slice (asserted above); the
-    // output's rows do not overlap (row stride at least its width, columns adjacent), and
-    // `read_dst = false`, so `y`'s old contents are never read.
+    // SAFETY: `x` is `t × k`, `y` `t × n` (row strides `k` and `n`, columns adjacent) and `w`
+    // `n × k`, read as `wᵀ[kk, j] = w[j · k + kk]` (row stride 1, column stride `k`): every
+    // element addressed is inside its slice (asserted above); `y`'s rows do not overlap, and
+    // `read_dst = false`, so its old contents are never read.
     unsafe {
         gemm::gemm(
-            m,
+            t,
             n,
             k,
             y.as_mut_ptr(),
             1,
-            y_rs as isize,
+            n as isize,
             false,
             x.as_ptr(),
             1,
-            x_rs as isize,
-            b.as_ptr(),
-            b_cs as isize,
-            b_rs as isize,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
             0.0,
             1.0,
             false,
@@ -200,17 +176,15 @@ impl Model {
             }
             r0 += n;
         }
-        for &i in &plain {
+        for &i in plain.iter().filter(|_| !long.is_empty()) {
             let (m, (rows, cols)) = (&mats[i], (mats[i].rows(), mats[i].cols()));
-            if !long.is_empty() {
-                with_dequantized(m, |wf| {
-                    for r in &long {
-                        let (xr, yr) =
-                            (&x[r.start * cols..r.end * cols], &mut ys[i][r.start * rows..r.end * rows]);
-                        gemm_xwt(xr, wf, yr, r.len(), rows, cols);
-                    }
-                })?;
-            }
+            with_dequantized(m, |wf| {
+                for r in &long {
+                    let (xr, yr) =
+                        (&x[r.start * cols..r.end * cols], &mut ys[i][r.start * rows..r.end * rows]);
+                    gemm_xwt(xr, wf, yr, r.len(), rows, cols);
+                }
+            })?;
         }
         if short.len() == t {
             let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut **y).collect();
