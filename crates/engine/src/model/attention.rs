@@ -195,6 +195,41 @@ fn attend_decode_path(job: &Job<'_>, rows: &[(usize, usize)], q: &[f32], path: P
     out
 }
 
+/// The decode kernels' operand check (`attention_avx2.rs`, `attention_avx512.rs`): `nh` heads of
+/// `hd` values in `q` and `out`, `n > 0` positions covered by whole `bs`-slot blocks, `n` scores
+/// per head.
+pub(super) fn assert_operands(
+    (hd, nh, bs, n): (usize, usize, usize, usize),
+    q: &[f32],
+    blocks: &Blocks<'_>,
+    scores: &[f32],
+    out: &[f32],
+) {
+    assert!(
+        n > 0
+            && n <= blocks.len() * bs
+            && blocks.iter().all(|(k, v)| k.len() >= hd * bs && v.len() >= bs * hd)
+            && q.len() >= nh * hd
+            && scores.len() >= nh * n
+            && out.len() >= nh * hd,
+        "decode attention operand sizes"
+    );
+}
+
+/// Every decode-attention path this CPU runs (for the tests).
+#[cfg(test)]
+pub(super) fn available_paths() -> Vec<Path> {
+    use crate::quant::Kernel;
+    let mut p = vec![Path::Portable];
+    if Kernel::Avx2.is_available() {
+        p.push(Path::Avx2);
+    }
+    if Kernel::Avx512.is_available() {
+        p.push(Path::Avx512);
+    }
+    p
+}
+
 /// Blocks ahead whose K (while scoring) or V (while summing) a decode task asks for while it
 /// computes the current one. Measured with the ignored `decode_attention_throughput` (16
 /// sequences at 720 positions, 30 layers; variants alternating in one process) on the earlier

@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::attention::{prefetch_blocks, Blocks, AHEAD};
+use super::attention::{assert_operands, prefetch_blocks, Blocks, AHEAD};
 use crate::model::math;
 
 /// `((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))` of eight vectors of partial sums, times
@@ -62,14 +62,7 @@ pub(super) unsafe fn attend_f16<const NC: usize>(
     out: &mut [f32],
 ) {
     let hd = 8 * NC;
-    assert!(
-        n > 0
-            && n <= blocks.len() * bs
-            && blocks.iter().all(|(k, v)| k.len() >= hd * bs && v.len() >= bs * hd)
-            && q.len() >= hd
-            && scores.len() >= n
-            && out.len() >= hd
-    );
+    assert_operands((hd, 1, bs, n), q, blocks, scores, out);
     // SAFETY (every pointer below): key reads stay in a block (`e < hd`, `s0 + 8 <= slots <=
     // bs`), value reads too (`s < slots`, `8c + 8 <= hd`); score writes in `scores[..n]`, output
     // writes in `out[..hd]` (asserted above).

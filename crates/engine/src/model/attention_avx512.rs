@@ -11,7 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use super::attention::{prefetch_blocks, Blocks, AHEAD};
+use super::attention::{assert_operands, prefetch_blocks, Blocks, AHEAD};
 use crate::model::math;
 
 /// Attention of `NH` heads of `8 · NC` values over the first `n` positions of `blocks`: the
@@ -29,14 +29,7 @@ pub(super) unsafe fn attend_f16<const NC: usize, const NH: usize>(
     out: &mut [f32],
 ) {
     let hd = 8 * NC;
-    assert!(
-        n > 0
-            && n <= blocks.len() * bs
-            && blocks.iter().all(|(k, v)| k.len() >= hd * bs && v.len() >= bs * hd)
-            && q.len() >= NH * hd
-            && scores.len() >= NH * n
-            && out.len() >= NH * hd
-    );
+    assert_operands((hd, NH, bs, n), q, blocks, scores, out);
     // SAFETY (every pointer below): key reads are masked to slots `< bs` of rows `e < hd` of a
     // block; value reads are rows `s < bs`, `16c + 16 <= hd`; score reads and writes stay in
     // head `j`'s run of `n` (masked past it), output writes in `out` (asserted above).

@@ -198,19 +198,6 @@ unsafe fn tile_avx2<const MR: usize>(op: Op, c: &mut [f32], a: &[f32], b: &[f32]
 mod tests {
     use super::*;
 
-    /// Every path this CPU runs.
-    fn paths() -> Vec<Path> {
-        use crate::quant::Kernel;
-        let mut p = vec![Path::Portable];
-        if Kernel::Avx2.is_available() {
-            p.push(Path::Avx2);
-        }
-        if Kernel::Avx512.is_available() {
-            p.push(Path::Avx512);
-        }
-        p
-    }
-
     #[test]
     fn every_path_gives_the_plain_loops_bits_and_the_product() {
         let val = |i: usize| ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.9;
@@ -238,7 +225,7 @@ mod tests {
                     );
                 }
             }
-            for path in paths() {
+            for path in super::super::attention::available_paths() {
                 let got = run(path);
                 for i in 0..m {
                     let row =

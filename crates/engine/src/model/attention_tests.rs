@@ -1,19 +1,6 @@
 use super::*;
 use crate::kv_cache::KvLayout;
 
-/// Every decode-attention path this CPU runs.
-fn paths() -> Vec<Path> {
-    use crate::quant::Kernel;
-    let mut p = vec![Path::Portable];
-    if Kernel::Avx2.is_available() {
-        p.push(Path::Avx2);
-    }
-    if Kernel::Avx512.is_available() {
-        p.push(Path::Avx512);
-    }
-    p
-}
-
 /// A pseudo-random value in ±0.7.
 fn val(i: usize) -> f32 {
     ((i * 2_654_435_761 % 1000) as f32 / 500.0 - 1.0) * 0.7
@@ -61,7 +48,7 @@ fn decode_attention_gives_the_same_bits_on_each_path_and_per_head() {
         };
         for kvh in 0..n_kv {
             let whole = attend_decode(&job(kvh, 0..group), &rows, &q);
-            for path in paths() {
+            for path in available_paths() {
                 let got = attend_decode_path(&job(kvh, 0..group), &rows, &q, path);
                 assert_eq!(
                     bits(&got),
@@ -134,7 +121,7 @@ fn prefill_attention_gives_the_same_bits_on_each_path() {
     let ((cache, table), rows, q) = prefill_chunk(20, n);
     let job = chunk_job(&cache, &table);
     let want = attend_gemm_in(&job, &rows, &q, n, Path::Portable, &mut Default::default());
-    for path in paths() {
+    for path in available_paths() {
         let got = attend_gemm_in(&job, &rows, &q, n, path, &mut Default::default());
         assert_eq!(bits(&got), bits(&want), "{path:?}");
     }
