@@ -1,8 +1,9 @@
 //! Causal attention over the paged KV cache, the only per-sequence part of the forward pass:
 //! split into tasks of (sequence, KV head, query rows) so a long prefill and a wide decode batch
 //! both spread over every core; few query rows (decode) take two passes over the blocks — every
-//! score, one softmax, then `P·V` — many (prefill) two GEMMs over the gathered K and V. Apart from `forward.rs` because it is a
-//! kernel of its own with its own CPU paths and tests.
+//! score, one softmax, then `P·V` — many (prefill) two products over the gathered K and V
+//! (`attention_gemm.rs`). Apart from `forward.rs` because it is a kernel of its own with its own
+//! CPU paths and tests.
 
 use super::attention_gemm::matmul;
 use super::forward::{sized, with_kept, GEMM_MIN_ROWS, SCRATCH_MAX};
