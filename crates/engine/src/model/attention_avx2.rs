@@ -42,7 +42,7 @@ pub(super) fn score_one(q: &[f32], k: &[f16], bs: usize, s: usize, scale: f32) -
     for (e, &qx) in q.iter().enumerate() {
         part[e % 8] = k[e * bs + s].to_f32().mul_add(qx, part[e % 8]);
     }
-    (((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]))) * scale
+    math::fold8(&part) * scale
 }
 
 /// Attention of one head of `8 · NC` values over the first `n` positions of `blocks` (keys

@@ -156,13 +156,7 @@ impl Model {
         }
         let (repacked, plain): (Vec<usize>, Vec<usize>) =
             (0..mats.len()).partition(|&i| ws[i].interleaved.is_some());
-        self.kernel_groups(
-            ws,
-            &mats,
-            &repacked,
-            x,
-            &mut ys.iter_mut().map(|y| &mut **y).collect::<Vec<_>>(),
-        )?;
+        self.kernel_groups(ws, &mats, &repacked, x, ys)?;
         if plain.is_empty() {
             return Ok(());
         }
@@ -187,8 +181,7 @@ impl Model {
             })?;
         }
         if short.len() == t {
-            let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut **y).collect();
-            return self.kernel_groups(ws, &mats, &plain, x, &mut outs);
+            return self.kernel_groups(ws, &mats, &plain, x, ys);
         }
         if short.is_empty() {
             return Ok(());
