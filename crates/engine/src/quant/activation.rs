@@ -101,6 +101,21 @@ fn quantize_q8x32(x: &[f32]) -> Vec<BlockQ8x32> {
 pub(crate) fn quantize_q8x32_into(x: &[f32], out: &mut [BlockQ8x32]) {
     assert_eq!(x.len(), out.len() * 32, "32 values a block");
     #[cfg(target_arch = "x86_64")]
+    if super::Kernel::best() >= super::Kernel::Avx512 {
+        let whole = out.len() / 16 * 16;
+        let (head, tail) = out.split_at_mut(whole);
+        for (o, c) in head.chunks_exact_mut(16).zip(x.chunks_exact(512)) {
+            // SAFETY: `Kernel::best` only picks a family this CPU runs; AVX-512's includes AVX-512
+            // F/BW/VL, AVX2 and F16C.
+            unsafe { super::activation_avx512::q8x32_blocks16(c, o) };
+        }
+        for (o, c) in tail.iter_mut().zip(x[32 * whole..].chunks_exact(32)) {
+            // SAFETY: as above.
+            *o = unsafe { q8x32_block_avx2(c) };
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::Kernel::best() >= super::Kernel::Avx2 {
         for (o, c) in out.iter_mut().zip(x.chunks_exact(32)) {
             // SAFETY: `Kernel::best` only picks a family this CPU runs, and AVX2's includes F16C.
@@ -114,7 +129,7 @@ pub(crate) fn quantize_q8x32_into(x: &[f32], out: &mut [BlockQ8x32]) {
 }
 
 /// One 32-element block, the portable way.
-fn q8x32_block(c: &[f32]) -> BlockQ8x32 {
+pub(super) fn q8x32_block(c: &[f32]) -> BlockQ8x32 {
     let (d, id) = block_scale_32(c);
     let mut qs = [0i8; 32];
     for (q, &v) in qs.iter_mut().zip(c) {
@@ -136,7 +151,7 @@ fn q8x32_block(c: &[f32]) -> BlockQ8x32 {
 /// portable path (only there do the clamp's and the conversion's NaN rules differ).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn q8x32_block_avx2(c: &[f32]) -> BlockQ8x32 {
+pub(super) unsafe fn q8x32_block_avx2(c: &[f32]) -> BlockQ8x32 {
     use std::arch::x86_64::*;
     assert_eq!(c.len(), 32);
     // SAFETY: `c` holds 32 values (asserted); the stores write into `qs`'s 32 bytes.
@@ -312,6 +327,8 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
         let specials =
             [0.0, -0.0, 0.5, -0.5, 1.5, 2.5, 1e-40, -1e-38, 65504.0, 1e30, -3e38, f32::MIN_POSITIVE];
+        // Blocks that may hold a NaN or an infinity, and blocks that cannot.
+        let mut groups: [Vec<(Vec<f32>, BlockQ8x32)>; 2] = [Vec::new(), Vec::new()];
         for n in 0..20_000 {
             let c: Vec<f32> = (0..32)
                 .map(|i| match (n % 6, rng.next_u32()) {
@@ -341,12 +358,27 @@ mod tests {
             let want = q8x32_block(&c);
             // SAFETY: AVX2 (with F16C) detected above.
             let got = unsafe { q8x32_block_avx2(&c) };
-            assert_eq!(
-                (got.qs, got.d.to_bits(), got.s.to_bits(), got.sum, got.sum_lo),
-                (want.qs, want.d.to_bits(), want.s.to_bits(), want.sum, want.sum_lo),
-                "block {n}: {c:?}"
-            );
+            assert_eq!(bits(&got), bits(&want), "block {n}: {c:?}");
+            // Sixteen at a time on AVX-512: every block in order (groups with a NaN or an
+            // infinity take the fallback), and the finite kinds alone (the vector path).
+            groups[usize::from(n % 6 > 1)].push((c, want));
         }
+        if !crate::quant::Kernel::Avx512.is_available() {
+            return;
+        }
+        for blocks in groups.iter().flat_map(|g| g.chunks_exact(16)) {
+            let c: Vec<f32> = blocks.iter().flat_map(|(c, _)| c.iter().copied()).collect();
+            let mut got = [BlockQ8x32::default(); 16];
+            // SAFETY: AVX-512 (with AVX2 and F16C) detected above.
+            unsafe { crate::quant::activation_avx512::q8x32_blocks16(&c, &mut got) };
+            for (j, (g, (_, want))) in got.iter().zip(blocks).enumerate() {
+                assert_eq!(bits(g), bits(want), "block {j} of sixteen: {c:?}");
+            }
+        }
+    }
+
+    fn bits(b: &BlockQ8x32) -> ([i8; 32], u32, u32, i32, i32) {
+        (b.qs, b.d.to_bits(), b.s.to_bits(), b.sum, b.sum_lo)
     }
 
     /// Regression: `s` used the f16-rounded scale; ggml's `quantize_row_q8_1` multiplies the sum

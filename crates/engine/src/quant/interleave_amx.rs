@@ -128,42 +128,65 @@ impl TileConfig {
 
 /// A product's activations as the tiles read them, made once per product: each activation's
 /// quantized bytes as one row of `cols` (`tdpbssd`'s signed first operand; rows padded with
-/// zeros to a whole tile), and each block's `d`, `s` and Q5_0's `16 · Σqs` block-major
-/// (`[b · n_pad + m]`), so one block's values for sixteen activations sit together and each is
-/// broadcast from memory by the instruction that uses it.
+/// zeros to a whole tile), and for each tile of sixteen activations and each block their `d`,
+/// `s` and Q5_0's `16 · Σqs` side by side ([`TileScales`]), so each is broadcast from memory by
+/// the instruction that uses it.
 pub(super) struct Acts {
     bytes: Vec<i8>,
-    d: Vec<f32>,
-    s: Vec<f32>,
-    off: Vec<i32>,
+    /// `[tile · nb + b]`.
+    scales: Vec<TileScales>,
     /// Activations, and that rounded up to whole tiles.
     n: usize,
     n_pad: usize,
     cols: usize,
 }
 
-/// [`Acts`] of `ys`, each `cols` values.
+/// One block's scales for a tile of sixteen activations (zeros past the last activation).
+#[derive(Clone, Copy)]
+struct TileScales {
+    d: [f32; TILE],
+    s: [f32; TILE],
+    off: [i32; TILE],
+}
+
+/// [`Acts`] of `ys`, each `cols` values: a tile of sixteen activations per parallel task, every
+/// byte written once (no zeroing first — a prefill's copies ran on the calling thread alone, with
+/// a `memset` of the whole buffer before them).
 pub(super) fn acts(ys: &[&[BlockQ8x32]], cols: usize) -> Acts {
+    use rayon::prelude::*;
     let (n, nb) = (ys.len(), cols / 32);
     let n_pad = n.div_ceil(TILE) * TILE;
-    let mut a = Acts {
-        bytes: vec![0; n_pad * cols],
-        d: vec![0.0; nb * n_pad],
-        s: vec![0.0; nb * n_pad],
-        off: vec![0; nb * n_pad],
-        n,
-        n_pad,
-        cols,
-    };
-    for (m, (row, y)) in a.bytes.chunks_exact_mut(cols).zip(ys).enumerate() {
-        for (b, (dst, blk)) in row.chunks_exact_mut(32).zip(y.iter()).enumerate() {
-            dst.copy_from_slice(&blk.qs);
-            a.d[b * n_pad + m] = blk.d;
-            a.s[b * n_pad + m] = blk.s;
-            a.off[b * n_pad + m] = 16 * blk.sum;
+    let (mut bytes, mut scales) = (Vec::with_capacity(n_pad * cols), Vec::with_capacity(n_pad / TILE * nb));
+    let tiles = bytes.spare_capacity_mut()[..n_pad * cols]
+        .par_chunks_mut(TILE * cols)
+        .zip(scales.spare_capacity_mut()[..n_pad / TILE * nb].par_chunks_mut(nb.max(1)));
+    tiles.enumerate().for_each(|(t, (bytes, scales))| {
+        let rows = &ys[(t * TILE).min(n)..((t + 1) * TILE).min(n)];
+        for (b, sc) in scales.iter_mut().enumerate() {
+            let mut v = TileScales { d: [0.0; TILE], s: [0.0; TILE], off: [0; TILE] };
+            for (m, y) in rows.iter().enumerate() {
+                (v.d[m], v.s[m], v.off[m]) = (y[b].d, y[b].s, 16 * y[b].sum);
+            }
+            sc.write(v);
         }
+        for (m, row) in bytes.chunks_exact_mut(cols).enumerate() {
+            match rows.get(m) {
+                Some(y) => {
+                    for (dst, blk) in row.chunks_exact_mut(32).zip(y.iter()) {
+                        dst.write_copy_of_slice(&blk.qs);
+                    }
+                }
+                None => row.iter_mut().for_each(|v| _ = v.write(0)),
+            }
+        }
+    });
+    // SAFETY: the loop above wrote every element of both lengths: each tile's `TILE` rows of
+    // `cols` bytes (a row per activation, zeros past the last) and its `nb` scale sets.
+    unsafe {
+        bytes.set_len(n_pad * cols);
+        scales.set_len(n_pad / TILE * nb);
     }
-    a
+    Acts { bytes, scales, n, n_pad, cols }
 }
 
 /// A block's weight tile and what scales its dots, for sixteen rows.
@@ -285,15 +308,16 @@ unsafe fn run<const KIND: u8>(op: Rows16<'_>, scratch: &mut Scratch) {
         let mut minimums = [[0f32; ROWS]; TILE];
         for m0 in (0..n_pad).step_by(TILE) {
             let a = acts.bytes.as_ptr().add(m0 * cols);
+            let tile_scales = &acts.scales[m0 / TILE * nb..][..nb];
             for u in 0..AHEAD.min(units) {
                 tile_dots(a, u);
             }
             // The minimum terms first, in sixteen registers of their own.
             if KIND == Q4_1 || KIND == Q4_K {
                 let mut accm = [zero; TILE];
-                for (b, p) in prep.iter().enumerate() {
+                for (p, sc) in prep.iter().zip(tile_scales) {
                     let mw = _mm512_loadu_ps(p.scales[2].as_ptr());
-                    let s = acts.s.as_ptr().add(b * n_pad + m0);
+                    let s = sc.s.as_ptr();
                     for (m, am) in accm.iter_mut().enumerate() {
                         let s = _mm512_set1_ps(*s.add(m));
                         *am = if KIND == Q4_1 {
@@ -314,8 +338,8 @@ unsafe fn run<const KIND: u8>(op: Rows16<'_>, scratch: &mut Scratch) {
                 }
                 let (b, h) = (u / per_block, u % per_block);
                 let c = d.add(1024 * (u % SLOTS)) as *const __m512i;
-                let yd = acts.d.as_ptr().add(b * n_pad + m0);
-                let off = acts.off.as_ptr().add(b * n_pad + m0);
+                let sc = tile_scales.get_unchecked(b);
+                let (yd, off) = (sc.d.as_ptr(), sc.off.as_ptr());
                 // `dw`, or Q6_K's second half's `dw_hi`.
                 let dw = _mm512_loadu_ps(prep.get_unchecked(b).scales[h].as_ptr());
                 for (m, am) in acc.iter_mut().enumerate() {

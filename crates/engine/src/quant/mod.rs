@@ -19,6 +19,8 @@
 
 mod activation;
 #[cfg(target_arch = "x86_64")]
+mod activation_avx512;
+#[cfg(target_arch = "x86_64")]
 mod dot_avx2;
 mod dot_scalar;
 mod interleave;
