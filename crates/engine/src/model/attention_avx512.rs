@@ -11,7 +11,9 @@
 
 use std::arch::x86_64::*;
 
-use super::attention::{assert_operands, prefetch_blocks, Blocks, AHEAD};
+use super::attention::{
+    ahead, assert_operands, prefetch_blocks, prefetch_line, prefetch_lines, Blocks, AHEAD,
+};
 use crate::model::math;
 
 /// Attention of `NH` heads of `8 · NC` values over the first `n` positions of `blocks`: the
@@ -38,7 +40,7 @@ pub(super) unsafe fn attend_f16<const NC: usize, const NH: usize>(
         let mut vmax = [_mm512_set1_ps(f32::NEG_INFINITY); NH];
         prefetch_blocks(blocks, 1..AHEAD, true);
         for (bi, (k, _)) in blocks.iter().enumerate() {
-            prefetch_blocks(blocks, bi + AHEAD..bi + AHEAD + 1, true);
+            let next = ahead(blocks, bi, true);
             let (p0, slots) = (bi * bs, bs.min(n - bi * bs));
             for s0 in (0..slots).step_by(16) {
                 let left = slots - s0;
@@ -47,6 +49,17 @@ pub(super) unsafe fn attend_f16<const NC: usize, const NH: usize>(
                 for c in 0..NC {
                     for i in 0..8 {
                         let e = 8 * c + i;
+                        // The next block's keys of this dimension: at the cache's block size of
+                        // 16 two dimensions make a line.
+                        match (next, s0) {
+                            (Some(nk), 0) if bs == 16 => {
+                                if i % 2 == 0 {
+                                    prefetch_line(nk, e * bs)
+                                }
+                            }
+                            (_, 0) => prefetch_lines(next, e * bs, bs),
+                            _ => {}
+                        }
                         let src = k.as_ptr().add(e * bs + s0) as *const i16;
                         let kz = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src));
                         for (j, pj) in part.iter_mut().enumerate() {
@@ -71,9 +84,15 @@ pub(super) unsafe fn attend_f16<const NC: usize, const NH: usize>(
         }
         let mut a = [[_mm512_setzero_ps(); 8]; NH];
         for (bi, (_, v)) in blocks.iter().enumerate() {
-            prefetch_blocks(blocks, bi + AHEAD..bi + AHEAD + 1, false);
+            let next = ahead(blocks, bi, false);
             let (p0, slots) = (bi * bs, bs.min(n - bi * bs));
             for s in 0..slots {
+                // The next block's values of this slot.
+                if let Some(nv) = next {
+                    for at in (s * hd..(s + 1) * hd).step_by(32) {
+                        prefetch_line(nv, at);
+                    }
+                }
                 let mut vz = [_mm512_setzero_ps(); 8];
                 for (c, x) in vz.iter_mut().take(NC / 2).enumerate() {
                     *x = _mm512_cvtph_ps(_mm256_loadu_si256(
