@@ -52,11 +52,8 @@ pub(super) unsafe fn attend_f16<const NC: usize, const NH: usize>(
                         // The next block's keys of this dimension: at the cache's block size of
                         // 16 two dimensions make a line.
                         match (next, s0) {
-                            (Some(nk), 0) if bs == 16 => {
-                                if i % 2 == 0 {
-                                    prefetch_line(nk, e * bs)
-                                }
-                            }
+                            (Some(nk), 0) if bs == 16 && i % 2 == 0 => prefetch_line(nk, e * bs),
+                            (Some(_), 0) if bs == 16 => {}
                             (_, 0) => prefetch_lines(next, e * bs, bs),
                             _ => {}
                         }
