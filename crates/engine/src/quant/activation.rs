@@ -359,8 +359,9 @@ mod tests {
             // SAFETY: AVX2 (with F16C) detected above.
             let got = unsafe { q8x32_block_avx2(&c) };
             assert_eq!(bits(&got), bits(&want), "block {n}: {c:?}");
-            // Sixteen at a time on AVX-512: every block in order (groups with a NaN or an
-            // infinity take the fallback), and the finite kinds alone (the vector path).
+            // Sixteen at a time on AVX-512: the kinds that may hold a NaN or an infinity (most
+            // of their groups of sixteen take the per-block fallback), and the finite kinds (the
+            // vector path).
             groups[usize::from(n % 6 > 1)].push((c, want));
         }
         if !crate::quant::Kernel::Avx512.is_available() {

@@ -274,8 +274,10 @@ pub fn matmul_swiglu_interleaved_with(
     Ok(hs.into_iter().map(QuantizedActivation::Q8x32).collect())
 }
 
-/// Values of `h` [`matmul_swiglu_interleaved`] quantizes at once (sixteen 32-value blocks).
+/// Values of `h` [`matmul_swiglu_interleaved`] quantizes at once (sixteen 32-value blocks): at
+/// least one task's rows of one activation.
 const SWIGLU_H: usize = 512;
+const _: () = assert!(GROUPS_PER_TASK * GROUP <= SWIGLU_H);
 
 thread_local! {
     /// [`matmul_swiglu_interleaved`]'s per-thread task buffer (taken while a task runs, so a task
