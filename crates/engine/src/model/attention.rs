@@ -289,6 +289,8 @@ pub(super) fn prefetch_line(run: &[half::f16], at: usize) {
             _mm_prefetch::<_MM_HINT_T1>(run.as_ptr().add(at) as *const i8);
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (run, at);
 }
 
 /// Few query rows (decode), the portable path and the reference the others match bit for bit:
