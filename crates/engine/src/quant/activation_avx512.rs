@@ -26,7 +26,7 @@ const PERM: [i32; 16] = [0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15];
 /// commutative and associative for the values given (a maximum, an exact integer sum).
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn fold16(v: [__m512; 16], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
+fn fold_each(v: [__m512; 16], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
     // Each step halves the vectors: two vectors' halves (then quarters, pairs, single lanes)
     // are interleaved and the two interleavings combined, so each vector holds the partial
     // results of twice as many blocks.
@@ -75,7 +75,7 @@ pub(super) unsafe fn q8x32_blocks16(c: &[f32], out: &mut [BlockQ8x32]) {
         return;
     }
     // Every block's `amax`, then `d = amax / 127` and `id = 127 / amax` (0 for an all-zero block).
-    let am = fold16(amax, |x, y| _mm512_max_ps(x, y));
+    let am = fold_each(amax, |x, y| _mm512_max_ps(x, y));
     let c127 = _mm512_set1_ps(127.0);
     let d = _mm512_div_ps(am, c127);
     let id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(am, _mm512_setzero_ps()), c127, am);
@@ -103,7 +103,8 @@ pub(super) unsafe fn q8x32_blocks16(c: &[f32], out: &mut [BlockQ8x32]) {
     let add = |x: __m512, y: __m512| {
         _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)))
     };
-    let (sum, sum_lo) = (_mm512_castps_si512(fold16(sums, add)), _mm512_castps_si512(fold16(lows, add)));
+    let (sum, sum_lo) =
+        (_mm512_castps_si512(fold_each(sums, add)), _mm512_castps_si512(fold_each(lows, add)));
     // `d` and `s = d · Σq` (from the unrounded `d`), each rounded to f16 (to nearest, even).
     let s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum));
     let f16 =

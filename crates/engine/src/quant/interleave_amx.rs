@@ -16,7 +16,7 @@
 //! block's tile of dots must be stored, converted and scaled before the next block's is added —
 //! the scaling, not the multiplication, is the work. It runs at three vector operations per
 //! (activation, block) of sixteen rows: the dot row converted straight from memory, `d_w` times
-//! the activation's `d` broadcast from memory ([`Acts`] keeps the scales block-major for that),
+//! the activation's `d` broadcast from memory ([`Acts`] keeps a tile's scales side by side for that),
 //! one FMA into one of sixteen accumulators that stay in registers for the whole row of blocks;
 //! the minimum terms (Q4_1, Q4_K) in a pass of their own. The tiles run a few blocks ahead of the
 //! scaling, so no reload waits for its `tdpbssd` (docs/engine.md, Kernel paths: where the time
@@ -159,7 +159,7 @@ pub(super) fn acts(ys: &[&[BlockQ8x32]], cols: usize) -> Acts {
     let (mut bytes, mut scales) = (Vec::with_capacity(n_pad * cols), Vec::with_capacity(n_pad / TILE * nb));
     let tiles = bytes.spare_capacity_mut()[..n_pad * cols]
         .par_chunks_mut(TILE * cols)
-        .zip(scales.spare_capacity_mut()[..n_pad / TILE * nb].par_chunks_mut(nb.max(1)));
+        .zip(scales.spare_capacity_mut()[..n_pad / TILE * nb].par_chunks_mut(nb));
     tiles.enumerate().for_each(|(t, (bytes, scales))| {
         let rows = &ys[(t * TILE).min(n)..((t + 1) * TILE).min(n)];
         for (b, sc) in scales.iter_mut().enumerate() {
