@@ -167,7 +167,7 @@ impl Engine {
         let mut logits = Vec::new();
         for piece in prompt.chunks(chunk) {
             let mut batch = [BatchItem { table: &mut *table, tokens: piece, all_logits: false }];
-            logits = self.model.forward(cache, &mut batch)?.logits.swap_remove(0);
+            logits = self.model.forward(cache, &mut batch)?.into_first();
         }
         let mut next = sampler.sample(&mut logits)?;
         let prefill = t0.elapsed();
@@ -196,7 +196,7 @@ impl Engine {
                 break;
             }
             let mut batch = [BatchItem { table: &mut *table, tokens: &[next], all_logits: false }];
-            logits = self.model.forward(cache, &mut batch)?.logits.swap_remove(0);
+            logits = self.model.forward(cache, &mut batch)?.into_first();
             next = sampler.sample(&mut logits)?;
         }
         if !stops.is_stopped() {

@@ -32,7 +32,7 @@ fn cache(m: &Model, blocks: usize) -> KvCache {
 
 fn run(m: &Model, kv: &mut KvCache, t: &mut BlockTable, tokens: &[u32], all: bool) -> Vec<f32> {
     let mut b = [BatchItem { table: t, tokens, all_logits: all }];
-    m.forward(kv, &mut b).unwrap().logits.swap_remove(0)
+    m.forward(kv, &mut b).unwrap().into_first()
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -130,7 +130,7 @@ fn a_batch_gives_each_sequence_its_solo_logits() {
     let step: Vec<Vec<f32>> = {
         let mut batch: Vec<BatchItem<'_>> =
             tables.iter_mut().map(|table| BatchItem { table, tokens: &[77], all_logits: false }).collect();
-        m.forward(&mut kv, &mut batch).unwrap().logits
+        m.forward(&mut kv, &mut batch).unwrap().into_items()
     };
     for (i, (a, b)) in solo.iter().zip(&step).enumerate() {
         assert!(max_diff(a, b) < 1e-4, "sequence {i}");
@@ -182,7 +182,7 @@ fn every_decode_batch_size_gives_each_sequence_its_solo_bits() {
             if with_long {
                 batch.insert(n / 2, BatchItem { table: &mut long_table, tokens: &long, all_logits: true });
             }
-            m.forward(&mut kv, &mut batch).unwrap().logits
+            m.forward(&mut kv, &mut batch).unwrap().into_items()
         };
         let mut step = step.into_iter();
         for (i, want) in solo.iter().enumerate().take(n) {

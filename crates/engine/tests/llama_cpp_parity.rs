@@ -55,7 +55,7 @@ struct Runner<'a> {
 impl Runner<'_> {
     fn step(&mut self, table: &mut BlockTable, tokens: &[u32]) -> Vec<f32> {
         let mut b = [BatchItem { table, tokens, all_logits: false }];
-        self.model.forward(&mut self.cache, &mut b).expect("forward").logits.swap_remove(0)
+        self.model.forward(&mut self.cache, &mut b).expect("forward").into_first()
     }
 }
 

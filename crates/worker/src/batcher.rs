@@ -358,8 +358,8 @@ impl Batcher {
             log.record(self.started, t0, now, rec);
             self.step_log = Some(log);
         }
-        let mut logits = match result {
-            Ok(out) => out.logits.into_iter(),
+        let mut out = match result {
+            Ok(out) => out,
             Err(e) => {
                 // All or nothing: no table grew. Fail every sequence of the step.
                 tracing::error!("forward step failed: {e}");
@@ -377,6 +377,7 @@ impl Batcher {
                 return;
             }
         };
+        let mut logits = out.items_mut().into_iter();
         let n_ctx = self.engine.model().config().n_ctx;
         let mut endings: Vec<Option<Ending>> = Vec::with_capacity(plan.len());
         for (s, n) in self.sched.running.iter_mut().zip(plan.iter_mut()) {
@@ -385,7 +386,7 @@ impl Batcher {
                 continue;
             }
             s.fed += *n;
-            let Some(mut row) = logits.next() else {
+            let Some(row) = logits.next() else {
                 endings.push(Some(Ending::Failed("the engine returned too few logits".into())));
                 continue;
             };
@@ -394,7 +395,7 @@ impl Batcher {
                 continue;
             }
             let before = s.generated;
-            endings.push(s.on_logits(&self.engine, &mut row, now, n_ctx));
+            endings.push(s.on_logits(&self.engine, row, now, n_ctx));
             self.stats.generated_tokens += (s.generated - before) as u64;
         }
         let running = std::mem::take(&mut self.sched.running);

@@ -9,6 +9,8 @@
 //! every CPU path gives the same bits. Accuracy is about 1 ulp over the range the softmax and
 //! SiLU use (checked against `f32::exp` in the tests).
 
+use super::attention::Path;
+
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
@@ -89,6 +91,27 @@ unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], h: &mut [f32]) {
     }
 }
 
+/// [`silu_mul_avx2`] sixteen lanes at a time, the tail masked: the same operations per value.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], h: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let one = _mm512_set1_ps(1.0);
+    for i in (0..h.len()).step_by(16) {
+        let left = h.len() - i;
+        let mask: __mmask16 = if left >= 16 { 0xffff } else { (1u16 << left) - 1 };
+        // SAFETY: the loads and the store are masked to lanes `< h.len()`, which `g` and `u`
+        // hold too (the caller cut all three to one length).
+        unsafe {
+            let gv = _mm512_maskz_loadu_ps(mask, g.as_ptr().add(i));
+            let uv = _mm512_maskz_loadu_ps(mask, u.as_ptr().add(i));
+            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            let v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv);
+            _mm512_mask_storeu_ps(h.as_mut_ptr().add(i), mask, v);
+        }
+    }
+}
+
 pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -100,13 +123,22 @@ pub(crate) fn has_avx2() -> bool {
     }
 }
 
-/// The largest element (`-inf` for an empty slice).
+/// The largest element (`-inf` for an empty slice), on the widest path this CPU runs.
 pub(crate) fn max(xs: &[f32]) -> f32 {
+    max_on(Path::best(), xs)
+}
+
+/// [`max`] on `path` (a maximum is the same whatever the order it is taken in).
+fn max_on(path: Path, xs: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports the features the function is compiled for.
-        return unsafe { max_avx2(xs) };
+    match path {
+        // SAFETY: the path was picked from the detected CPU (`Path::best`, or a test that
+        // checked it).
+        Path::Avx512 => return unsafe { max_avx512(xs) },
+        Path::Avx2 => return unsafe { max_avx2(xs) },
+        Path::Portable => {}
     }
+    let _ = path;
     xs.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
@@ -125,6 +157,20 @@ unsafe fn max_avx2(xs: &[f32]) -> f32 {
         _mm256_storeu_ps(lanes.as_mut_ptr(), m);
         lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |a, &b| a.max(b))
     }
+}
+
+/// [`max`] sixteen lanes at a time, the tail masked (masked-off lanes read as `-inf`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn max_avx512(xs: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+    for c in xs.chunks(16) {
+        let mask: __mmask16 = if c.len() == 16 { 0xffff } else { (1u16 << c.len()) - 1 };
+        // SAFETY: the load is masked to the chunk's lanes, all inside `xs`.
+        m = _mm512_mask_max_ps(m, mask, m, unsafe { _mm512_maskz_loadu_ps(mask, c.as_ptr()) });
+    }
+    _mm512_reduce_max_ps(m)
 }
 
 /// `((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`.
@@ -240,16 +286,23 @@ fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
 /// `h[i] = silu(g[i]) · u[i]` (as long as the shortest of the three), in chunks on every thread:
 /// each value's arithmetic is the same whichever chunk it falls in (the chunks are whole vectors).
 pub(crate) fn silu_mul_into(g: &[f32], u: &[f32], h: &mut [f32]) {
+    silu_mul_on(Path::best(), g, u, h)
+}
+
+/// [`silu_mul_into`] on `path`.
+fn silu_mul_on(path: Path, g: &[f32], u: &[f32], h: &mut [f32]) {
     use rayon::prelude::*;
     const CHUNK: usize = 4096;
     let n = h.len().min(g.len()).min(u.len());
     let chunk = |(i, hc): (usize, &mut [f32])| {
         let (g, u) = (&g[i * CHUNK..][..hc.len()], &u[i * CHUNK..][..hc.len()]);
         #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU supports the features the function is compiled for.
-            unsafe { silu_mul_avx2(g, u, hc) };
-            return;
+        match path {
+            // SAFETY: the path was picked from the detected CPU (`Path::best`, or a test that
+            // checked it); the three slices have one length.
+            Path::Avx512 => return unsafe { silu_mul_avx512(g, u, hc) },
+            Path::Avx2 => return unsafe { silu_mul_avx2(g, u, hc) },
+            Path::Portable => {}
         }
         silu_mul_body(g, u, hc);
     };
@@ -394,22 +447,38 @@ mod tests {
     }
 
     #[test]
-    fn max_and_silu_paths_agree() {
+    fn max_and_silu_give_the_same_bits_on_every_path() {
         let xs: Vec<f32> = (0..67).map(|i| (i as f32 * 0.37).sin() * 20.0).collect();
-        let max = xs.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        assert_eq!(super::max(&xs), max);
-        assert_eq!(super::max(&xs[..5]), xs[..5].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)));
-        assert_eq!(super::max(&[]), f32::NEG_INFINITY);
-        // Long enough for several chunks, with a tail that is no whole vector.
-        let xs: Vec<f32> = (0..10_007).map(|i| (i as f32 * 0.37).sin() * 20.0).collect();
-        let u: Vec<f32> = xs.iter().map(|x| x * 0.5 - 1.0).collect();
-        let mut h = vec![0f32; xs.len()];
-        silu_mul_into(&xs, &u, &mut h);
-        let mut one = vec![0f32; xs.len()];
-        silu_mul_body(&xs, &u, &mut one);
+        let plain_max = |xs: &[f32]| xs.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&h), bits(&one), "chunked and vectorized against the plain loop");
-        for ((h, g), u) in h.iter().zip(&xs).zip(&u) {
+        // Long enough for several chunks, with a tail that is no whole vector; with the
+        // infinities and the large values `exp` clamps.
+        let mut g: Vec<f32> = (0..10_007).map(|i| (i as f32 * 0.37).sin() * 20.0).collect();
+        g[..4].copy_from_slice(&[f32::INFINITY, f32::NEG_INFINITY, 95.0, -95.0]);
+        let u: Vec<f32> = g.iter().map(|x| x * 0.5 - 1.0).collect();
+        let mut one = vec![0f32; g.len()];
+        silu_mul_body(&g, &u, &mut one);
+        for path in crate::model::attention::available_paths() {
+            // The largest value in every lane of every vector and of the tail.
+            for n in 0..=xs.len() {
+                assert_eq!(max_on(path, &xs[..n]), plain_max(&xs[..n]), "{path:?}, {n}");
+                for at in 0..n {
+                    let mut ys = xs[..n].to_vec();
+                    ys[at] = 100.0;
+                    assert_eq!(max_on(path, &ys), 100.0, "{path:?}, {n}, largest at {at}");
+                }
+            }
+            for n in [g.len(), 4096, 29, 3] {
+                let mut h = vec![0f32; n];
+                silu_mul_on(path, &g[..n], &u[..n], &mut h);
+                assert_eq!(
+                    bits(&h),
+                    bits(&one[..n]),
+                    "{path:?}: chunked and vectorized against the plain loop, {n}"
+                );
+            }
+        }
+        for ((h, g), u) in one.iter().zip(&g).zip(&u).skip(4) {
             let want = g / (1.0 + (-g).exp()) * u;
             assert!((h - want).abs() <= 1e-5 * (1.0 + want.abs()), "{h} vs {want}");
         }
