@@ -266,11 +266,21 @@ macro_rules! block_dots {
             // into registers (measured: a third of the speed).
             #[allow(clippy::needless_range_loop)]
             let dot = |from: usize, to: usize| {
-                let mut dot = zero;
-                for st in from..to {
-                    let y = _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st)));
-                    dot = _mm512_dpbusd_epi32(dot, q[st], y);
-                }
+                let step = |dot, st: usize| {
+                    _mm512_dpbusd_epi32(dot, q[st], _mm512_set1_epi32(std::ptr::read_unaligned(a.add(st))))
+                };
+                // A whole block's eight steps as two chains (even and odd steps) added at the
+                // end — integer sums, so the same dot in any order, from chains half as long;
+                // Q6_K's halves are two chains already.
+                let mut dot = if to - from == 8 {
+                    let (mut even, mut odd) = (zero, zero);
+                    for st in (from..to).step_by(2) {
+                        (even, odd) = (step(even, st), step(odd, st + 1));
+                    }
+                    _mm512_add_epi32(even, odd)
+                } else {
+                    (from..to).fold(zero, step)
+                };
                 // Less what the offset added, `offset · Σa` over the steps taken: the signed
                 // values' exact dot.
                 let off = match $kind {
