@@ -17,7 +17,9 @@ pub struct ModelArgs {
     /// GGUF model file (default: the model `scripts/setup` fetched).
     #[arg(long, env = "TOKENPATH_MODEL")]
     pub model: Option<PathBuf>,
-    /// Arithmetic of the forward pass: `fast` (the engine's kernels) or `ggml` (llama.cpp's CPU
+    /// Arithmetic of the forward pass: `fast` (the engine's kernels; prompts on bf16 AMX tiles
+    /// where the CPU has them), `invariant` (the integer tiles for every product: a sequence's
+    /// bits the same whatever its prompt's chunking and on every CPU) or `ggml` (llama.cpp's CPU
     /// arithmetic reproduced rounding for rounding: its greedy output token for token; about a
     /// fifteenth of the prefill speed and a sixth of decode's; Q4_1/Q8_0 models).
     #[arg(long, env = "TOKENPATH_NUMERICS", value_enum, default_value_t = NumericsArg::Fast)]
@@ -28,6 +30,7 @@ pub struct ModelArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum NumericsArg {
     Fast,
+    Invariant,
     Ggml,
 }
 
@@ -43,6 +46,7 @@ impl ModelArgs {
             let mut model = Model::open(&path)?;
             model.set_numerics(match self.numerics {
                 NumericsArg::Fast => Numerics::Fast,
+                NumericsArg::Invariant => Numerics::Invariant,
                 NumericsArg::Ggml => Numerics::Ggml,
             })?;
             Engine::from_model(model)
@@ -66,6 +70,7 @@ impl ModelArgs {
     pub fn to_args(&self) -> Vec<String> {
         let numerics = match self.numerics {
             NumericsArg::Fast => "fast",
+            NumericsArg::Invariant => "invariant",
             NumericsArg::Ggml => "ggml",
         };
         vec![format!("--model={}", self.path().display()), format!("--numerics={numerics}")]

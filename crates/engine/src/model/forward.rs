@@ -7,6 +7,7 @@ use super::attention::attention;
 use super::{ggml, math, Mat, Model, Numerics};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockTable, KvCache};
+use crate::quant::amx_bf16::{self, Bf16Matrix};
 use crate::quant::{matmul_group, matmul_group_interleaved, matmul_swiglu_interleaved, Interleaved, QMatrix};
 use rayon::prelude::*;
 
@@ -127,6 +128,12 @@ fn rope(x: &mut [f32], head_dim: usize, table: &[(f32, f32)]) {
 /// (bandwidth-bound decode, where dequantizing the whole matrix would cost more than the product).
 pub(super) const GEMM_MIN_ROWS: usize = 32;
 
+/// From this many rows of one item on (a prompt or its chunk, never a decode step's one), the
+/// layer matrices' products take their bf16 copies on AMX where the model made them
+/// (`Numerics::Fast` on a CPU with AMX-BF16). A bf16 product's row has the same bits alone or
+/// among others, so a prompt's bits depend on its chunking only where a chunk is one row.
+pub(super) const BF16_MIN_ROWS: usize = 2;
+
 /// `y[t × n] = x[t × k] · wᵀ` with `w` row-major `[n × k]`, on every thread of the current pool:
 /// the products of weights without a repacked copy, and the one call site of the `gemm` crate.
 pub(crate) fn gemm_xwt(x: &[f32], w: &[f32], y: &mut [f32], t: usize, n: usize, k: usize) {
@@ -200,23 +207,45 @@ impl Model {
             }
             return Ok(());
         }
-        let (repacked, plain): (Vec<usize>, Vec<usize>) =
-            (0..mats.len()).partition(|&i| ws[i].interleaved.is_some());
-        self.kernel_groups(ws, &mats, &repacked, x, ys)?;
+        // Prompt items take the bf16 copies where they exist (every matrix of the call has one).
+        let bf16: Option<Vec<&Bf16Matrix>> = (self.numerics == Numerics::Fast)
+            .then(|| ws.iter().map(|w| w.bf16.as_deref()).collect::<Option<Vec<_>>>())
+            .flatten();
+        let (plain, long_rows) = match bf16 {
+            Some(_) => ((0..mats.len()).collect::<Vec<usize>>(), BF16_MIN_ROWS),
+            None => {
+                let (repacked, plain): (Vec<usize>, Vec<usize>) =
+                    (0..mats.len()).partition(|&i| ws[i].interleaved.is_some());
+                self.kernel_groups(ws, &mats, &repacked, x, ys)?;
+                (plain, GEMM_MIN_ROWS)
+            }
+        };
         if plain.is_empty() {
             return Ok(());
         }
-        // Items long enough for dequantize + GEMM, as row ranges; the other rows stay together.
+        // Items long enough for their own product (bf16 tiles, or dequantize + GEMM), as row
+        // ranges; the other rows stay together.
         let (mut long, mut short, mut r0) = (Vec::new(), Vec::new(), 0);
         for &n in spans {
-            if n >= GEMM_MIN_ROWS {
+            if n >= long_rows {
                 long.push(r0..r0 + n)
             } else {
                 short.extend(r0..r0 + n)
             }
             r0 += n;
         }
-        for &i in plain.iter().filter(|_| !long.is_empty()) {
+        if let Some(bf) = &bf16 {
+            let cols = bf[0].cols();
+            for r in &long {
+                let mut parts: Vec<&mut [f32]> = ys
+                    .iter_mut()
+                    .zip(bf)
+                    .map(|(y, w)| &mut y[r.start * w.rows()..r.end * w.rows()])
+                    .collect();
+                amx_bf16::matmul_group(bf, &x[r.start * cols..r.end * cols], r.len(), &mut parts)?;
+            }
+        }
+        for &i in plain.iter().filter(|_| bf16.is_none() && !long.is_empty()) {
             let (m, (rows, cols)) = (&mats[i], (mats[i].rows(), mats[i].cols()));
             with_dequantized(m, |wf| {
                 for r in &long {
@@ -420,7 +449,10 @@ impl Model {
             norm_rows(&x, &layer.ffn_norm, &mut xn);
             let down = sized(&mut down, rows_of(&layer.w_down)?);
             let (g, u, dn) = (&layer.w_gate.interleaved, &layer.w_up.interleaved, &layer.w_down.interleaved);
-            if let (false, Some(g), Some(u), Some(dn)) = (exact, g, u, dn) {
+            let bf16_ffn = self.numerics == Numerics::Fast
+                && layer.w_gate.bf16.is_some()
+                && spans.iter().any(|&n| n >= BF16_MIN_ROWS);
+            if let (false, false, Some(g), Some(u), Some(dn)) = (exact, bf16_ffn, g, u, dn) {
                 // Gate, up, SiLU and the down product's quantized input in one region (each task
                 // its own rows); the same bits as the steps one by one below. Alternating every
                 // eight steps in one process: batch-1 steps 0.6–1.3% faster (three runs), a

@@ -23,6 +23,7 @@ pub use forward::{BatchItem, ForwardOutput};
 
 use crate::error::{EngineError, Result};
 use crate::gguf::{Gguf, GgufIndex, TensorView};
+use crate::quant::amx_bf16::{self, Bf16Matrix};
 use crate::quant::{GgmlType, Interleaved, QMatrix};
 use std::ops::Range;
 use std::path::Path;
@@ -75,6 +76,9 @@ pub struct Mat {
     cols: usize,
     range: Range<usize>,
     interleaved: Option<std::sync::Arc<Interleaved>>,
+    /// Repacked layer matrices on a CPU with AMX-BF16 (kernels at `amx`): a bfloat16 copy for
+    /// prompt products (`quant::amx_bf16`).
+    bf16: Option<std::sync::Arc<Bf16Matrix>>,
 }
 
 #[derive(Debug)]
@@ -110,11 +114,18 @@ pub struct Model {
 /// Which arithmetic the forward pass uses.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Numerics {
-    /// The engine's own kernels (repacked integer tiles, two-pass softmax, vectorized exp): the
-    /// serving default. Logits match llama.cpp's to quantization noise (≈ 0.7 on the default
-    /// model), so a greedy continuation may part from llama.cpp's at a near-tie.
+    /// The engine's own kernels (repacked integer tiles, two-pass softmax, vectorized exp), and
+    /// on a CPU with AMX-BF16 the layer matrices' bf16 copies for items of two or more rows (a
+    /// prompt or its chunk): the serving default. Logits match llama.cpp's to quantization noise
+    /// (≈ 0.7 on the default model), so a greedy continuation may part from llama.cpp's at a
+    /// near-tie.
     #[default]
     Fast,
+    /// [`Numerics::Fast`] without the bf16 prompt products: every repacked product on the
+    /// integer tiles at every size, so a sequence's bits do not depend on how its prompt was
+    /// chunked, on a prefix-cache hit, on a recomputation after preemption, or on the CPU
+    /// (invariant 12).
+    Invariant,
     /// llama.cpp's CPU arithmetic reproduced rounding for rounding (see `model/ggml.rs`): greedy
     /// output token-for-token llama.cpp's, at a fraction of the speed. Q4_1/Q8_0 matrices only.
     Ggml,
@@ -143,7 +154,7 @@ impl Model {
         let mat = |name: &str, rows: usize, cols: usize| -> Result<Mat> {
             let t = file.tensor(name)?;
             t.matrix_checked(rows, cols)?;
-            Ok(Mat { ty: t.ty, rows, cols, range: range_of(&file, &t), interleaved: None })
+            Ok(Mat { ty: t.ty, rows, cols, range: range_of(&file, &t), interleaved: None, bf16: None })
         };
         let vec = |name: &str, n: usize| -> Result<Vec<f32>> {
             let t = file.tensor(name)?;
@@ -179,16 +190,36 @@ impl Model {
         // Repacked copies of every matrix the forward pass multiplies (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K;
         // the embedding lookups keep reading the file's rows).
         let (mut layers, mut output) = (layers, output);
+        // And bf16 copies of the layer matrices for prompts where the CPU has AMX-BF16 (the
+        // output head multiplies one row an item, so it keeps the integer tiles).
+        let bf16 = kernel >= crate::quant::Kernel::Amx && amx_bf16::available();
+        let mut bf16_bytes = 0;
         let mats = layers.iter_mut().flat_map(|l| {
             [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]
         });
-        for m in mats.chain(std::iter::once(&mut output)) {
+        for (m, layer_matrix) in mats.map(|m| (m, true)).chain(std::iter::once((&mut output, false))) {
             let data = file.bytes().get(m.range.clone()).unwrap_or(&[]);
             let q = QMatrix::new(m.ty, m.rows, m.cols, data)?;
             m.interleaved = Interleaved::from_matrix(&q).map(std::sync::Arc::new);
+            // Quantized weights only: their rounding to bf16 is below the quantization's own,
+            // where f32 and f16 weights would lose bits to it (they keep dequantize + f32 GEMM).
+            if let (true, true, Some(il)) = (bf16, layer_matrix, &m.interleaved) {
+                let mut f = vec![0f32; m.rows * m.cols];
+                il.dequantize_into(&mut f)?;
+                let b = Bf16Matrix::from_f32(&f, m.rows, m.cols)?;
+                bf16_bytes += b.bytes();
+                m.bf16 = Some(std::sync::Arc::new(b));
+            }
             if m.interleaved.is_some() {
                 file.backing().release(m.range.clone());
             }
+        }
+        if bf16 {
+            tracing::info!(
+                bytes = bf16_bytes,
+                "prompt products on AMX-BF16: {} MiB of bf16 weights",
+                bf16_bytes >> 20
+            );
         }
         let pool = rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("tokenpath-engine-{i}"))
@@ -212,6 +243,14 @@ impl Model {
             for (name, m) in mats.chain([("output", &self.output), ("token_embd", &self.token_embd)]) {
                 ggml::check_type(name, m.ty)?;
             }
+        }
+        if numerics != Numerics::Fast {
+            // Only `Fast` multiplies prompts on the bf16 copies: the memory goes back now (a
+            // model switched back to `Fast` runs its prompts on the integer tiles).
+            let mats = self.layers.iter_mut().flat_map(|l| {
+                [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]
+            });
+            mats.for_each(|m| m.bf16 = None);
         }
         self.numerics = numerics;
         Ok(())

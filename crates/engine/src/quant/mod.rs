@@ -20,6 +20,7 @@
 mod activation;
 #[cfg(target_arch = "x86_64")]
 mod activation_avx512;
+pub mod amx_bf16;
 #[cfg(target_arch = "x86_64")]
 mod dot_avx2;
 mod dot_scalar;

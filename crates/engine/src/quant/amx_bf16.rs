@@ -1,0 +1,438 @@
+//! Prompt products on AMX-BF16: a copy of each layer matrix in bfloat16, multiplied by the
+//! prompt's activations rounded to bfloat16, `tdpbf16ps` accumulating f32 over the whole row.
+//!
+//! Why a second copy and a second arithmetic: the integer tiles (`interleave_amx`) must store,
+//! reload and scale every 32-value block's dots, since every block has its own scales — the
+//! scaling, not the multiplication, bounds them (~350 G products a second a core here). With the
+//! scales folded into bfloat16 weights once at load, a 16 × 16 tile of sums stays in its register
+//! from the first column to the last: a register block of 2 × 2 tiles (32 activations × 32 rows,
+//! one tile load per `tdpbf16ps`) ran ~1.3 T multiply-adds' worth of FLOP a second a core on the
+//! machine measured, the activations streaming from L2 (docs/engine.md, Kernel paths). The copy
+//! costs two bytes a weight (212 MB for the default model), so it is made only where the CPU has
+//! AMX-BF16 and the integer AMX path is allowed (`TOKENPATH_KERNEL` at `amx`).
+//!
+//! Numerics: a different rounding from the integer tiles (bfloat16 weights and activations, f32
+//! sums, against Q8 activations and exact integer dots), so the forward pass uses it only as a
+//! method of its own for prompt-sized items, as it uses dequantize + GEMM for the other weight
+//! types (invariant 12). An output depends only on its own activation row and weight row: the
+//! tiles' sums run over k in the same order for every row of a tile, so a row gives the same bits
+//! alone, in a tile of strangers, or in any chunk of its prompt.
+//!
+//! Safety contract of the kernel: [`available`] returned true, the shapes were checked here.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::{asm, x86_64::*};
+
+use rayon::prelude::*;
+
+use crate::error::{EngineError, Result};
+
+/// Rows (of weights) or activations per tile.
+const TILE: usize = 16;
+/// Columns (k) per tile step: 32 bfloat16 are a tile row's 64 bytes.
+const KSTEP: usize = 32;
+/// `u16`s per tile (16 rows of 64 bytes).
+const TILE_LEN: usize = TILE * KSTEP;
+/// Activations per parallel task: 256 activations × 576 columns of bf16 are 288 KB, which the
+/// task's core keeps in its L2 while it sweeps every row pair of the matrix.
+const ACTS_PER_TASK: usize = 256;
+
+/// Whether this CPU has AMX-BF16 beside AMX-TILE, the process got the tile state, and the
+/// AVX-512 F/BW conversions of the activations run.
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| {
+            // CPUID.(EAX=7, ECX=0):EDX bit 22 is AMX-BF16.
+            let leaf = __cpuid_count(7, 0);
+            leaf.edx & (1 << 22) != 0
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && super::interleave_amx::available()
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// A matrix in bfloat16, laid out as `tdpbf16ps`'s second operand: for each tile of sixteen rows
+/// (row count padded with zero rows to a whole pair of tiles) and each step of 32 columns, sixteen
+/// tile rows, each holding columns `2j, 2j + 1` of the sixteen rows side by side.
+#[derive(Debug)]
+pub struct Bf16Matrix {
+    rows: usize,
+    cols: usize,
+    data: Vec<u16>,
+}
+
+impl Bf16Matrix {
+    /// The matrix `w` (`rows × cols`, row-major f32) rounded to bfloat16 (to nearest, ties to
+    /// even). `cols` must be a whole number of 32-column steps.
+    pub fn from_f32(w: &[f32], rows: usize, cols: usize) -> Result<Self> {
+        if rows == 0 || cols == 0 || cols % KSTEP != 0 {
+            return Err(EngineError::InvalidArgument(format!(
+                "a bf16 tile matrix needs rows and a multiple of {KSTEP} columns, got {rows} × {cols}"
+            )));
+        }
+        super::check_matrix_len(rows, cols, w.len())?;
+        let (tiles, steps) = (rows.div_ceil(2 * TILE) * 2, cols / KSTEP);
+        let mut data = vec![0u16; tiles * steps * TILE_LEN];
+        data.par_chunks_mut(steps * TILE_LEN).enumerate().for_each(|(t, tile)| {
+            for n in 0..TILE.min(rows.saturating_sub(t * TILE)) {
+                let row = &w[(t * TILE + n) * cols..(t * TILE + n + 1) * cols];
+                for (k, &v) in row.iter().enumerate() {
+                    let (s, kk) = (k / KSTEP, k % KSTEP);
+                    tile[s * TILE_LEN + (kk / 2) * 2 * TILE + n * 2 + kk % 2] = bf16_bits(v);
+                }
+            }
+        });
+        Ok(Self { rows, cols, data })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 2
+    }
+
+    /// Pairs of row tiles.
+    fn pairs(&self) -> usize {
+        self.data.len() / (2 * (self.cols / KSTEP) * TILE_LEN)
+    }
+
+    /// The weight `(r, k)` as f32 (what the tiles multiply).
+    #[cfg(test)]
+    fn at(&self, r: usize, k: usize) -> f32 {
+        let (t, n, s, kk) = (r / TILE, r % TILE, k / KSTEP, k % KSTEP);
+        let i = (t * (self.cols / KSTEP) + s) * TILE_LEN + (kk / 2) * 2 * TILE + n * 2 + kk % 2;
+        f32::from_bits((self.data[i] as u32) << 16)
+    }
+}
+
+/// `v` rounded to bfloat16, as bits: `half`'s conversion (to nearest, ties to even; NaN stays
+/// NaN, made quiet), the one the vector path reproduces.
+fn bf16_bits(v: f32) -> u16 {
+    half::bf16::from_f32(v).to_bits()
+}
+
+/// `ys[i] = x · mats[i]ᵀ` (`m × rows_i`, row-major) for matrices of the same width reading the same
+/// `x` (`m × cols`): the activations rounded to bfloat16 once, then every matrix's row pairs as
+/// tasks of one parallel region.
+pub fn matmul_group(mats: &[&Bf16Matrix], x: &[f32], m: usize, ys: &mut [&mut [f32]]) -> Result<()> {
+    let Some(cols) = mats.first().map(|w| w.cols) else { return Ok(()) };
+    if mats.len() != ys.len() {
+        return Err(EngineError::shape("bf16 product outputs", mats.len(), ys.len()));
+    }
+    if x.len() != m * cols {
+        return Err(EngineError::shape("bf16 product input", m * cols, x.len()));
+    }
+    for (w, y) in mats.iter().zip(ys.iter()) {
+        if w.cols != cols {
+            return Err(EngineError::shape("bf16 product width", cols, w.cols));
+        }
+        if y.len() != m * w.rows {
+            return Err(EngineError::shape("bf16 product output", m * w.rows, y.len()));
+        }
+    }
+    if m == 0 {
+        return Ok(());
+    }
+    if !available() {
+        return Err(EngineError::InvalidArgument("bf16 tiles need AMX-BF16".into()));
+    }
+    #[cfg(target_arch = "x86_64")]
+    run(mats, x, m, ys);
+    Ok(())
+}
+
+/// [`matmul_group`] once its shapes are checked and the CPU's features are known.
+#[cfg(target_arch = "x86_64")]
+fn run(mats: &[&Bf16Matrix], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
+    let cols = mats[0].cols;
+    let m_pad = m.div_ceil(2 * TILE) * 2 * TILE;
+    let mut xb = vec![0u16; m_pad * cols];
+    xb[..m * cols].par_chunks_mut(TILE * cols).zip(x.par_chunks(TILE * cols)).for_each(|(o, i)| {
+        // SAFETY: `available` checked AVX-512 F and BW.
+        unsafe { to_bf16_avx512(i, o) }
+    });
+    // Tasks: (block of activations, matrix, row pair), activation blocks outermost so each core
+    // keeps its own activations.
+    let pairs: Vec<usize> = mats.iter().map(|w| w.pairs()).collect();
+    let per_block: usize = pairs.iter().sum();
+    let blocks = m_pad.div_ceil(ACTS_PER_TASK);
+    let outs: Vec<Out> = ys.iter_mut().map(|y| Out(y.as_mut_ptr())).collect();
+    let (xb, outs) = (&xb, &outs);
+    crate::par::for_each(blocks * per_block, |task| {
+        let (block, mut p) = (task / per_block, task % per_block);
+        let mut i = 0;
+        while p >= pairs[i] {
+            p -= pairs[i];
+            i += 1;
+        }
+        let acts = block * ACTS_PER_TASK..((block + 1) * ACTS_PER_TASK).min(m_pad);
+        // SAFETY: `available` checked the CPU; `xb` holds `m_pad × cols` values; pair `p` is
+        // within the matrix; this task alone writes rows `acts` × row pair `p` of output `i`,
+        // which has `m × rows` values, and the kernel writes only within `m` and `rows`.
+        unsafe { pair_product(mats[i], p, xb, acts, m, outs[i]) };
+    });
+}
+
+/// An output buffer the tasks write disjoint parts of.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: each task writes only its own (activations × row pair) part of the buffer, and the
+// region ends before the buffer's borrow does.
+unsafe impl Sync for Out {}
+unsafe impl Send for Out {}
+
+/// `ldtilecfg`'s 64-byte operand (palette 1): eight tiles of 16 rows × 64 bytes — tmm0–3 the
+/// 2 × 2 block of f32 sums, tmm4–5 two tiles of activations, tmm6–7 two of weights.
+#[cfg(target_arch = "x86_64")]
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+/// Activations `acts` (a range of whole 32-activation blocks of `xb`) times row pair `p` of `w`,
+/// into `out` (`m × w.rows`): the sums of each 2 × 2 block of tiles stay in tmm0–3 over every
+/// column.
+///
+/// # Safety
+/// [`available`] returned true; `xb` holds at least `acts.end × w.cols` values and `acts` is
+/// 32-aligned; `p < w.pairs()`; `out` points to `m × w.rows` writable values that no one else
+/// touches in this part.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pair_product(
+    w: &Bf16Matrix,
+    p: usize,
+    xb: &[u16],
+    acts: std::ops::Range<usize>,
+    m: usize,
+    out: Out,
+) {
+    let (cols, rows, steps) = (w.cols, w.rows, w.cols / KSTEP);
+    debug_assert!(xb.len() >= acts.end * cols && p < w.pairs());
+    let mut config =
+        TileConfig { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+    for t in 0..8 {
+        config.colsb[t] = 64;
+        config.rows[t] = TILE as u8;
+    }
+    let (a_stride, w_stride) = (cols * 2, 64usize);
+    let w0 = w.data[2 * p * steps * TILE_LEN..].as_ptr();
+    let w1 = w.data[(2 * p + 1) * steps * TILE_LEN..].as_ptr();
+    let mut spill = [0f32; TILE * TILE];
+    unsafe {
+        asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
+        for a0 in acts.step_by(2 * TILE) {
+            asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+            let (x0, x1) = (xb.as_ptr().add(a0 * cols), xb.as_ptr().add((a0 + TILE) * cols));
+            for s in 0..steps {
+                asm!(
+                    "tileloadd tmm4, [{x0} + {as}*1]",
+                    "tileloadd tmm6, [{w0} + {ws}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tileloadd tmm7, [{w1} + {ws}*1]",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tileloadd tmm5, [{x1} + {as}*1]",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    x0 = in(reg) x0.add(s * KSTEP),
+                    x1 = in(reg) x1.add(s * KSTEP),
+                    w0 = in(reg) w0.add(s * TILE_LEN),
+                    w1 = in(reg) w1.add(s * TILE_LEN),
+                    as = in(reg) a_stride,
+                    ws = in(reg) w_stride,
+                    options(nostack, readonly),
+                );
+            }
+            // Tile (i, j): activations a0 + 16i.., rows 32p + 16j..; stored in place when whole,
+            // else through `spill` for the part inside `m × rows`.
+            macro_rules! store {
+                ($t:literal, $i:expr, $j:expr) => {{
+                    let (r0, c0) = (a0 + TILE * $i, 2 * TILE * p + TILE * $j);
+                    if r0 + TILE <= m && c0 + TILE <= rows {
+                        asm!(
+                            concat!("tilestored [{c} + {s}*1], tmm", $t),
+                            c = in(reg) out.0.add(r0 * rows + c0),
+                            s = in(reg) rows * 4,
+                            options(nostack),
+                        );
+                    } else if r0 < m && c0 < rows {
+                        asm!(
+                            concat!("tilestored [{c} + {s}*1], tmm", $t),
+                            c = in(reg) spill.as_mut_ptr(),
+                            s = in(reg) TILE * 4,
+                            options(nostack),
+                        );
+                        let (nr, nc) = ((m - r0).min(TILE), (rows - c0).min(TILE));
+                        for r in 0..nr {
+                            std::ptr::copy_nonoverlapping(
+                                spill.as_ptr().add(r * TILE),
+                                out.0.add((r0 + r) * rows + c0),
+                                nc,
+                            );
+                        }
+                    }
+                }};
+            }
+            store!("0", 0, 0);
+            store!("1", 0, 1);
+            store!("2", 1, 0);
+            store!("3", 1, 1);
+        }
+        asm!("tilerelease", options(nostack, nomem));
+    }
+}
+
+/// `x` rounded to bfloat16 into `out`, sixteen at a time: `bits + 0x7fff + lsb`, the top half (to
+/// nearest, ties to even), NaNs quieted as [`bf16_bits`] does — the same bits as it.
+///
+/// # Safety
+/// AVX-512 F and BW are present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn to_bf16_avx512(x: &[f32], out: &mut [u16]) {
+    let n = x.len().min(out.len());
+    let mut i = 0;
+    unsafe {
+        let (one, bias, abs, inf, quiet) = (
+            _mm512_set1_epi32(1),
+            _mm512_set1_epi32(0x7fff),
+            _mm512_set1_epi32(0x7fff_ffff),
+            _mm512_set1_epi32(0x7f80_0000),
+            _mm512_set1_epi32(0x0040),
+        );
+        while i + 16 <= n {
+            let b = _mm512_loadu_si512(x.as_ptr().add(i).cast());
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), one);
+            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(_mm512_add_epi32(b, bias), lsb));
+            let nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(b, abs), inf);
+            let quieted = _mm512_or_si512(_mm512_srli_epi32::<16>(b), quiet);
+            let v = _mm512_mask_mov_epi32(rounded, nan, quieted);
+            _mm256_storeu_si256(out.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi16(v));
+            i += 16;
+        }
+    }
+    for (o, &v) in out[i..n].iter_mut().zip(&x[i..n]) {
+        *o = bf16_bits(v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 20_001) as f32 / 10_000.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_vector_rounding_gives_half_s_bits() {
+        if !available() {
+            eprintln!("skipped: no AMX-BF16 here");
+            return;
+        }
+        let mut x = values(1000, 3);
+        let specials = [
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            f32::MAX,
+            f32::MIN_POSITIVE / 3.0,
+            f32::from_bits(0x3f80_8000), // a tie, rounds to even (down)
+            f32::from_bits(0x3f81_8000), // a tie, rounds to even (up)
+            f32::from_bits(0x3f80_8001),
+            f32::from_bits(0x7f7f_ffff),
+        ];
+        x[..specials.len()].copy_from_slice(&specials);
+        let mut out = vec![0u16; x.len()];
+        // SAFETY: `available` checked AVX-512 F and BW.
+        unsafe { to_bf16_avx512(&x, &mut out) };
+        for (i, (&v, &o)) in x.iter().zip(&out).enumerate() {
+            assert_eq!(o, bf16_bits(v), "value {i}: {v:e}");
+        }
+    }
+
+    /// Every shape edge (a partial activation tile, a partial row pair, one row, several matrices
+    /// in one region) against the same products summed in f64 over the bf16 operands: within
+    /// f32 rounding of a sum, and each row the same bits alone as among others.
+    #[test]
+    fn products_match_a_wide_sum_and_a_row_is_the_same_alone() {
+        if !available() {
+            eprintln!("skipped: no AMX-BF16 here");
+            return;
+        }
+        for &(m, rows_a, rows_b, cols) in
+            &[(1, 16, 8, 32), (37, 40, 72, 96), (300, 64, 24, 576), (64, 32, 32, 1536)]
+        {
+            let wa = values(rows_a * cols, 7);
+            let wb = values(rows_b * cols, 11);
+            let (a, b) = (
+                Bf16Matrix::from_f32(&wa, rows_a, cols).unwrap(),
+                Bf16Matrix::from_f32(&wb, rows_b, cols).unwrap(),
+            );
+            let x = values(m * cols, 5);
+            let (mut ya, mut yb) = (vec![f32::NAN; m * rows_a], vec![f32::NAN; m * rows_b]);
+            matmul_group(&[&a, &b], &x, m, &mut [&mut ya, &mut yb]).unwrap();
+            for (w, y) in [(&a, &ya), (&b, &yb)] {
+                for i in 0..m {
+                    for r in 0..w.rows {
+                        let terms = (0..cols).map(|k| {
+                            let xv = f32::from_bits((bf16_bits(x[i * cols + k]) as u32) << 16);
+                            xv as f64 * w.at(r, k) as f64
+                        });
+                        let (wide, size) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                        // Recursive summation's bound: (n − 1) · 2⁻²⁴ · Σ|terms|.
+                        let bound = cols as f64 * f64::powi(2.0, -24) * size;
+                        let got = y[i * w.rows + r] as f64;
+                        assert!((got - wide).abs() <= bound, "({i}, {r}) {got} vs {wide} (bound {bound:e})");
+                    }
+                }
+            }
+            let last = m - 1;
+            let mut alone = vec![0f32; rows_a];
+            matmul_group(&[&a], &x[last * cols..], 1, &mut [&mut alone]).unwrap();
+            assert_eq!(
+                alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                ya[last * rows_a..].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "row {last} of {m} alone"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        assert!(Bf16Matrix::from_f32(&[0.0; 48], 1, 48).is_err());
+        assert!(Bf16Matrix::from_f32(&[0.0; 31], 1, 32).is_err());
+        let w = Bf16Matrix::from_f32(&[0.5; 64], 2, 32).unwrap();
+        assert!(matmul_group(&[&w], &[0.0; 31], 1, &mut [&mut [0.0; 2]]).is_err());
+        assert!(matmul_group(&[&w], &[0.0; 32], 1, &mut [&mut [0.0; 3]]).is_err());
+    }
+}
