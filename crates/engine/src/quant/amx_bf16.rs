@@ -70,7 +70,7 @@ impl Bf16Matrix {
     /// The matrix `w` (`rows × cols`, row-major f32) rounded to bfloat16 (to nearest, ties to
     /// even). `cols` must be a whole number of 32-column steps.
     pub fn from_f32(w: &[f32], rows: usize, cols: usize) -> Result<Self> {
-        if rows == 0 || cols == 0 || cols % KSTEP != 0 {
+        if rows == 0 || cols == 0 || !cols.is_multiple_of(KSTEP) {
             return Err(EngineError::InvalidArgument(format!(
                 "a bf16 tile matrix needs rows and a multiple of {KSTEP} columns, got {rows} × {cols}"
             )));
