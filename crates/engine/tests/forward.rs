@@ -82,6 +82,37 @@ fn chunked_prefill_equals_whole_prefill_and_decode_matches_all_logits() {
     }
 }
 
+/// Invariant 12 under the bf16 prompt products: a prompt's last logits have the same bits whole
+/// or in chunks of two or more rows (a bf16 product's row does not depend on the rows beside it),
+/// and under `Numerics::Invariant` in chunks of any size. Where the model made bf16 copies the two
+/// numerics give different bits — so the `Fast` half did run the bf16 tiles.
+#[test]
+fn a_prompt_has_the_same_bits_whole_or_chunked_under_either_numerics() {
+    use tokenpath_engine::quant::{amx_bf16, Kernel};
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_1] {
+        let tokens: Vec<u32> = (0..11).map(|i| (i * 13 + 5) % 200).collect();
+        let mut last = Vec::new();
+        for (numerics, chunks) in [(Numerics::Fast, [2, 4, 5]), (Numerics::Invariant, [1, 3, 7])] {
+            let mut m = tiny(ty);
+            m.set_numerics(numerics).unwrap();
+            let mut kv = cache(&m, 32);
+            let (mut a, mut b) = (BlockTable::default(), BlockTable::default());
+            let whole = run(&m, &mut kv, &mut a, &tokens, false);
+            let mut got = Vec::new();
+            let mut at = 0;
+            for n in chunks {
+                got = run(&m, &mut kv, &mut b, &tokens[at..at + n], false);
+                at += n;
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&whole), bits(&got), "{ty:?} {numerics:?} in chunks of {chunks:?}");
+            last.push(bits(&whole));
+        }
+        let bf16 = amx_bf16::available() && Kernel::best() >= Kernel::Amx;
+        assert_eq!(last[0] != last[1], bf16, "{ty:?}: Fast and Invariant differ only on the bf16 tiles");
+    }
+}
+
 /// Chunks of every size after a prefix, against the dense reference: a last chunk of 1, 5 or 31
 /// rows after 32 cached tokens (what a prefix-cache hit or `--prefill-chunk 32` runs) gives the
 /// logits a whole prefill does, on both sides of attention's 32-row switch.

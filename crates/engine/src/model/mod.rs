@@ -192,7 +192,25 @@ impl Model {
         let (mut layers, mut output) = (layers, output);
         // And bf16 copies of the layer matrices for prompts where the CPU has AMX-BF16 (the
         // output head multiplies one row an item, so it keeps the integer tiles).
-        let bf16 = kernel >= crate::quant::Kernel::Amx && amx_bf16::available();
+        // Two bytes a weight: made only while they fit in a quarter of the machine's memory (a
+        // large model keeps its prompts on the integer tiles rather than risk the memory).
+        let bf16_need: usize = layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(|m| amx_bf16::Bf16Matrix::bytes_for(m.rows, m.cols))
+            .sum();
+        let bf16 = kernel >= crate::quant::Kernel::Amx
+            && amx_bf16::available()
+            && {
+                let budget = physical_memory() / 4;
+                if bf16_need > budget {
+                    tracing::info!(
+                    "prompt products on the integer tiles: bf16 copies would take {} MiB, over a quarter of this machine's memory",
+                    bf16_need >> 20
+                );
+                }
+                bf16_need <= budget
+            };
         let mut bf16_bytes = 0;
         let mats = layers.iter_mut().flat_map(|l| {
             [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]
@@ -287,6 +305,13 @@ impl Model {
         let data = self.file.bytes().get(m.range.clone()).unwrap_or(&[]);
         QMatrix::new(m.ty, m.rows, m.cols, data)
     }
+}
+
+/// This machine's physical memory in bytes (0 when unknown).
+fn physical_memory() -> usize {
+    // SAFETY: `sysconf` only reads system configuration.
+    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    (pages.max(0) as usize).saturating_mul(size.max(0) as usize)
 }
 
 fn range_of(file: &Gguf<ModelBytes>, t: &TensorView<'_>) -> Range<usize> {

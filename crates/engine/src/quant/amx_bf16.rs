@@ -103,6 +103,11 @@ impl Bf16Matrix {
         self.data.len() * 2
     }
 
+    /// Bytes a `rows × cols` matrix takes (its rows padded to a whole pair of tiles).
+    pub fn bytes_for(rows: usize, cols: usize) -> usize {
+        rows.div_ceil(2 * TILE) * 2 * TILE * cols * 2
+    }
+
     /// Pairs of row tiles.
     fn pairs(&self) -> usize {
         self.data.len() / (2 * (self.cols / KSTEP) * TILE_LEN)
@@ -432,6 +437,7 @@ mod tests {
         assert!(Bf16Matrix::from_f32(&[0.0; 48], 1, 48).is_err());
         assert!(Bf16Matrix::from_f32(&[0.0; 31], 1, 32).is_err());
         let w = Bf16Matrix::from_f32(&[0.5; 64], 2, 32).unwrap();
+        assert_eq!(w.bytes(), Bf16Matrix::bytes_for(2, 32));
         assert!(matmul_group(&[&w], &[0.0; 31], 1, &mut [&mut [0.0; 2]]).is_err());
         assert!(matmul_group(&[&w], &[0.0; 32], 1, &mut [&mut [0.0; 3]]).is_err());
     }
