@@ -187,6 +187,37 @@ fn interleaved_prefill_throughput() {
     }
 }
 
+/// The bf16 prompt products (`quant::amx_bf16`, where the CPU has AMX-BF16) on the FFN's shapes:
+/// 512 activations × 576 columns into 1,536 rows and back, every thread of the pool.
+#[test]
+#[ignore = "benchmark; run in release with --ignored --nocapture"]
+fn bf16_prefill_throughput() {
+    use tokenpath_engine::quant::amx_bf16::{self, Bf16Matrix};
+    if !amx_bf16::available() {
+        println!("no AMX-BF16 here");
+        return;
+    }
+    for (rows, cols, n) in [(1536, 576, 512), (576, 1536, 512), (576, 576, 512), (1536, 576, 2048)] {
+        let w: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.13).sin()).collect();
+        let b = Bf16Matrix::from_f32(&w, rows, cols).expect("matrix");
+        let x: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut out = vec![0f32; rows * n];
+        let run = |out: &mut Vec<f32>| amx_bf16::matmul_group(&[&b], &x, n, &mut [out]).expect("product");
+        run(&mut out);
+        let iters = 20;
+        let t = Instant::now();
+        for _ in 0..iters {
+            run(&mut out);
+        }
+        let s = t.elapsed().as_secs_f64() / iters as f64;
+        println!(
+            "bf16 {rows}x{cols} x{n}: {:.2} ms, {:.0} GFLOP/s",
+            s * 1e3,
+            2.0 * (rows * cols * n) as f64 / s / 1e9
+        );
+    }
+}
+
 /// The repacked tiles at one activation (decode batch 1), in weight bytes per second: one
 /// 1536 × 512 matrix over and over (cache-resident: the tile's own speed) against a sweep over
 /// ~100 MB of distinct copies (DRAM, like a decode step of the whole model). When the two are

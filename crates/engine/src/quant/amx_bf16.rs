@@ -163,18 +163,40 @@ pub fn matmul_group(mats: &[&Bf16Matrix], x: &[f32], m: usize, ys: &mut [&mut [f
 fn run(mats: &[&Bf16Matrix], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
     let cols = mats[0].cols;
     let m_pad = m.div_ceil(2 * TILE) * 2 * TILE;
-    let mut xb = vec![0u16; m_pad * cols];
-    xb[..m * cols].par_chunks_mut(TILE * cols).zip(x.par_chunks(TILE * cols)).for_each(|(o, i)| {
-        // SAFETY: `available` checked AVX-512 F and BW.
-        unsafe { to_bf16_avx512(i, o) }
+    // The activations' copy is kept between calls on this thread (a fresh one is page faults
+    // every product); its rows past `m` are zeros for the tiles' padding.
+    KEPT.with(|kept| {
+        let mut fresh = Vec::new();
+        let mut guard = kept.try_borrow_mut();
+        let xb = match guard.as_deref_mut() {
+            Ok(v) => v,
+            Err(_) => &mut fresh,
+        };
+        xb.clear();
+        xb.resize(m_pad * cols, 0);
+        xb[..m * cols].par_chunks_mut(TILE * cols).zip(x.par_chunks(TILE * cols)).for_each(|(o, i)| {
+            // SAFETY: `available` checked AVX-512 F and BW.
+            unsafe { to_bf16_avx512(i, o) }
+        });
+        products(mats, xb, m, ys);
     });
+}
+
+thread_local! {
+    static KEPT: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Every matrix's row pairs times the bf16 activations `xb` (`m` rows, padded to whole tile pairs).
+#[cfg(target_arch = "x86_64")]
+fn products(mats: &[&Bf16Matrix], xb: &[u16], m: usize, ys: &mut [&mut [f32]]) {
+    let m_pad = xb.len() / mats[0].cols;
     // Tasks: (block of activations, matrix, row pair), activation blocks outermost so each core
     // keeps its own activations.
     let pairs: Vec<usize> = mats.iter().map(|w| w.pairs()).collect();
     let per_block: usize = pairs.iter().sum();
     let blocks = m_pad.div_ceil(ACTS_PER_TASK);
     let outs: Vec<Out> = ys.iter_mut().map(|y| Out(y.as_mut_ptr())).collect();
-    let (xb, outs) = (&xb, &outs);
+    let outs = &outs;
     crate::par::for_each(blocks * per_block, |task| {
         let (block, mut p) = (task / per_block, task % per_block);
         let mut i = 0;
@@ -248,11 +270,11 @@ unsafe fn pair_product(
             for s in 0..steps {
                 asm!(
                     "tileloadd tmm4, [{x0} + {as}*1]",
-                    "tileloadd tmm6, [{w0} + {ws}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tileloadd tmm7, [{w1} + {ws}*1]",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
                     "tileloadd tmm5, [{x1} + {as}*1]",
+                    "tileloadd tmm6, [{w0} + {ws}*1]",
+                    "tileloadd tmm7, [{w1} + {ws}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
                     "tdpbf16ps tmm2, tmm5, tmm6",
                     "tdpbf16ps tmm3, tmm5, tmm7",
                     x0 = in(reg) x0.add(s * KSTEP),
