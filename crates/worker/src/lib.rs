@@ -45,7 +45,8 @@ pub fn prefix_namespace(
     pooled: bool,
 ) -> tokenpath_kv::BlockHash {
     let model = format!("{:?}", engine.model().config());
-    let numerics = format!("{:?}", engine.model().numerics());
+    let bf16 = if engine.model().bf16_prompts() { " with bf16 prompts" } else { "" };
+    let numerics = format!("{:?}{bf16}", engine.model().numerics());
     let layout = format!("{layout:?}");
     let root = tokenpath_kv::BlockHash::namespace(&[
         model.as_bytes(),
@@ -106,5 +107,33 @@ impl tokenpath_protocol::backend::Backend for WorkerHandle {
 
     fn in_flight(&self) -> usize {
         WorkerHandle::in_flight(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefix_namespace;
+    use tokenpath_engine::model::{Model, Numerics};
+    use tokenpath_engine::quant::GgmlType;
+    use tokenpath_engine::tiny::{tiny_model_bytes, TinySpec};
+    use tokenpath_engine::Engine;
+
+    /// KV computed with bf16 prompts is keyed apart from the integer tiles' under the same
+    /// numerics name: a model switched away from `Fast` and back has dropped its bf16 copies, and
+    /// its namespace differs from a fresh one's exactly where the fresh one has them.
+    #[test]
+    fn the_prefix_namespace_names_bf16_prompts() {
+        let bytes = tiny_model_bytes(&TinySpec { ty: GgmlType::Q8_0, ..TinySpec::default() }).unwrap();
+        let fresh = Engine::from_model(Model::from_bytes(bytes.clone()).unwrap()).unwrap();
+        let mut model = Model::from_bytes(bytes).unwrap();
+        model.set_numerics(Numerics::Invariant).unwrap();
+        model.set_numerics(Numerics::Fast).unwrap();
+        let back = Engine::from_model(model).unwrap();
+        assert!(!back.model().bf16_prompts());
+        let layout = fresh.kv_layout(16);
+        for pooled in [false, true] {
+            let (a, b) = (prefix_namespace(&fresh, layout, pooled), prefix_namespace(&back, layout, pooled));
+            assert_eq!(a != b, fresh.model().bf16_prompts(), "pooled {pooled}");
+        }
     }
 }

@@ -279,6 +279,16 @@ impl Model {
         self.numerics
     }
 
+    /// Whether prompts run on the bf16 copies ([`Numerics::Fast`] on a CPU with AMX-BF16): their
+    /// KV differs from the integer tiles' in the last bits, so what keys KV beyond one forward
+    /// call (the prefix namespace) names it.
+    pub fn bf16_prompts(&self) -> bool {
+        self.numerics == Numerics::Fast
+            && self.layers.iter().any(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().any(|m| m.bf16.is_some())
+            })
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
