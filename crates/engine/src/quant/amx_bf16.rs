@@ -63,7 +63,23 @@ pub fn available() -> bool {
 pub struct Bf16Matrix {
     rows: usize,
     cols: usize,
-    data: Vec<u16>,
+    data: Vec<Line>,
+}
+
+/// A tile row: 32 bfloat16 on a cache line of their own. A tile row that straddles two lines
+/// costs every load two (the allocator aligns a `Vec<u16>` to 16 bytes).
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u16; KSTEP]);
+// SAFETY: 64 bytes of `u16`s, no padding (size = alignment = 64), any bit pattern valid.
+unsafe impl bytemuck::Zeroable for Line {}
+unsafe impl bytemuck::Pod for Line {}
+
+/// `n` values of zeros as whole lines.
+fn zeroed_lines(lines: &mut Vec<Line>, n: usize) -> &mut [u16] {
+    lines.clear();
+    lines.resize(n.div_ceil(KSTEP), Line([0; KSTEP]));
+    &mut bytemuck::cast_slice_mut(lines.as_mut_slice())[..n]
 }
 
 impl Bf16Matrix {
@@ -77,16 +93,19 @@ impl Bf16Matrix {
         }
         super::check_matrix_len(rows, cols, w.len())?;
         let (tiles, steps) = (rows.div_ceil(2 * TILE) * 2, cols / KSTEP);
-        let mut data = vec![0u16; tiles * steps * TILE_LEN];
-        data.par_chunks_mut(steps * TILE_LEN).enumerate().for_each(|(t, tile)| {
-            for n in 0..TILE.min(rows.saturating_sub(t * TILE)) {
-                let row = &w[(t * TILE + n) * cols..(t * TILE + n + 1) * cols];
-                for (k, &v) in row.iter().enumerate() {
-                    let (s, kk) = (k / KSTEP, k % KSTEP);
-                    tile[s * TILE_LEN + (kk / 2) * 2 * TILE + n * 2 + kk % 2] = bf16_bits(v);
+        let mut data = Vec::new();
+        zeroed_lines(&mut data, tiles * steps * TILE_LEN)
+            .par_chunks_mut(steps * TILE_LEN)
+            .enumerate()
+            .for_each(|(t, tile)| {
+                for n in 0..TILE.min(rows.saturating_sub(t * TILE)) {
+                    let row = &w[(t * TILE + n) * cols..(t * TILE + n + 1) * cols];
+                    for (k, &v) in row.iter().enumerate() {
+                        let (s, kk) = (k / KSTEP, k % KSTEP);
+                        tile[s * TILE_LEN + (kk / 2) * 2 * TILE + n * 2 + kk % 2] = bf16_bits(v);
+                    }
                 }
-            }
-        });
+            });
         Ok(Self { rows, cols, data })
     }
 
@@ -100,7 +119,7 @@ impl Bf16Matrix {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.data.len() * 2
+        self.data.len() * std::mem::size_of::<Line>()
     }
 
     /// Bytes a `rows × cols` matrix takes (its rows padded to a whole pair of tiles).
@@ -108,9 +127,14 @@ impl Bf16Matrix {
         rows.div_ceil(2 * TILE) * 2 * TILE * cols * 2
     }
 
+    /// The values, as laid out.
+    fn values(&self) -> &[u16] {
+        bytemuck::cast_slice(&self.data)
+    }
+
     /// Pairs of row tiles.
     fn pairs(&self) -> usize {
-        self.data.len() / (2 * (self.cols / KSTEP) * TILE_LEN)
+        self.values().len() / (2 * (self.cols / KSTEP) * TILE_LEN)
     }
 
     /// The weight `(r, k)` as f32 (what the tiles multiply).
@@ -118,7 +142,7 @@ impl Bf16Matrix {
     fn at(&self, r: usize, k: usize) -> f32 {
         let (t, n, s, kk) = (r / TILE, r % TILE, k / KSTEP, k % KSTEP);
         let i = (t * (self.cols / KSTEP) + s) * TILE_LEN + (kk / 2) * 2 * TILE + n * 2 + kk % 2;
-        f32::from_bits((self.data[i] as u32) << 16)
+        f32::from_bits((self.values()[i] as u32) << 16)
     }
 }
 
@@ -168,25 +192,25 @@ fn run(mats: &[&Bf16Matrix], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
     KEPT.with(|kept| {
         let mut fresh = Vec::new();
         let mut guard = kept.try_borrow_mut();
-        let xb = match guard.as_deref_mut() {
+        let lines = match guard.as_deref_mut() {
             Ok(v) => v,
             Err(_) => &mut fresh,
         };
-        xb.clear();
-        xb.resize(m_pad * cols, 0);
-        xb[..m * cols].par_chunks_mut(TILE * cols).zip(x.par_chunks(TILE * cols)).for_each(|(o, i)| {
+        let xb = zeroed_lines(lines, m_pad * cols);
+        xb.par_chunks_mut(TILE * cols).zip(x.par_chunks(TILE * cols)).for_each(|(o, i)| {
             // SAFETY: `available` checked AVX-512 F and BW.
-            unsafe { to_bf16_avx512(i, o) }
+            unsafe { tile_to_bf16_avx512(i, cols, o) }
         });
         products(mats, xb, m, ys);
     });
 }
 
 thread_local! {
-    static KEPT: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+    static KEPT: std::cell::RefCell<Vec<Line>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Every matrix's row pairs times the bf16 activations `xb` (`m` rows, padded to whole tile pairs).
+/// Every matrix's row pairs times the bf16 activations `xb` (`m` rows padded to whole tile pairs,
+/// in tiles: [`tile_to_bf16_avx512`]'s layout).
 #[cfg(target_arch = "x86_64")]
 fn products(mats: &[&Bf16Matrix], xb: &[u16], m: usize, ys: &mut [&mut [f32]]) {
     let m_pad = xb.len() / mats[0].cols;
@@ -258,9 +282,10 @@ unsafe fn pair_product(
         config.colsb[t] = 64;
         config.rows[t] = TILE as u8;
     }
-    let (a_stride, w_stride) = (cols * 2, 64usize);
-    let w0 = w.data[2 * p * steps * TILE_LEN..].as_ptr();
-    let w1 = w.data[(2 * p + 1) * steps * TILE_LEN..].as_ptr();
+    // Both operands are whole tiles in memory: rows of 64 bytes.
+    let (a_stride, w_stride) = (64usize, 64usize);
+    let w0 = w.values()[2 * p * steps * TILE_LEN..].as_ptr();
+    let w1 = w.values()[(2 * p + 1) * steps * TILE_LEN..].as_ptr();
     let mut spill = [0f32; TILE * TILE];
     unsafe {
         asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
@@ -277,8 +302,8 @@ unsafe fn pair_product(
                     "tdpbf16ps tmm1, tmm4, tmm7",
                     "tdpbf16ps tmm2, tmm5, tmm6",
                     "tdpbf16ps tmm3, tmm5, tmm7",
-                    x0 = in(reg) x0.add(s * KSTEP),
-                    x1 = in(reg) x1.add(s * KSTEP),
+                    x0 = in(reg) x0.add(s * TILE_LEN),
+                    x1 = in(reg) x1.add(s * TILE_LEN),
                     w0 = in(reg) w0.add(s * TILE_LEN),
                     w1 = in(reg) w1.add(s * TILE_LEN),
                     as = in(reg) a_stride,
@@ -325,12 +350,32 @@ unsafe fn pair_product(
     }
 }
 
+/// Up to sixteen activations `x` (`cols` each) rounded to bfloat16 into `out` as the tiles read
+/// them: for each step of 32 columns a 16 × 32 tile (1 KB, one `tileloadd` at a 64-byte stride);
+/// rows past `x`'s stay as they are (zeros).
+///
+/// # Safety
+/// AVX-512 F and BW are present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn tile_to_bf16_avx512(x: &[f32], cols: usize, out: &mut [u16]) {
+    let steps = cols / KSTEP;
+    for (r, row) in x.chunks_exact(cols).enumerate().take(TILE) {
+        for s in 0..steps {
+            let at = s * TILE_LEN + r * KSTEP;
+            // SAFETY: the caller's features.
+            unsafe { to_bf16_avx512(&row[s * KSTEP..(s + 1) * KSTEP], &mut out[at..at + KSTEP]) };
+        }
+    }
+}
+
 /// `x` rounded to bfloat16 into `out`, sixteen at a time: `bits + 0x7fff + lsb`, the top half (to
 /// nearest, ties to even), NaNs quieted as [`bf16_bits`] does — the same bits as it.
 ///
 /// # Safety
 /// AVX-512 F and BW are present.
 #[cfg(target_arch = "x86_64")]
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn to_bf16_avx512(x: &[f32], out: &mut [u16]) {
     let n = x.len().min(out.len());
