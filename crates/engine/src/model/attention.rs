@@ -27,6 +27,7 @@ pub(super) fn attention(
     n_head: usize,
     group: usize,
     hd: usize,
+    bf16: bool,
 ) -> Vec<f32> {
     const ROWS_PER_TASK: usize = 128;
     assert_eq!(cache.layout().head_dim, hd, "the KV cache is laid out for another head width");
@@ -70,7 +71,7 @@ pub(super) fn attention(
     crate::par::for_each(tasks.len(), |t| {
         let (i, kvh, r0, nr, heads) = &tasks[t];
         let table: &BlockTable = &*batch[*i].table;
-        let job = Job { cache, table, layer, kvh: *kvh, group, heads: heads.clone(), hd, scale, d };
+        let job = Job { cache, table, layer, kvh: *kvh, group, heads: heads.clone(), hd, scale, d, bf16 };
         let _ = slots[t].set(attend_task(&job, &rows[*r0..r0 + nr], &q[r0 * d..(r0 + nr) * d]));
     });
     let results: Vec<Vec<f32>> = slots.into_iter().map(|s| s.into_inner().unwrap_or_default()).collect();
@@ -101,6 +102,8 @@ struct Job<'a> {
     scale: f32,
     /// Row stride of `q` (all heads).
     d: usize,
+    /// Prefill products on bf16 tiles (`attention_amx.rs`), where the CPU has them.
+    bf16: bool,
 }
 
 /// The decode attention kernels, by CPU path (capped with the products' by `TOKENPATH_KERNEL`).
@@ -405,6 +408,10 @@ fn attend_gemm_in(
             }
         }
     }
+    if job.bf16 && super::attention_amx::usable(hd) {
+        let task = super::attention_amx::Task { rows, group, n_pos, hd, sub: SUB };
+        return super::attention_amx::attend(&task, qm, kt, v, sc, path);
+    }
     let sc = sized(sc, n_q * n_pos);
     let mut out = vec![0f32; n_q * hd];
     // Rows in runs of `SUB`, each against only the positions its last row sees: causal rows of a
@@ -436,7 +443,7 @@ fn attend_gemm_in(
 }
 
 /// [`math::exp_shift_sum16`] on `path` (the same bits on each).
-fn exp_sum(path: Path, xs: &mut [f32], max: f32) -> f32 {
+pub(super) fn exp_sum(path: Path, xs: &mut [f32], max: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     match path {
         // SAFETY: the path was picked from the detected CPU (`Path::best`, or a test that

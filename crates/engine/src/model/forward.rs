@@ -411,6 +411,7 @@ impl Model {
         let add = |x: &mut [f32], y: &[f32]| {
             each_row(par, d, x, y, |a, b| a.iter_mut().zip(b).for_each(|(a, b)| *a += b))
         };
+        let bf16_prompts = self.bf16_prompts();
         for (l, layer) in self.layers.iter().enumerate() {
             norm_rows(&x, &layer.attn_norm, &mut xn);
             let (q, k, v) = (
@@ -440,7 +441,7 @@ impl Model {
             let attn = if exact {
                 ggml::attention(&*cache, batch, &rows, q, l, c.n_head, group, hd)
             } else {
-                attention(&*cache, batch, &rows, q, l, c.n_head, group, hd)
+                attention(&*cache, batch, &rows, q, l, c.n_head, group, hd, bf16_prompts)
             };
             let o = sized(&mut o, rows_of(&layer.wo)?);
             self.linears_into(&[&layer.wo], &attn, &spans, &mut [&mut *o])?;

@@ -7,6 +7,7 @@
 //! one-token chunk — which is what continuous batching with chunked prefill needs from an engine.
 
 mod attention;
+mod attention_amx;
 #[cfg(target_arch = "x86_64")]
 mod attention_avx2;
 #[cfg(target_arch = "x86_64")]

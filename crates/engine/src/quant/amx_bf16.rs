@@ -28,11 +28,11 @@ use rayon::prelude::*;
 use crate::error::{EngineError, Result};
 
 /// Rows (of weights) or activations per tile.
-const TILE: usize = 16;
+pub(crate) const TILE: usize = 16;
 /// Columns (k) per tile step: 32 bfloat16 are a tile row's 64 bytes.
-const KSTEP: usize = 32;
+pub(crate) const KSTEP: usize = 32;
 /// `u16`s per tile (16 rows of 64 bytes).
-const TILE_LEN: usize = TILE * KSTEP;
+pub(crate) const TILE_LEN: usize = TILE * KSTEP;
 /// Activations per parallel task: 256 activations × 576 columns of bf16 are 288 KB, which the
 /// task's core keeps in its L2 while it sweeps every row pair of the matrix.
 const ACTS_PER_TASK: usize = 256;
@@ -70,13 +70,13 @@ pub struct Bf16Matrix {
 /// costs every load two (the allocator aligns a `Vec<u16>` to 16 bytes).
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([u16; KSTEP]);
+pub(crate) struct Line([u16; KSTEP]);
 // SAFETY: 64 bytes of `u16`s, no padding (size = alignment = 64), any bit pattern valid.
 unsafe impl bytemuck::Zeroable for Line {}
 unsafe impl bytemuck::Pod for Line {}
 
 /// `n` values of zeros as whole lines.
-fn zeroed_lines(lines: &mut Vec<Line>, n: usize) -> &mut [u16] {
+pub(crate) fn zeroed_lines(lines: &mut Vec<Line>, n: usize) -> &mut [u16] {
     lines.clear();
     lines.resize(n.div_ceil(KSTEP), Line([0; KSTEP]));
     &mut bytemuck::cast_slice_mut(lines.as_mut_slice())[..n]
@@ -148,7 +148,7 @@ impl Bf16Matrix {
 
 /// `v` rounded to bfloat16, as bits: `half`'s conversion (to nearest, ties to even; NaN stays
 /// NaN, made quiet), the one the vector path reproduces.
-fn bf16_bits(v: f32) -> u16 {
+pub(crate) fn bf16_bits(v: f32) -> u16 {
     half::bf16::from_f32(v).to_bits()
 }
 
@@ -369,38 +369,131 @@ unsafe fn tile_to_bf16_avx512(x: &[f32], cols: usize, out: &mut [u16]) {
     }
 }
 
-/// `x` rounded to bfloat16 into `out`, sixteen at a time: `bits + 0x7fff + lsb`, the top half (to
-/// nearest, ties to even), NaNs quieted as [`bf16_bits`] does — the same bits as it.
+/// Sixteen f32 (as bits) rounded to bfloat16 — `bits + 0x7fff + lsb`, the top half (to nearest,
+/// ties to even), NaNs quieted as [`bf16_bits`] does — each in the low half of its 32-bit lane.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn round16(b: __m512i) -> __m512i {
+    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+    let rounded =
+        _mm512_srli_epi32::<16>(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb));
+    let nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff)),
+        _mm512_set1_epi32(0x7f80_0000),
+    );
+    let quieted = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x0040));
+    _mm512_mask_mov_epi32(rounded, nan, quieted)
+}
+
+/// `x` rounded to bfloat16 into `out`, sixteen at a time ([`round16`]): the same bits as
+/// [`bf16_bits`].
 ///
 /// # Safety
 /// AVX-512 F and BW are present.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn to_bf16_avx512(x: &[f32], out: &mut [u16]) {
+pub(crate) unsafe fn to_bf16_avx512(x: &[f32], out: &mut [u16]) {
     let n = x.len().min(out.len());
     let mut i = 0;
-    unsafe {
-        let (one, bias, abs, inf, quiet) = (
-            _mm512_set1_epi32(1),
-            _mm512_set1_epi32(0x7fff),
-            _mm512_set1_epi32(0x7fff_ffff),
-            _mm512_set1_epi32(0x7f80_0000),
-            _mm512_set1_epi32(0x0040),
-        );
-        while i + 16 <= n {
-            let b = _mm512_loadu_si512(x.as_ptr().add(i).cast());
-            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), one);
-            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(_mm512_add_epi32(b, bias), lsb));
-            let nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(b, abs), inf);
-            let quieted = _mm512_or_si512(_mm512_srli_epi32::<16>(b), quiet);
-            let v = _mm512_mask_mov_epi32(rounded, nan, quieted);
+    while i + 16 <= n {
+        // SAFETY: sixteen values read from `x` and written to `out` at `i`, both within `n`.
+        unsafe {
+            let v = round16(_mm512_loadu_si512(x.as_ptr().add(i).cast()));
             _mm256_storeu_si256(out.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi16(v));
-            i += 16;
         }
+        i += 16;
     }
     for (o, &v) in out[i..n].iter_mut().zip(&x[i..n]) {
         *o = bf16_bits(v);
+    }
+}
+
+/// `out[2i] = bf16(a[i])`, `out[2i + 1] = bf16(b[i])` for the first sixteen `i`: two rows side by
+/// side in pairs, as a row of the tiles' second operand holds them.
+///
+/// # Safety
+/// AVX-512 F and BW are present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn pairs_to_bf16_avx512(a: &[f32], b: &[f32], out: &mut [u16]) {
+    assert!(a.len() >= 16 && b.len() >= 16 && out.len() >= 32, "sixteen pairs");
+    // SAFETY: the lengths just asserted.
+    unsafe {
+        let ra = round16(_mm512_loadu_si512(a.as_ptr().cast()));
+        let rb = round16(_mm512_loadu_si512(b.as_ptr().cast()));
+        _mm512_storeu_si512(out.as_mut_ptr().cast(), _mm512_or_si512(ra, _mm512_slli_epi32::<16>(rb)));
+    }
+}
+
+/// Runs `f` with this thread's tiles configured as eight tiles of 16 rows × 64 bytes (what
+/// [`block_2x2`] uses), released after.
+///
+/// # Safety
+/// [`available`] returned true.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn with_tiles<R>(f: impl FnOnce() -> R) -> R {
+    let mut config =
+        TileConfig { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+    for t in 0..8 {
+        config.colsb[t] = 64;
+        config.rows[t] = TILE as u8;
+    }
+    unsafe { asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly)) };
+    let r = f();
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    r
+}
+
+/// The 2 × 2 tiles of f32 sums `c[(16i + r) · ldc + 16j + n] = Σ_s A_i(s) · B_j(s)` (overwritten):
+/// `a[i]` and `b[j]` point at a tile's first step, each step [`TILE_LEN`] values further, in the
+/// layouts [`Bf16Matrix`] (B) and [`tile_to_bf16_avx512`] (A) describe.
+///
+/// # Safety
+/// Inside [`with_tiles`]; `steps` tiles readable from each of `a` and `b`; 32 rows of `ldc`
+/// floats (the first 32 of each) writable at `c`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) unsafe fn block_2x2(
+    a: [*const u16; 2],
+    b: [*const u16; 2],
+    steps: usize,
+    c: *mut f32,
+    ldc: usize,
+) {
+    unsafe {
+        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+        for s in 0..steps {
+            asm!(
+                "tileloadd tmm4, [{x0} + {st}*1]",
+                "tileloadd tmm5, [{x1} + {st}*1]",
+                "tileloadd tmm6, [{w0} + {st}*1]",
+                "tileloadd tmm7, [{w1} + {st}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                x0 = in(reg) a[0].add(s * TILE_LEN),
+                x1 = in(reg) a[1].add(s * TILE_LEN),
+                w0 = in(reg) b[0].add(s * TILE_LEN),
+                w1 = in(reg) b[1].add(s * TILE_LEN),
+                st = in(reg) 64usize,
+                options(nostack, readonly),
+            );
+        }
+        asm!(
+            "tilestored [{c0} + {s}*1], tmm0",
+            "tilestored [{c1} + {s}*1], tmm1",
+            "tilestored [{c2} + {s}*1], tmm2",
+            "tilestored [{c3} + {s}*1], tmm3",
+            c0 = in(reg) c,
+            c1 = in(reg) c.add(TILE),
+            c2 = in(reg) c.add(TILE * ldc),
+            c3 = in(reg) c.add(TILE * ldc + TILE),
+            s = in(reg) ldc * 4,
+            options(nostack),
+        );
     }
 }
 
@@ -449,6 +542,12 @@ mod tests {
         unsafe { to_bf16_avx512(&x, &mut out) };
         for (i, (&v, &o)) in x.iter().zip(&out).enumerate() {
             assert_eq!(o, bf16_bits(v), "value {i}: {v:e}");
+        }
+        let mut pairs = [0u16; 32];
+        // SAFETY: as above.
+        unsafe { pairs_to_bf16_avx512(&x[..16], &x[16..32], &mut pairs) };
+        for i in 0..16 {
+            assert_eq!((pairs[2 * i], pairs[2 * i + 1]), (bf16_bits(x[i]), bf16_bits(x[16 + i])), "pair {i}");
         }
     }
 
