@@ -95,6 +95,25 @@ struct Layer {
     w_down: Mat,
 }
 
+impl Layer {
+    /// Its seven matrices, in the forward pass's order.
+    fn mats(&self) -> [&Mat; 7] {
+        [&self.wq, &self.wk, &self.wv, &self.wo, &self.w_gate, &self.w_up, &self.w_down]
+    }
+
+    fn mats_mut(&mut self) -> [&mut Mat; 7] {
+        [
+            &mut self.wq,
+            &mut self.wk,
+            &mut self.wv,
+            &mut self.wo,
+            &mut self.w_gate,
+            &mut self.w_up,
+            &mut self.w_down,
+        ]
+    }
+}
+
 /// A loaded model.
 #[derive(Debug)]
 pub struct Model {
@@ -197,25 +216,12 @@ impl Model {
         // large model keeps its prompts on the integer tiles rather than risk the memory).
         let bf16_need: usize = layers
             .iter()
-            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .flat_map(Layer::mats)
             .map(|m| amx_bf16::Bf16Matrix::bytes_for(m.rows, m.cols))
             .sum();
-        let bf16 = kernel >= crate::quant::Kernel::Amx
-            && amx_bf16::available()
-            && {
-                let budget = physical_memory() / 4;
-                if bf16_need > budget {
-                    tracing::info!(
-                    "prompt products on the integer tiles: bf16 copies would take {} MiB, over a quarter of this machine's memory",
-                    bf16_need >> 20
-                );
-                }
-                bf16_need <= budget
-            };
+        let bf16 = kernel >= crate::quant::Kernel::Amx && amx_bf16::available() && bf16_fits(bf16_need);
         let mut bf16_bytes = 0;
-        let mats = layers.iter_mut().flat_map(|l| {
-            [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]
-        });
+        let mats = layers.iter_mut().flat_map(Layer::mats_mut);
         for (m, layer_matrix) in mats.map(|m| (m, true)).chain(std::iter::once((&mut output, false))) {
             let data = file.bytes().get(m.range.clone()).unwrap_or(&[]);
             let q = QMatrix::new(m.ty, m.rows, m.cols, data)?;
@@ -266,10 +272,7 @@ impl Model {
         if numerics != Numerics::Fast {
             // Only `Fast` multiplies prompts on the bf16 copies: the memory goes back now (a
             // model switched back to `Fast` runs its prompts on the integer tiles).
-            let mats = self.layers.iter_mut().flat_map(|l| {
-                [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]
-            });
-            mats.for_each(|m| m.bf16 = None);
+            self.layers.iter_mut().flat_map(Layer::mats_mut).for_each(|m| m.bf16 = None);
         }
         self.numerics = numerics;
         Ok(())
@@ -284,10 +287,7 @@ impl Model {
     /// KV differs from the integer tiles' in the last bits, so what keys KV beyond one forward
     /// call (the prefix namespace) names it.
     pub fn bf16_prompts(&self) -> bool {
-        self.numerics == Numerics::Fast
-            && self.layers.iter().any(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().any(|m| m.bf16.is_some())
-            })
+        self.numerics == Numerics::Fast && self.layers.iter().flat_map(Layer::mats).any(|m| m.bf16.is_some())
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -316,6 +316,18 @@ impl Model {
         let data = self.file.bytes().get(m.range.clone()).unwrap_or(&[]);
         QMatrix::new(m.ty, m.rows, m.cols, data)
     }
+}
+
+/// Whether bf16 copies of `need` bytes fit in a quarter of this machine's memory (logged when not).
+fn bf16_fits(need: usize) -> bool {
+    let fits = need <= physical_memory() / 4;
+    if !fits {
+        tracing::info!(
+            "prompt products on the integer tiles: bf16 copies would take {} MiB, over a quarter of this machine's memory",
+            need >> 20
+        );
+    }
+    fits
 }
 
 /// This machine's physical memory in bytes (0 when unknown).
