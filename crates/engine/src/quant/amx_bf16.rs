@@ -232,7 +232,7 @@ fn products(mats: &[&Bf16Matrix], xb: &[u16], m: usize, ys: &mut [&mut [f32]]) {
         // SAFETY: `available` checked the CPU; `xb` holds `m_pad × cols` values; pair `p` is
         // within the matrix; this task alone writes rows `acts` × row pair `p` of output `i`,
         // which has `m × rows` values, and the kernel writes only within `m` and `rows`.
-        unsafe { pair_product(mats[i], p, xb, acts, m, outs[i]) };
+        unsafe { with_tiles(|| pair_product(mats[i], p, xb, acts, m, outs[i])) };
     });
 }
 
@@ -244,24 +244,12 @@ struct Out(*mut f32);
 unsafe impl Sync for Out {}
 unsafe impl Send for Out {}
 
-/// `ldtilecfg`'s 64-byte operand (palette 1): eight tiles of 16 rows × 64 bytes — tmm0–3 the
-/// 2 × 2 block of f32 sums, tmm4–5 two tiles of activations, tmm6–7 two of weights.
-#[cfg(target_arch = "x86_64")]
-#[repr(C, align(64))]
-struct TileConfig {
-    palette: u8,
-    start_row: u8,
-    reserved: [u8; 14],
-    colsb: [u16; 16],
-    rows: [u8; 16],
-}
-
 /// Activations `acts` (a range of whole 32-activation blocks of `xb`) times row pair `p` of `w`,
 /// into `out` (`m × w.rows`): the sums of each 2 × 2 block of tiles stay in tmm0–3 over every
 /// column.
 ///
 /// # Safety
-/// [`available`] returned true; `xb` holds at least `acts.end × w.cols` values and `acts` is
+/// Inside [`with_tiles`]; `xb` holds at least `acts.end × w.cols` values and `acts` is
 /// 32-aligned; `p < w.pairs()`; `out` points to `m × w.rows` writable values that no one else
 /// touches in this part.
 #[cfg(target_arch = "x86_64")]
@@ -276,77 +264,31 @@ unsafe fn pair_product(
 ) {
     let (cols, rows, steps) = (w.cols, w.rows, w.cols / KSTEP);
     debug_assert!(xb.len() >= acts.end * cols && p < w.pairs());
-    let mut config =
-        TileConfig { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
-    for t in 0..8 {
-        config.colsb[t] = 64;
-        config.rows[t] = TILE as u8;
-    }
-    // Both operands are whole tiles in memory: rows of 64 bytes.
-    let (a_stride, w_stride) = (64usize, 64usize);
     let w0 = w.values()[2 * p * steps * TILE_LEN..].as_ptr();
     let w1 = w.values()[(2 * p + 1) * steps * TILE_LEN..].as_ptr();
-    let mut spill = [0f32; TILE * TILE];
-    unsafe {
-        asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
-        for a0 in acts.step_by(2 * TILE) {
-            asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
-            let (x0, x1) = (xb.as_ptr().add(a0 * cols), xb.as_ptr().add((a0 + TILE) * cols));
-            for s in 0..steps {
-                asm!(
-                    "tileloadd tmm4, [{x0} + {as}*1]",
-                    "tileloadd tmm5, [{x1} + {as}*1]",
-                    "tileloadd tmm6, [{w0} + {ws}*1]",
-                    "tileloadd tmm7, [{w1} + {ws}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    x0 = in(reg) x0.add(s * TILE_LEN),
-                    x1 = in(reg) x1.add(s * TILE_LEN),
-                    w0 = in(reg) w0.add(s * TILE_LEN),
-                    w1 = in(reg) w1.add(s * TILE_LEN),
-                    as = in(reg) a_stride,
-                    ws = in(reg) w_stride,
-                    options(nostack, readonly),
-                );
+    let c0 = 2 * TILE * p;
+    let mut spill = [0f32; 4 * TILE * TILE];
+    for a0 in acts.step_by(2 * TILE) {
+        let (x0, x1) = (xb[a0 * cols..].as_ptr(), xb[(a0 + TILE) * cols..].as_ptr());
+        // Activations a0.., rows 32p..: stored in place when the 32 × 32 block is whole, else
+        // through `spill` for the part inside `m × rows`.
+        // SAFETY: inside `with_tiles` (the caller's contract); `steps` tiles from each operand
+        // pointer lie in `xb` and `w`; the block written lies in `out` or `spill`.
+        unsafe {
+            if a0 + 2 * TILE <= m && c0 + 2 * TILE <= rows {
+                block_2x2([x0, x1], [w0, w1], steps, out.0.add(a0 * rows + c0), rows);
+            } else if a0 < m {
+                block_2x2([x0, x1], [w0, w1], steps, spill.as_mut_ptr(), 2 * TILE);
+                let (nr, nc) = ((m - a0).min(2 * TILE), (rows - c0).min(2 * TILE));
+                for r in 0..nr {
+                    std::ptr::copy_nonoverlapping(
+                        spill.as_ptr().add(r * 2 * TILE),
+                        out.0.add((a0 + r) * rows + c0),
+                        nc,
+                    );
+                }
             }
-            // Tile (i, j): activations a0 + 16i.., rows 32p + 16j..; stored in place when whole,
-            // else through `spill` for the part inside `m × rows`.
-            macro_rules! store {
-                ($t:literal, $i:expr, $j:expr) => {{
-                    let (r0, c0) = (a0 + TILE * $i, 2 * TILE * p + TILE * $j);
-                    if r0 + TILE <= m && c0 + TILE <= rows {
-                        asm!(
-                            concat!("tilestored [{c} + {s}*1], tmm", $t),
-                            c = in(reg) out.0.add(r0 * rows + c0),
-                            s = in(reg) rows * 4,
-                            options(nostack),
-                        );
-                    } else if r0 < m && c0 < rows {
-                        asm!(
-                            concat!("tilestored [{c} + {s}*1], tmm", $t),
-                            c = in(reg) spill.as_mut_ptr(),
-                            s = in(reg) TILE * 4,
-                            options(nostack),
-                        );
-                        let (nr, nc) = ((m - r0).min(TILE), (rows - c0).min(TILE));
-                        for r in 0..nr {
-                            std::ptr::copy_nonoverlapping(
-                                spill.as_ptr().add(r * TILE),
-                                out.0.add((r0 + r) * rows + c0),
-                                nc,
-                            );
-                        }
-                    }
-                }};
-            }
-            store!("0", 0, 0);
-            store!("1", 0, 1);
-            store!("2", 1, 0);
-            store!("3", 1, 1);
         }
-        asm!("tilerelease", options(nostack, nomem));
     }
 }
 
@@ -434,12 +376,7 @@ pub(crate) unsafe fn pairs_to_bf16_avx512(a: &[f32], b: &[f32], out: &mut [u16])
 /// [`available`] returned true.
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn with_tiles<R>(f: impl FnOnce() -> R) -> R {
-    let mut config =
-        TileConfig { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
-    for t in 0..8 {
-        config.colsb[t] = 64;
-        config.rows[t] = TILE as u8;
-    }
+    let config = super::interleave_amx::TileConfig::uniform();
     unsafe { asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly)) };
     let r = f();
     unsafe { asm!("tilerelease", options(nostack, nomem)) };

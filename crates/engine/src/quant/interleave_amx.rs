@@ -96,7 +96,7 @@ fn request_tile_state() -> bool {
 
 /// `ldtilecfg`'s 64-byte operand (palette 1).
 #[repr(C, align(64))]
-struct TileConfig {
+pub(super) struct TileConfig {
     palette: u8,
     start_row: u8,
     reserved: [u8; 14],
@@ -105,6 +105,16 @@ struct TileConfig {
 }
 
 impl TileConfig {
+    /// Eight tiles of sixteen rows × 64 bytes (the bf16 tiles' `amx_bf16::with_tiles`).
+    pub(super) fn uniform() -> Self {
+        let mut c = Self { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        for t in 0..8 {
+            c.colsb[t] = 64;
+            c.rows[t] = TILE as u8;
+        }
+        c
+    }
+
     /// Dots over `k` bytes (32: a block; 16: a Q6_K half): tmm0, tmm1, tmm6, tmm7 hold 16 × 16
     /// dots, tmm2, tmm4 16 activations × `k` bytes, tmm3, tmm5 the weights (`k / 4` rows of 64
     /// bytes).
