@@ -30,8 +30,8 @@ fn to_bf16(x: &[f32], out: &mut [u16]) {
     out.iter_mut().zip(x).for_each(|(o, &v)| *o = bf16_bits(v));
 }
 
-/// Rows of `k` values (`rows` of them, each `cols` long) as tiles of the first operand: tile of
-/// sixteen rows, step of 32 columns.
+/// Rows of `cols` values (`x`, row-major) rounded to bfloat16 as the tiles' first operand: for
+/// each tile of sixteen rows and each step of 32 columns, a 16 × 32 tile.
 fn as_tiles(x: &[f32], cols: usize, out: &mut [u16]) {
     let steps = cols / KSTEP;
     for (i, row) in x.chunks_exact(cols).enumerate() {
