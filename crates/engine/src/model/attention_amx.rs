@@ -17,7 +17,7 @@
 
 use super::attention::{exp_sum, Path};
 use super::math;
-use crate::quant::amx_bf16::{self, bf16_bits, zeroed_lines, Line, KSTEP, TILE, TILE_LEN};
+use crate::quant::amx_bf16::{self, a_at, b_at, bf16_bits, zeroed_lines, Line, KSTEP, TILE, TILE_LEN};
 
 /// `x` rounded to bfloat16 into `out` (the caller checked [`usable`], so AVX-512 is there).
 fn to_bf16(x: &[f32], out: &mut [u16]) {
@@ -36,7 +36,7 @@ fn as_tiles(x: &[f32], cols: usize, out: &mut [u16]) {
     let steps = cols / KSTEP;
     for (i, row) in x.chunks_exact(cols).enumerate() {
         for (c, piece) in row.chunks_exact(KSTEP).enumerate() {
-            let at = ((i / TILE) * steps + c) * TILE_LEN + (i % TILE) * KSTEP;
+            let at = a_at(i, c * KSTEP, steps);
             to_bf16(piece, &mut out[at..at + KSTEP]);
         }
     }
@@ -48,9 +48,8 @@ fn as_tiles(x: &[f32], cols: usize, out: &mut [u16]) {
 fn in_pairs<'a>(row: impl Fn(usize) -> &'a [f32], k_len: usize, n_len: usize, steps: usize, out: &mut [u16]) {
     for k0 in (0..k_len).step_by(2) {
         let (a, b) = (row(k0), (k0 + 1 < k_len).then(|| row(k0 + 1)));
-        let (s, kp) = (k0 / KSTEP, (k0 % KSTEP) / 2);
         for n0 in (0..n_len).step_by(TILE) {
-            let at = ((n0 / TILE) * steps + s) * TILE_LEN + kp * 2 * TILE;
+            let at = b_at(n0, k0, steps);
             #[cfg(target_arch = "x86_64")]
             if let (true, Some(b)) = (n0 + TILE <= n_len, b) {
                 // SAFETY: `usable` checked AVX-512 F and BW; sixteen values of each row at `n0`.
@@ -64,8 +63,8 @@ fn in_pairs<'a>(row: impl Fn(usize) -> &'a [f32], k_len: usize, n_len: usize, st
                 continue;
             }
             for n in n0..(n0 + TILE).min(n_len) {
-                out[at + (n - n0) * 2] = bf16_bits(a[n]);
-                out[at + (n - n0) * 2 + 1] = b.map_or(0, |b| bf16_bits(b[n]));
+                out[b_at(n, k0, steps)] = bf16_bits(a[n]);
+                out[b_at(n, k0 + 1, steps)] = b.map_or(0, |b| bf16_bits(b[n]));
             }
         }
     }
@@ -117,13 +116,7 @@ pub(super) fn attend(
         qm.len() >= n_q * hd && kt.len() >= hd * n_pos && v.len() >= n_pos * hd,
         "attention operand sizes"
     );
-    TILES.with(|cell| {
-        let mut fresh: [Vec<Line>; 4] = Default::default();
-        let mut kept = cell.try_borrow_mut();
-        let [qa, kb, vb, pa] = match kept.as_deref_mut() {
-            Ok(k) => k,
-            Err(_) => &mut fresh,
-        };
+    super::forward::with_kept(&TILES, true, |[qa, kb, vb, pa]| {
         // Queries: tile `qt`, step `s` of dimensions: rows of 32 values.
         let qa = zeroed_lines(qa, q_pad * hd);
         as_tiles(&qm[..n_q * hd], hd, qa);
@@ -177,7 +170,7 @@ pub(super) fn attend(
             for (i, qi) in (q0..q1).enumerate() {
                 let row = &sc[qi * p_pad..qi * p_pad + sub_pad];
                 for (c, piece) in row.chunks_exact(KSTEP).enumerate() {
-                    let at = ((i / TILE) * ssteps + c) * TILE_LEN + (i % TILE) * KSTEP;
+                    let at = a_at(i, c * KSTEP, ssteps);
                     to_bf16(piece, &mut pa[at..at + KSTEP]);
                 }
             }

@@ -524,7 +524,7 @@ thread_local! {
 /// are free, else on fresh ones: they are taken when a task runs inside another on this thread (a
 /// rayon steal while it waits). The one way the forward pass keeps scratch memory between calls
 /// (no allocation, zeroing or page faults per prefill chunk or attention task).
-pub(super) fn with_kept<T: Default, R>(
+pub(crate) fn with_kept<T: Default, R>(
     kept: &'static std::thread::LocalKey<std::cell::RefCell<T>>,
     fits: bool,
     f: impl FnOnce(&mut T) -> R,

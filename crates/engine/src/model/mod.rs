@@ -20,6 +20,7 @@ pub(crate) mod math;
 
 pub use config::{ModelConfig, SUPPORTED_ARCHITECTURES};
 pub(crate) use forward::gemm_xwt;
+pub(crate) use forward::with_kept;
 pub use forward::{BatchItem, ForwardOutput};
 
 use crate::error::{EngineError, Result};

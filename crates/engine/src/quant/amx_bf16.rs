@@ -101,8 +101,7 @@ impl Bf16Matrix {
                 for n in 0..TILE.min(rows.saturating_sub(t * TILE)) {
                     let row = &w[(t * TILE + n) * cols..(t * TILE + n + 1) * cols];
                     for (k, &v) in row.iter().enumerate() {
-                        let (s, kk) = (k / KSTEP, k % KSTEP);
-                        tile[s * TILE_LEN + (kk / 2) * 2 * TILE + n * 2 + kk % 2] = bf16_bits(v);
+                        tile[b_at(n, k, steps)] = bf16_bits(v);
                     }
                 }
             });
@@ -140,9 +139,7 @@ impl Bf16Matrix {
     /// The weight `(r, k)` as f32 (what the tiles multiply).
     #[cfg(test)]
     fn at(&self, r: usize, k: usize) -> f32 {
-        let (t, n, s, kk) = (r / TILE, r % TILE, k / KSTEP, k % KSTEP);
-        let i = (t * (self.cols / KSTEP) + s) * TILE_LEN + (kk / 2) * 2 * TILE + n * 2 + kk % 2;
-        f32::from_bits((self.values()[i] as u32) << 16)
+        f32::from_bits((self.values()[b_at(r, k, self.cols / KSTEP)] as u32) << 16)
     }
 }
 
@@ -150,6 +147,21 @@ impl Bf16Matrix {
 /// NaN, made quiet), the one the vector path reproduces.
 pub(crate) fn bf16_bits(v: f32) -> u16 {
     half::bf16::from_f32(v).to_bits()
+}
+
+/// Where value `(row, col)` of the tiles' first operand lies (`steps` steps of 32 columns a tile
+/// of sixteen rows): tile by tile, step by step, a row's 32 values of a step side by side.
+#[inline]
+pub(crate) fn a_at(row: usize, col: usize, steps: usize) -> usize {
+    ((row / TILE) * steps + col / KSTEP) * TILE_LEN + (row % TILE) * KSTEP + col % KSTEP
+}
+
+/// Where value `(n, k)` of the tiles' second operand lies (`k` along the sum, `steps` steps of 32
+/// a tile of sixteen `n`): tile by tile, step by step, each tile row holding `k = 2j, 2j + 1` of
+/// the sixteen `n` side by side.
+#[inline]
+pub(crate) fn b_at(n: usize, k: usize, steps: usize) -> usize {
+    ((n / TILE) * steps + k / KSTEP) * TILE_LEN + ((k % KSTEP) / 2) * 2 * TILE + (n % TILE) * 2 + k % 2
 }
 
 /// `ys[i] = x · mats[i]ᵀ` (`m × rows_i`, row-major) for matrices of the same width reading the same
@@ -189,13 +201,7 @@ fn run(mats: &[&Bf16Matrix], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
     let m_pad = m.div_ceil(2 * TILE) * 2 * TILE;
     // The activations' copy is kept between calls on this thread (a fresh one is page faults
     // every product); its rows past `m` are zeros for the tiles' padding.
-    KEPT.with(|kept| {
-        let mut fresh = Vec::new();
-        let mut guard = kept.try_borrow_mut();
-        let lines = match guard.as_deref_mut() {
-            Ok(v) => v,
-            Err(_) => &mut fresh,
-        };
+    crate::model::with_kept(&KEPT, true, |lines| {
         let xb = zeroed_lines(lines, m_pad * cols);
         xb.par_chunks_mut(TILE * cols).zip(x.par_chunks(TILE * cols)).for_each(|(o, i)| {
             // SAFETY: `available` checked AVX-512 F and BW.
@@ -304,7 +310,7 @@ unsafe fn tile_to_bf16_avx512(x: &[f32], cols: usize, out: &mut [u16]) {
     let steps = cols / KSTEP;
     for (r, row) in x.chunks_exact(cols).enumerate().take(TILE) {
         for s in 0..steps {
-            let at = s * TILE_LEN + r * KSTEP;
+            let at = a_at(r, s * KSTEP, steps);
             // SAFETY: the caller's features.
             unsafe { to_bf16_avx512(&row[s * KSTEP..(s + 1) * KSTEP], &mut out[at..at + KSTEP]) };
         }
