@@ -54,6 +54,15 @@ def first_wave_floor(doc, conc, prefill_tok_s):
     return quantile(wave + [ms for ms, _ in t[conc:]], 0.99)
 
 
+def prompt_prefill_ms(doc, conc, prefill_tok_s):
+    """One first-wave prompt's prefill (ms, their mean) at `prefill_tok_s`: the unit both the
+    first wave's floor and a steady-state TTFT are made of."""
+    t = ttfts(doc)
+    if len(t) < conc or not prefill_tok_s:
+        return None
+    return sum(p for _, p in t[:conc]) / conc / prefill_tok_s * 1000.0
+
+
 def load(out_dir):
     closed, rates = {}, {}
     for f in sorted(os.listdir(out_dir)):
@@ -189,9 +198,13 @@ def main():
                 verdict = "out of reach of any scheduler" if floor > 2 * whole else "reachable"
                 print(f"  the first wave's floor: p99 >= {floor:,.0f} ms over this run (its k-th answer needs k "
                       f"prompts prefilled at the engine's {prefill:,.0f} tok/s) against 2 x p50 = {2 * whole:,.0f} ms: "
-                      f"{verdict} at this prefill speed; measured {pct(top, 'ttft_ms', 'p99'):,.0f} ms, "
+                      f"{verdict}; measured {pct(top, 'ttft_ms', 'p99'):,.0f} ms, "
                       f"{pct(top, 'ttft_ms', 'p99') / floor:.2f}x the floor")
-
+                one = prompt_prefill_ms(top["doc"], concs[-1], prefill)
+                if one:
+                    print(f"  p50 is {whole / one:.1f} prompts' prefill ({one:,.0f} ms each) and the first wave's last "
+                          f"answer waits for {concs[-1]}: p99 <= 2 x p50 needs p50 >= {concs[-1] / 2:.0f} prompts' "
+                          f"prefill, a queue; a faster prefill shortens both alike")
 
 if __name__ == "__main__":
     main()
