@@ -114,6 +114,15 @@ pub enum EngineError {
         free: usize,
     },
 
+    /// The system refused memory the engine asked for (a KV cache larger than the machine).
+    #[error("could not allocate {bytes} bytes for {what}")]
+    OutOfMemory {
+        /// What the memory was for.
+        what: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
+    },
+
     /// Tokenizer or chat-template failure.
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),

@@ -93,7 +93,7 @@ impl KvCache {
             })?;
         Ok(Self {
             layout,
-            data: Arc::new(Arena::zeroed(elems)),
+            data: Arc::new(Arena::zeroed(elems)?),
             refs: vec![0; num_blocks],
             leased: vec![false; num_blocks],
             free: (0..num_blocks as u32).rev().map(BlockId).collect(),
@@ -325,6 +325,20 @@ mod tests {
 
     fn layout() -> KvLayout {
         KvLayout { n_layer: 2, kv_dim: 4, head_dim: 2, block_size: 3 }
+    }
+
+    #[test]
+    fn a_cache_larger_than_the_machine_is_a_typed_error_not_an_abort() {
+        // The default model's layout at a million-token context's worth of blocks and more
+        // (~790 TB): refused before any allocation, where `vec!` used to abort the process.
+        let big = KvLayout { n_layer: 30, kv_dim: 192, head_dim: 64, block_size: 16 };
+        match KvCache::new(big, 1 << 31) {
+            Err(EngineError::OutOfMemory { bytes, .. }) => assert_eq!(bytes, (big.block_elems() * 2) << 31),
+            other => panic!("expected OutOfMemory, got {:?}", other.map(|c| c.total_blocks())),
+        }
+        // A cache that fits still reads as zeros everywhere.
+        let c = KvCache::new(layout(), 4).unwrap();
+        assert!(c.data.all_zero());
     }
 
     #[test]

@@ -8,9 +8,14 @@
 //! could reach a leased block.
 
 use super::BlockTable;
+use crate::error::{EngineError, Result};
 use half::f16;
+use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::Arc;
+
+/// Values on a 4 KiB page.
+const PAGE_VALUES: usize = 4096 / std::mem::size_of::<f16>();
 
 /// A fixed, zero-initialised array of f16 values that hands out references to sub-ranges only.
 pub(super) struct Arena {
@@ -26,12 +31,41 @@ unsafe impl Send for Arena {}
 unsafe impl Sync for Arena {}
 
 impl Arena {
-    /// `len` zeroed values (lazily mapped by the allocator: untouched blocks cost no memory).
-    pub(super) fn zeroed(len: usize) -> Self {
-        let boxed: Box<[f16]> = vec![f16::ZERO; len].into_boxed_slice();
-        let raw = Box::into_raw(boxed);
-        let ptr = NonNull::new(raw.cast::<f16>()).unwrap_or(NonNull::dangling());
-        Self { ptr, len }
+    /// `len` zeroed values, taken from the system now: every page is touched here, so the
+    /// cache's memory is fixed at start and a machine without it fails at start, not under load.
+    /// [`EngineError::OutOfMemory`] when the arena is larger than the machine's physical memory
+    /// or the allocator refuses it — a cache sized from a model's million-token context must not
+    /// abort the process (`vec!` would).
+    pub(super) fn zeroed(len: usize) -> Result<Self> {
+        let layout = Self::layout(len)?;
+        let physical = crate::model::physical_memory();
+        let refused = EngineError::OutOfMemory { what: "the KV cache", bytes: layout.size() };
+        if physical > 0 && layout.size() > physical {
+            return Err(refused);
+        }
+        if layout.size() == 0 {
+            return Ok(Self { ptr: NonNull::dangling(), len });
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }.cast::<f16>()).ok_or(refused)?;
+        for off in (0..len).step_by(PAGE_VALUES) {
+            // SAFETY: `off < len`, inside the allocation; nothing else refers to it yet.
+            // Volatile: a store of zero into memory the allocator zeroed is otherwise removable.
+            unsafe { ptr.as_ptr().add(off).write_volatile(f16::ZERO) };
+        }
+        Ok(Self { ptr, len })
+    }
+
+    fn layout(len: usize) -> Result<Layout> {
+        Layout::array::<f16>(len)
+            .map_err(|_| EngineError::OutOfMemory { what: "the KV cache", bytes: len.saturating_mul(2) })
+    }
+
+    /// Whether every value is zero (a test's look at a fresh arena).
+    #[cfg(test)]
+    pub(super) fn all_zero(&self) -> bool {
+        // SAFETY: a test's arena with no other reference into it.
+        unsafe { self.slice(0, self.len) }.iter().all(|v| v.to_bits() == 0)
     }
 
     fn check(&self, off: usize, len: usize) {
@@ -68,10 +102,14 @@ impl std::fmt::Debug for Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        let raw = std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len);
-        // SAFETY: `ptr`/`len` came from `Box::into_raw` of a `Box<[f16]>` of this length, and the
-        // last owner (this `Arc`'s) drops it once.
-        drop(unsafe { Box::from_raw(raw) });
+        // `zeroed` built this layout from the same length, so it is valid here too.
+        if let Ok(layout) = Self::layout(self.len) {
+            if layout.size() > 0 {
+                // SAFETY: `ptr` came from `alloc_zeroed` with this layout (`zeroed`), and the last
+                // owner (this `Arc`'s) drops it once.
+                unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
+            }
+        }
     }
 }
 
