@@ -340,18 +340,22 @@ impl Model {
                 )));
             }
         }
+        // All or nothing (invariant 11): a failure after the reservation — here or inside the
+        // pass — gives back every block reserved for it; the tables advance only on success.
         let before: Vec<usize> = batch.iter().map(|i| i.table.blocks().len()).collect();
-        let reserved = batch.iter_mut().try_for_each(|i| {
-            let end = i.table.len() + i.tokens.len();
-            cache.reserve(i.table, end)
-        });
-        if let Err(e) = reserved {
+        let out = batch
+            .iter_mut()
+            .try_for_each(|i| {
+                let end = i.table.len() + i.tokens.len();
+                cache.reserve(i.table, end)
+            })
+            .and_then(|()| self.pool.install(|| self.forward_reserved(cache, batch)));
+        if out.is_err() {
             for (item, n) in batch.iter_mut().zip(&before) {
                 cache.truncate_blocks(item.table, *n);
             }
-            return Err(e);
         }
-        self.pool.install(|| self.forward_reserved(cache, batch))
+        out
     }
 
     fn forward_reserved(&self, cache: &mut KvCache, batch: &mut [BatchItem<'_>]) -> Result<ForwardOutput> {
@@ -474,10 +478,6 @@ impl Model {
             }
             add(&mut x, down);
         }
-        for item in batch.iter_mut() {
-            let n = item.tokens.len();
-            cache.advance(item.table, n);
-        }
         // Output head only for the rows whose logits are wanted, all items in one product so the
         // vocabulary matrix (the largest in the model) is streamed once per step, not per item.
         let mut wanted = Vec::with_capacity(batch.len());
@@ -502,6 +502,14 @@ impl Model {
             end
         });
         let ends = ends.collect();
+        #[cfg(test)]
+        if self.fail_at_the_head.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(EngineError::InvalidArgument("a failure injected after every layer".into()));
+        }
+        for item in batch.iter_mut() {
+            let n = item.tokens.len();
+            cache.advance(item.table, n);
+        }
         Ok(ForwardOutput { logits, ends })
     }
 }
@@ -572,6 +580,46 @@ pub(super) fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
 #[cfg(test)]
 mod tests {
     use super::ForwardOutput;
+    use crate::kv_cache::{BlockTable, KvCache, KvLayout};
+    use crate::model::{BatchItem, Model};
+    use crate::tiny::{tiny_model_bytes, TinySpec};
+
+    /// Invariant 11 for a failure inside the pass (regression: blocks reserved for a call that
+    /// failed after the reservation stayed in its tables, and the tables had already advanced).
+    #[test]
+    fn a_pass_that_fails_after_its_layers_leaves_the_tables_and_the_free_blocks_as_they_were() {
+        let m = Model::from_bytes(tiny_model_bytes(&TinySpec::default()).unwrap()).unwrap();
+        let c = m.config();
+        let layout = KvLayout { n_layer: c.n_layer, kv_dim: c.kv_dim(), head_dim: c.head_dim, block_size: 4 };
+        let mut kv = KvCache::new(layout, 16).unwrap();
+        let (mut a, mut b) = (BlockTable::default(), BlockTable::default());
+        m.forward(&mut kv, &mut [BatchItem { table: &mut a, tokens: &[1, 2, 3, 4, 5], all_logits: false }])
+            .unwrap();
+        let (used, len, blocks) = (kv.used_blocks(), a.len(), a.blocks().to_vec());
+        let mut step = |t: &mut BlockTable, tokens: &[u32]| {
+            m.forward(&mut kv, &mut [BatchItem { table: t, tokens, all_logits: false }]).unwrap().into_first()
+        };
+        step(&mut b, &[1, 2, 3, 4, 5]);
+        let want = step(&mut b, &[6]);
+        kv.free_table(&mut b).unwrap();
+
+        m.fail_at_the_head.store(true, std::sync::atomic::Ordering::Relaxed);
+        let failed = m.forward(
+            &mut kv,
+            &mut [
+                BatchItem { table: &mut a, tokens: &[7, 8, 9, 10, 11], all_logits: false },
+                BatchItem { table: &mut b, tokens: &[3; 9], all_logits: false },
+            ],
+        );
+        m.fail_at_the_head.store(false, std::sync::atomic::Ordering::Relaxed);
+        assert!(failed.is_err());
+        assert_eq!((kv.used_blocks(), a.len(), a.blocks()), (used, len, &blocks[..]));
+        assert_eq!((b.len(), b.blocks().len()), (0, 0));
+        // The sequence goes on as if the failed call had never been made.
+        let got =
+            m.forward(&mut kv, &mut [BatchItem { table: &mut a, tokens: &[6], all_logits: false }]).unwrap();
+        assert_eq!(got.into_first(), want);
+    }
 
     #[test]
     fn each_item_gets_its_own_rows_of_the_one_buffer() {

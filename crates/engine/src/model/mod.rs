@@ -49,7 +49,7 @@ impl ModelBytes {
             let start = range.start.div_ceil(PAGE) * PAGE;
             let end = range.end / PAGE * PAGE;
             if end > start {
-                // SAFETY: the mapping is a read-only, private mapping of a file we never write,
+                // SAFETY: the mapping is a read-only mapping of a file we never write,
                 // so dropping its pages loses nothing: the next access re-reads the same bytes
                 // from the file. No page is written through this mapping.
                 let _ = unsafe {
@@ -130,6 +130,9 @@ pub struct Model {
     pool: rayon::ThreadPool,
     /// The arithmetic of the forward pass.
     numerics: Numerics,
+    /// Tests only: forward calls fail after their last layer (`forward.rs`'s invariant-11 test).
+    #[cfg(test)]
+    pub(crate) fail_at_the_head: std::sync::atomic::AtomicBool,
 }
 
 /// Which arithmetic the forward pass uses.
@@ -253,10 +256,20 @@ impl Model {
             .map_err(|e| {
             EngineError::InvalidArgument(format!("cannot start the engine's threads: {e}"))
         })?;
-        Ok(Model { config, token_embd, output_norm, output, layers, file, pool, numerics: Numerics::Fast })
+        Ok(Model {
+            config,
+            token_embd,
+            output_norm,
+            output,
+            layers,
+            file,
+            pool,
+            numerics: Numerics::Fast,
+            #[cfg(test)]
+            fail_at_the_head: Default::default(),
+        })
     }
 
-    /// Hyper-parameters.
     /// Switches the arithmetic of later forward calls. [`Numerics::Ggml`] refuses models with
     /// matrix types it does not reproduce.
     pub fn set_numerics(&mut self, numerics: Numerics) -> Result<()> {
@@ -291,6 +304,7 @@ impl Model {
         self.numerics == Numerics::Fast && self.layers.iter().flat_map(Layer::mats).any(|m| m.bf16.is_some())
     }
 
+    /// Hyper-parameters.
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
@@ -332,7 +346,7 @@ fn bf16_fits(need: usize) -> bool {
 }
 
 /// This machine's physical memory in bytes (0 when unknown).
-fn physical_memory() -> usize {
+pub(crate) fn physical_memory() -> usize {
     // SAFETY: `sysconf` only reads system configuration.
     let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
     (pages.max(0) as usize).saturating_mul(size.max(0) as usize)
