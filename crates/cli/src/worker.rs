@@ -95,8 +95,29 @@ fn cluster_secret(args: &WorkerArgs) -> anyhow::Result<ClusterSecret> {
     }
 }
 
+/// The address to register under: `--advertise`, else the bound one — which must then be one a
+/// gateway can dial (`0.0.0.0` or `::` names no host to another machine, and only this one by
+/// accident).
+fn advertised(args: &WorkerArgs, local: std::net::SocketAddr) -> anyhow::Result<String> {
+    match &args.advertise {
+        Some(a) => Ok(a.clone()),
+        None if local.ip().is_unspecified() => anyhow::bail!(
+            "--register needs --advertise when listening on {local}: an unspecified address is \
+             not one the gateway can reach (e.g. --advertise worker-host:{})",
+            local.port()
+        ),
+        None => Ok(local.to_string()),
+    }
+}
+
 pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let secret = cluster_secret(&args)?;
+    if args.register.is_some() && args.advertise.is_none() {
+        // Refused before the model loads when the flags alone say so.
+        if let Ok(listen) = args.listen.parse::<std::net::SocketAddr>() {
+            advertised(&args, listen)?;
+        }
+    }
     if let Some(cpus) = &args.cpus {
         // Before any thread exists: every thread started later inherits the mask.
         pin_to_cpus(cpus)?;
@@ -125,7 +146,7 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
         if let Some(gateway) = args.register.clone() {
             // Registration is a heartbeat: a gateway that was down, or restarted and forgot its
             // run-time workers, learns of this one again within one period.
-            let advertise = args.advertise.clone().unwrap_or_else(|| local.to_string());
+            let advertise = advertised(&args, local)?;
             let (role, key) = (args.role, args.admin_key.clone());
             tokio::spawn(async move {
                 let mut ok = false;

@@ -169,7 +169,12 @@ fn prefix_cache_reports_cached_tokens_colocated_and_disaggregated() {
         assert!(cached > 0 && cached < prompt, "{extra:?}: {cached} of {prompt} cached");
         assert_eq!(second["timing"]["cached_tokens"].as_u64().unwrap(), cached);
         let (_, metrics) = http(s.port(), "GET", "/metrics", "");
-        assert!(metrics.contains("cached"), "cached tokens appear in /metrics");
+        let counted: f64 = metrics
+            .lines()
+            .filter(|l| l.starts_with("tokenpath_cached_prompt_tokens_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert_eq!(counted, cached as f64, "{extra:?}: /metrics counts the cached tokens served:\n{metrics}");
         s.stop();
     }
 }
@@ -302,8 +307,20 @@ fn workers_can_register_at_run_time() {
     let m = model("register");
     let s = serve(&m, &["--accept-workers"]);
     assert_eq!(http(s.port(), "GET", "/ready", "").0, 503, "no workers yet");
+    // Said as what it is (regression: "the queue is full (0 requests waiting)").
+    let none = r#"{"model":"tiny","prompt":"hello","max_tokens":2}"#;
+    let (status, body) = http(s.port(), "POST", "/v1/completions", none);
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("No worker is available"), "{body}");
     let (status, body) = http(s.port(), "POST", "/admin/workers", r#"{"addr":"nonsense","role":"chef"}"#);
     assert_eq!(status, 400, "{body}");
+    // A bind address is not an address to dial (regression: `0.0.0.0:9001` was accepted).
+    for addr in ["0.0.0.0:9001", "[::]:9001", "10.0.0.7:0"] {
+        let req = format!(r#"{{"addr":"{addr}","role":"both"}}"#);
+        let (status, body) = http(s.port(), "POST", "/admin/workers", &req);
+        assert_eq!(status, 400, "{addr}: {body}");
+        assert!(body.contains("reaches the worker"), "{addr}: {body}");
+    }
     let _w = worker(&m, "both", &["--register", &format!("http://127.0.0.1:{}", s.port())]);
     let deadline = Instant::now() + Duration::from_secs(20);
     while http(s.port(), "GET", "/ready", "").0 != 200 {
@@ -318,6 +335,40 @@ fn workers_can_register_at_run_time() {
         v["timing"]
     );
     s.stop();
+}
+
+/// A worker listening on every interface cannot register its bind address: it is told to name
+/// one the gateway can reach (`--advertise`), before it loads the model (regression: it
+/// registered `0.0.0.0:port`, which only a gateway on its own host could dial).
+#[test]
+fn a_worker_on_an_unspecified_address_needs_advertise_to_register() {
+    let m = model("advertise");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tokenpath"))
+        .args(["worker", "--role", "both", "--listen", "0.0.0.0:0", "--register", "http://127.0.0.1:9"])
+        .arg("--model")
+        .arg(&m)
+        .env("NO_COLOR", "1")
+        .env("TOKENPATH_CLUSTER_SECRET", support::TEST_CLUSTER_SECRET)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the worker started instead of refusing its flags");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    assert!(err.contains("--advertise") && err.contains("0.0.0.0"), "{err}");
+    let _ = std::fs::remove_file(&m);
 }
 
 /// A worker exports what an endpoint picker scrapes (waiting, running, the KV-usage fraction)

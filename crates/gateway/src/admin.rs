@@ -57,7 +57,8 @@ pub(crate) async fn register_worker(
         Err(e) => return Reject::new(ApiError::invalid_request(e.to_string(), None)).into_response(),
     };
     if !worker_addr(&r.addr) {
-        let message = "addr must be host:port (an IP address or a DNS name, and a port)";
+        let message = "addr must be host:port that reaches the worker (an IP address other than \
+                       0.0.0.0 or ::, or a DNS name, and a port)";
         return Reject::new(ApiError::invalid_request(message, None)).into_response();
     }
     let addr = r.addr;
@@ -94,8 +95,10 @@ fn worker_addr(addr: &str) -> bool {
     if addr.len() > crate::cluster::registry::MAX_ADDR_LEN {
         return false;
     }
-    if addr.parse::<std::net::SocketAddr>().is_ok() {
-        return true;
+    if let Ok(sa) = addr.parse::<std::net::SocketAddr>() {
+        // `0.0.0.0` / `::` is a worker's bind address, not one to dial (a worker that registered
+        // it without --advertise is reachable only from its own host, by accident).
+        return !sa.ip().is_unspecified() && sa.port() != 0;
     }
     let Some((host, port)) = addr.rsplit_once(':') else { return false };
     port.parse::<u16>().is_ok_and(|p| p > 0)

@@ -244,7 +244,10 @@ async fn respond(app: Arc<AppState>, endpoint: Endpoint, admitted: Admitted, arr
     let mut stream = match app.backend.submit(work).await {
         Ok(s) => s,
         Err(e) => {
-            if matches!(e, ProtocolError::Overloaded { .. } | ProtocolError::Stopped) {
+            if matches!(
+                e,
+                ProtocolError::Overloaded { .. } | ProtocolError::Stopped | ProtocolError::NoWorker
+            ) {
                 // Refused before any work: the tenant gets its request and prompt back.
                 meter.refund();
             }

@@ -111,6 +111,10 @@ pub enum ProtocolError {
         /// The queue bound (0 when the backend did not say).
         max: usize,
     },
+    /// No worker or upstream engine is up to take the request (none registered yet, all down,
+    /// ejected or draining): not a full queue, which this used to be reported as.
+    #[error("no worker is up to take the request")]
+    NoWorker,
     /// The prompt, or the prompt plus `max_tokens`, does not fit the model's context.
     #[error("{prompt_tokens} prompt tokens + {max_tokens} completion tokens exceed the context of {limit}")]
     ContextOverflow {
@@ -166,6 +170,9 @@ impl ProtocolError {
                 ApiError::overloaded("The server is overloaded; please retry after a short wait.")
             }
             ProtocolError::Stopped => ApiError::overloaded("The server is shutting down or restarting."),
+            ProtocolError::NoWorker => ApiError::overloaded(
+                "No worker is available to serve this request; please retry after a short wait.",
+            ),
             ProtocolError::Unavailable { .. } => {
                 ApiError::server_error("The server had an error while processing your request.")
             }

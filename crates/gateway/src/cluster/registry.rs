@@ -325,7 +325,7 @@ impl State {
             (Some(p), Some(d)) => Route::Disaggregated { prefill: p, decode: d },
             _ => match self.pick_prefill(&hashes, |w| usable(w, Role::Both)) {
                 Some(c) => Route::Colocated(c),
-                None => return Err(ProtocolError::Overloaded { max: 0 }),
+                None => return Err(ProtocolError::NoWorker),
             },
         };
         let (first, second) = match &route {

@@ -51,8 +51,8 @@ pub(super) async fn submit(pool: UpstreamPool, work: WorkRequest) -> Result<Work
     };
     let call = Call { pool: &pool, work: &work, fwd: &fwd, request_id: format!("tokenpath-{}", work.id.0) };
     let mut avoid: Vec<String> = Vec::new();
-    // Nothing usable at all: full, come back later (the cluster says the same).
-    let mut last = ProtocolError::Overloaded { max: 0 };
+    // Nothing usable at all: none is up, come back later (the cluster says the same).
+    let mut last = ProtocolError::NoWorker;
     for _ in 0..MAX_ATTEMPTS {
         let Some(pick) = pool.route(&work.prompt, work.cache_scope.as_deref(), &avoid).await else { break };
         match call.attempt(&pick).await {
