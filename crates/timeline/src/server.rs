@@ -286,6 +286,33 @@ pub enum StageSource {
 }
 
 impl ServerTiming {
+    /// What a gateway measures of a request it hands to others: its own stage (`gateway`), TTFT
+    /// and E2E, from its marks in ns since `arrived`, through [`ServerTimeline`] — the one
+    /// definition of each (invariant 1). Marks out of order are clamped to the one before (a
+    /// gateway's marks are in order by construction; nothing here may fail a response).
+    pub fn gateway_part(
+        admitted: Nanos,
+        first_token: Option<Nanos>,
+        end: Nanos,
+        reason: FinishReason,
+    ) -> Self {
+        let first_token = first_token.map(|f| f.max(admitted));
+        let end = end.max(first_token.unwrap_or(admitted));
+        let mut own = ServerTimeline::new();
+        let marks = [
+            (Mark::Admitted, Some(admitted)),
+            (Mark::Token, first_token),
+            (Mark::Finished(reason), Some(end)),
+        ];
+        for (mark, at) in marks {
+            if let Some(at) = at {
+                // In order after the clamps above: `stamp` cannot refuse them.
+                let _ = own.stamp(mark, at);
+            }
+        }
+        own.timing()
+    }
+
     /// Duration of a stage, ms.
     pub fn stage_ms(&self, stage: Stage) -> Option<f64> {
         self.stages_ms.get(&stage).copied()
@@ -338,6 +365,22 @@ mod tests {
         t.stamp(Mark::Token, 75 * MS).unwrap();
         t.stamp(Mark::Finished(FinishReason::Length), 80 * MS).unwrap();
         t
+    }
+
+    #[test]
+    fn a_gateway_s_part_is_its_stage_ttft_and_e2e_and_nothing_else() {
+        let t = ServerTiming::gateway_part(2 * MS, Some(53 * MS), 80 * MS, FinishReason::Stop);
+        assert_eq!(t.stages_ms.into_iter().collect::<Vec<_>>(), [(Stage::Gateway, 2.0)]);
+        assert_eq!((t.ttft_ms, t.e2e_ms), (Some(53.0), Some(80.0)));
+        // The same numbers the full timeline gives for those marks.
+        let full = colocated().timing();
+        assert_eq!(
+            (full.ttft_ms, full.e2e_ms, full.stage_ms(Stage::Gateway)),
+            (Some(53.0), Some(80.0), Some(2.0))
+        );
+        // No first token: no TTFT; marks out of order are clamped, never refused.
+        let none = ServerTiming::gateway_part(5 * MS, None, 3 * MS, FinishReason::Length);
+        assert_eq!((none.ttft_ms, none.e2e_ms, none.stage_ms(Stage::Gateway)), (None, Some(5.0), Some(5.0)));
     }
 
     #[test]

@@ -59,7 +59,13 @@ impl Cluster {
         let mut avoid = Vec::new();
         let mut last_err = ProtocolError::Overloaded { max: 0 };
         for _ in 0..MAX_ATTEMPTS {
-            let route = self.registry.route(&work.prompt, work.cache_scope.as_deref(), avoid.clone()).await?;
+            let route =
+                match self.registry.route(&work.prompt, work.cache_scope.as_deref(), avoid.clone()).await {
+                    Ok(route) => route,
+                    // Every worker left was tried: what they said, not that none is left.
+                    Err(ProtocolError::NoWorker) if !avoid.is_empty() => return Err(last_err),
+                    Err(e) => return Err(e),
+                };
             match self.start(&work, &route).await {
                 Ok(stream) => return Ok(stream),
                 Err((failed, e)) => {
@@ -201,13 +207,21 @@ struct Clock {
 }
 
 impl Clock {
-    /// The gateway's stage, TTFT and E2E, then every stage the workers measured.
-    fn assemble(&self, first_token: Option<Instant>, parts: &[&ServerTiming]) -> ServerTiming {
-        let mut t = ServerTiming::default();
-        let since = |i: Instant| ms(i.saturating_duration_since(self.arrived).as_nanos() as u64);
-        t.stages_ms.insert(Stage::Gateway, since(self.admitted));
-        t.ttft_ms = first_token.map(since);
-        t.e2e_ms = Some(since(Instant::now()));
+    /// The gateway's stage, TTFT and E2E — its own marks through the timeline's one definition
+    /// of each (invariant 1) — then every stage the workers measured.
+    fn assemble(
+        &self,
+        first_token: Option<Instant>,
+        reason: FinishReason,
+        parts: &[&ServerTiming],
+    ) -> ServerTiming {
+        let since = |i: Instant| i.saturating_duration_since(self.arrived).as_nanos() as u64;
+        let mut t = ServerTiming::gateway_part(
+            since(self.admitted),
+            first_token.map(since),
+            since(Instant::now()),
+            reason,
+        );
         for p in parts {
             let mut p = (*p).clone();
             p.stages_ms.remove(&Stage::Gateway);
@@ -303,7 +317,7 @@ async fn pump_colocated(
     let mut first = None;
     match relay(&mut conn, tx, &mut first, registry, meter.as_deref()).await {
         Relayed::Finished(reason, usage, timing) => {
-            let timing = clock.assemble(first, &[&timing]);
+            let timing = clock.assemble(first, reason, &[&timing]);
             let _ = tx.send(WorkEvent::Finished { reason, usage, timing });
         }
         Relayed::Handoff(..) => fail(tx, format!("{} handed off a colocated request", conn.addr())),
@@ -333,7 +347,7 @@ async fn pump_disaggregated(
         Relayed::Finished(reason, usage, timing) => {
             // The first token ended the request; the decode worker's reservation is dropped
             // with its connection.
-            let timing = clock.assemble(first, &[&timing]);
+            let timing = clock.assemble(first, reason, &[&timing]);
             let _ = tx.send(WorkEvent::Finished { reason, usage, timing });
             return;
         }
@@ -359,7 +373,7 @@ async fn pump_disaggregated(
                     kv = exported(kv, spans);
                 }
             }
-            let mut timing = clock.assemble(first, &[&ptiming, &kv, &timing]);
+            let mut timing = clock.assemble(first, reason, &[&ptiming, &kv, &timing]);
             timing.cached_tokens = pusage.cached_tokens;
             let mut usage = usage;
             usage.cached_tokens = pusage.cached_tokens;

@@ -140,6 +140,14 @@ pub(super) async fn open(resp: reqwest::Response, idle: Duration) -> Result<Open
     Ok(opened)
 }
 
+/// How the upstream said its answer ended (`length`, else a stop).
+fn reason(seen: &Seen) -> FinishReason {
+    match seen.reason {
+        Some(WireFinish::Length) => FinishReason::Length,
+        _ => FinishReason::Stop,
+    }
+}
+
 /// What a stream has shown so far.
 #[derive(Debug, Default)]
 struct Seen {
@@ -399,8 +407,9 @@ impl Relay {
 
     /// The request's timeline at `now` (see the module docs).
     fn timing(&self, seen: &Seen, now: Instant) -> ServerTiming {
-        let mut t = ServerTiming::default();
-        t.stages_ms.insert(Stage::Gateway, ms(self.admitted.saturating_duration_since(self.arrived)));
+        let since = |i: Instant| i.saturating_duration_since(self.arrived).as_nanos() as u64;
+        let mut t =
+            ServerTiming::gateway_part(since(self.admitted), seen.first.map(since), since(now), reason(seen));
         let mut gateway = |stage: Stage, d: Duration| {
             t.stages_ms.insert(stage, ms(d));
             t.sources.insert(stage, StageSource::Gateway);
@@ -422,14 +431,12 @@ impl Relay {
                 Some(_) => {}
             }
             gateway(Stage::Decode, last.saturating_duration_since(first));
-            t.ttft_ms = Some(ms(first.saturating_duration_since(self.arrived)));
         }
         let engine = prefill.map(|l| &l.engine).into_iter().flatten().chain(&seen.engine);
         for (stage, v) in engine {
             t.stages_ms.insert(*stage, *v);
             t.sources.insert(*stage, StageSource::Engine);
         }
-        t.e2e_ms = Some(ms(now.saturating_duration_since(self.arrived)));
         t.cached_tokens = self.cached_tokens(seen);
         t
     }
@@ -456,10 +463,7 @@ impl Relay {
                 cached_tokens: self.cached_tokens(seen),
             },
         };
-        let reason = match seen.reason {
-            Some(WireFinish::Length) => FinishReason::Length,
-            _ => FinishReason::Stop,
-        };
+        let reason = reason(seen);
         tracing::debug!(
             upstream = %self.url,
             upstream_ms = ms(now.saturating_duration_since(self.sent)),
