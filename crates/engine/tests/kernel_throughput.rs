@@ -4,7 +4,7 @@
 //! Measures matvec on SmolLM2's FFN shape (1536 × 576) in two regimes: one matrix hit over and
 //! over (cache-resident, kernel speed) and a sweep over ~100 MB of distinct matrices (like one
 //! decode step of the whole model, so DRAM-bound). Reported as weight GB/s; the machine streams
-//! ≈ 10 GB/s (DESIGN.md), which is the target for the sweep.
+//! what `tokenpath bench-engine`'s read-bandwidth probe measures, which is the target for the sweep.
 
 use std::time::Instant;
 

@@ -4,7 +4,7 @@
 //!   random blocks of every supported type and gguf-py's dequantization of each; it checks the
 //!   parser against an independent writer and our block layouts against an independent decoder.
 //! - `smollm2_if_present`: the real default model, when it has been downloaded (see
-//!   `/work/shared/DESIGN.md`); skipped with a note otherwise so CI without the download passes.
+//!   `scripts/setup`); skipped with a note otherwise, except under CI, where a missing model fails.
 
 mod support;
 

@@ -1,5 +1,5 @@
 //! Rough encode throughput on the default model (ignored by default; numbers from a debug
-//! build are only indicative): `cargo test --test perf -- --ignored --nocapture`.
+//! build are only indicative): `cargo test -p tokenpath-engine --test tokenizer_perf -- --ignored --nocapture`.
 
 mod support;
 

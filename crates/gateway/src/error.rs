@@ -1,4 +1,5 @@
-//! The one place HTTP status codes are chosen.
+//! The one place the OpenAI API's HTTP status codes are chosen (invariant 9: the OTLP receiver and
+//! the mock engine answer contracts of their own, each in one place too).
 //!
 //! Library crates return typed errors (`ProtocolError` from every backend → [`ApiError`]); this
 //! module maps them to an OpenAI-shaped error body and a status, and attaches `Retry-After` where

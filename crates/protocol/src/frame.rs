@@ -1,5 +1,5 @@
 //! Framing of every byte stream between tokenpath processes (gateway ↔ worker control messages,
-//! prefill → decode KV blocks): a fixed 16-byte header, then the payload.
+//! prefill → decode KV blocks): a fixed 20-byte header, then the payload.
 //!
 //! ```text
 //! magic "TPW1" | version u16 LE | kind u8 | reserved u8 (0) | payload length u32 LE | XXH3-64 u64 LE
@@ -98,7 +98,7 @@ impl FrameHeader {
         Ok(Self { kind, len, checksum: checksum(payload) })
     }
 
-    /// The 16 header bytes.
+    /// The header's [`FRAME_HEADER_LEN`] bytes.
     pub fn encode(&self) -> [u8; FRAME_HEADER_LEN] {
         let mut h = [0u8; FRAME_HEADER_LEN];
         h[0..4].copy_from_slice(&FRAME_MAGIC);

@@ -47,6 +47,9 @@ pub(crate) fn exp(x: f32) -> f32 {
 }
 
 /// [`exp`] on eight lanes (the same operations, so the same results lane by lane).
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -76,6 +79,10 @@ fn silu_mul_body(g: &[f32], u: &[f32], h: &mut [f32]) {
     }
 }
 
+/// `h = silu(g) · u` ([`silu_mul_into`]) eight lanes at a time.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], h: &mut [f32]) {
@@ -95,6 +102,9 @@ unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], h: &mut [f32]) {
 }
 
 /// [`silu_mul_avx2`] sixteen lanes at a time, the tail masked: the same operations per value.
+///
+/// # Safety
+/// The CPU supports AVX-512 F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], h: &mut [f32]) {
@@ -145,6 +155,10 @@ fn max_on(path: Path, xs: &[f32]) -> f32 {
     xs.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
+/// The largest of `xs` eight lanes at a time.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn max_avx2(xs: &[f32]) -> f32 {
@@ -163,6 +177,9 @@ unsafe fn max_avx2(xs: &[f32]) -> f32 {
 }
 
 /// [`max`] sixteen lanes at a time, the tail masked (masked-off lanes read as `-inf`).
+///
+/// # Safety
+/// The CPU supports AVX-512 F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn max_avx512(xs: &[f32]) -> f32 {

@@ -143,7 +143,9 @@ impl<'a> QMatrix<'a> {
             for (k, o) in out.iter_mut().enumerate() {
                 let r = first + k;
                 let row = &self.data[r * self.row_bytes..(r + 1) * self.row_bytes];
-                *o = dot_unchecked(kernel, self.ty, row, act);
+                // SAFETY: `check_dot` passed for this matrix's rows and `act` above; `resolve`
+                // looked at this CPU.
+                *o = unsafe { dot_unchecked(kernel, self.ty, row, act) };
             }
         };
         if self.data.len() < 2 * TASK_BYTES {
@@ -278,10 +280,14 @@ pub fn matmul_group(
 /// One product task: a matrix, its packed activations, the pairs to compute and where they go.
 type Task<'t, 'a> = (&'t QMatrix<'a>, &'t Packed<'t>, Span, &'t mut [f32]);
 
-/// Runs `tasks` on the calling thread or as one parallel region.
+/// Runs `tasks` on the calling thread or as one parallel region. Every task comes from this
+/// file's products, built after `check_dot` passed for its matrix and activations: the module
+/// keeps [`rows_times_acts_unchecked`]'s contract for it.
 fn run_tasks(kernel: super::Resolved, tasks: Vec<Task<'_, '_>>, serial: bool) {
     let run = |(m, p, span, chunk): Task<'_, '_>| {
-        rows_times_acts_unchecked(kernel, m.ty, m.data, m.row_bytes, p, span, chunk)
+        // SAFETY: every task is built by this file's products after `check_dot` passed for its
+        // matrix and activations, with its span inside the matrix and its output chunk.
+        unsafe { rows_times_acts_unchecked(kernel, m.ty, m.data, m.row_bytes, p, span, chunk) }
     };
     if serial {
         tasks.into_iter().for_each(run);

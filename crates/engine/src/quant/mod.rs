@@ -244,7 +244,8 @@ pub fn vec_dot(ty: GgmlType, row: &[u8], act: &QuantizedActivation) -> Result<f3
 /// [`vec_dot`] with an explicit kernel family (tests compare `Scalar` with `Avx2`).
 pub fn vec_dot_with(kernel: Kernel, ty: GgmlType, row: &[u8], act: &QuantizedActivation) -> Result<f32> {
     check_dot(ty, row.len(), act)?;
-    Ok(dot_unchecked(kernel.resolve(), ty, row, act))
+    // SAFETY: checked just above; `resolve` looked at this CPU.
+    Ok(unsafe { dot_unchecked(kernel.resolve(), ty, row, act) })
 }
 
 /// Validates that `row_len` bytes of `ty` pair with `act`.
@@ -328,7 +329,12 @@ impl<'a> Packed<'a> {
 /// [`check_dot`] against `ty` and `row_bytes`), written into `out` as `span` says. On AVX2 the
 /// 32-block types run register tiles of several rows × several activations; every pair's result
 /// is bit-identical to [`dot_unchecked`] on its own, so batching never changes an output.
-pub(crate) fn rows_times_acts_unchecked(
+///
+/// # Safety
+/// [`check_dot`] passed for `ty`, `row_bytes` and every activation of `packed`; `span`'s rows lie
+/// in `data` and its pairs in `out`; a `Resolved(true)` kernel was resolved on this CPU. The
+/// vector kernels read by those lengths unchecked.
+pub(crate) unsafe fn rows_times_acts_unchecked(
     kernel: Resolved,
     ty: GgmlType,
     data: &[u8],
@@ -350,15 +356,25 @@ pub(crate) fn rows_times_acts_unchecked(
         let r = span.first_row + i;
         let row = &data[r * row_bytes..(r + 1) * row_bytes];
         for j in 0..span.cols {
+            // SAFETY: the caller's contract (`check_dot` for every activation of `packed`).
             out[i * span.row_stride + j * span.col_stride] =
-                dot_unchecked(kernel, ty, row, &packed.acts[span.first_col + j]);
+                unsafe { dot_unchecked(kernel, ty, row, &packed.acts[span.first_col + j]) };
         }
     }
 }
 
-/// The dot kernel without checks; callers must have run [`check_dot`] for the same shapes.
+/// The dot kernel without checks.
+///
+/// # Safety
+/// [`check_dot`] passed for `ty`, `row.len()` and `act`, and a `Resolved(true)` kernel was
+/// resolved on this CPU: the vector kernels read `row` and `act` by those lengths unchecked.
 #[inline]
-pub(crate) fn dot_unchecked(kernel: Resolved, ty: GgmlType, row: &[u8], act: &QuantizedActivation) -> f32 {
+pub(crate) unsafe fn dot_unchecked(
+    kernel: Resolved,
+    ty: GgmlType,
+    row: &[u8],
+    act: &QuantizedActivation,
+) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if kernel.0 {
         // SAFETY: `Resolved(true)` means the CPU features were detected, and `check_dot`
