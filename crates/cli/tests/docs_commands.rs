@@ -101,14 +101,18 @@ fn every_command_in_the_readme_and_docs_exists_with_the_flags_it_shows() {
                 if let Some(i) = words.iter().position(|w| w.ends_with("scripts/") || w.contains("scripts/"))
                 {
                     let script = words[i].trim_start_matches("./").trim_matches(|c| c == '(' || c == ')');
-                    if let Some(rel) = script.split("scripts/").nth(1).filter(|r| !r.is_empty()) {
+                    // `scripts/x` at the root, or a crate's own (`crates/engine/scripts/x`).
+                    if let Some((dir, rel)) = script.split_once("scripts/").filter(|(_, r)| !r.is_empty()) {
                         let rel = rel.trim_end_matches([',', '.', ':']);
-                        let plain = rel.chars().all(|c| {
+                        let plain = format!("{dir}{rel}").chars().all(|c| {
                             c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '/' || c == '.'
                         });
-                        if plain && !rel.contains('*') && !root.join("scripts").join(rel).exists() {
-                            problems
-                                .push(format!("{name}: scripts/{rel} does not exist (`{}`)", part.trim()));
+                        let path = root.join(dir).join("scripts").join(rel);
+                        if plain && !rel.contains('*') && !path.exists() {
+                            problems.push(format!(
+                                "{name}: {dir}scripts/{rel} does not exist (`{}`)",
+                                part.trim()
+                            ));
                         }
                     }
                 }
