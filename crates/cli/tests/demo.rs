@@ -51,8 +51,12 @@ fn demo_quick_compares_colocated_and_disaggregated() {
             let sum: f64 = stages.values().map(|v| v.as_f64().unwrap()).sum();
             let e2e = t["e2e_ms"].as_f64().unwrap();
             // One clock: the stages tile E2E. Several clocks (PD): a stage's window can overlap
-            // the next process's by the hop between them (the acknowledgement's trip back).
-            let overlap = if pd { (0.01 * e2e).max(5.0) } else { 1.0 };
+            // the next process's by the hop between them — `kv_transfer` ends when the prefill
+            // worker reads the decode worker's acknowledgement, while `decode_queue` has already
+            // begun — and a hop on a busy core is as long as the gaps allowed below (an 8.6 ms
+            // overlap of a 294 ms request failed the 5 ms this allowed before).
+            let hop = (0.02 * e2e).max(50.0);
+            let overlap = if pd { hop } else { 1.0 };
             assert!(sum <= e2e + overlap, "{label}: stages {sum} > e2e {e2e}");
             if pd {
                 assert!(
@@ -64,10 +68,7 @@ fn demo_quick_compares_colocated_and_disaggregated() {
                 // Each process reports only what it measured; what is left of E2E is the hops
                 // between processes (a busy core picking up a message), shown as `other`.
                 let residual = e2e - sum;
-                assert!(
-                    residual <= (0.02 * e2e).max(50.0),
-                    "{label}: {residual} ms of e2e {e2e} unaccounted: {t}"
-                );
+                assert!(residual <= hop, "{label}: {residual} ms of e2e {e2e} unaccounted: {t}");
             } else {
                 assert!((sum - e2e).abs() <= 1.0, "{label}: stages {sum} vs e2e {e2e}");
             }
