@@ -9,6 +9,45 @@ use crate::quant::{quantize, GgmlType};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// Seeded mutations of a file's bytes for the never-panics tests of whatever reads untrusted
+/// files (the same `n` files on every run): truncations, bit flips, 8- and 4-byte windows set to
+/// edge values (where a length, a count or an offset lives) and a random byte before a cut; the
+/// flips and windows inside the first `region` bytes (a file's header and tables, where they
+/// bite). `base` must be longer than 8 bytes.
+pub fn mutations(base: &[u8], region: usize, n: usize, seed: u64) -> impl Iterator<Item = Vec<u8>> + '_ {
+    const EDGES: [u64; 8] = [0, 1, 0x7f, 0xff, 0xffff_ffff, 1 << 32, 1 << 60, u64::MAX];
+    let region = region.clamp(9, base.len().max(9));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(move |i| {
+        let mut below = |k: usize| (rng.next_u64() % k.max(1) as u64) as usize;
+        let mut b = base.to_vec();
+        match i % 5 {
+            0 => b.truncate(below(b.len())),
+            1 => {
+                for _ in 0..1 + below(4) {
+                    let p = below(region);
+                    b[p] ^= 1 << below(8);
+                }
+            }
+            2 => {
+                let (p, v) = (below(region - 8), EDGES[below(EDGES.len())]);
+                b[p..p + 8].copy_from_slice(&v.to_le_bytes());
+            }
+            3 => {
+                let (p, v) = (below(region - 4), EDGES[below(EDGES.len())] as u32);
+                b[p..p + 4].copy_from_slice(&v.to_le_bytes());
+            }
+            _ => {
+                let p = below(b.len());
+                b[p] = below(256) as u8;
+                let cut = p + below(b.len() - p);
+                b.truncate(cut);
+            }
+        }
+        b
+    })
+}
+
 /// Shape and encoding of a tiny model.
 #[derive(Debug, Clone)]
 pub struct TinySpec {

@@ -271,49 +271,11 @@ fn rejects_bad_tensor_infos() {
     assert_contains(r.pad(128).err(), "duplicate tensor name `same`");
 }
 
-/// xorshift64*: a dependency-free, seeded generator for the mutation run.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 #[test]
 fn mutations_and_truncations_never_panic() {
     let base = sample_writer().to_bytes();
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    let interesting: [u64; 8] = [0, 1, 0x7f, 0xff, 0xffff_ffff, 1 << 32, 1 << 60, u64::MAX];
     let mut parsed_ok = 0;
-    for i in 0..4000 {
-        let mut b = base.clone();
-        match i % 4 {
-            0 => b.truncate(rng.below(b.len())),
-            1 => {
-                for _ in 0..1 + rng.below(4) {
-                    let p = rng.below(b.len());
-                    b[p] ^= 1 << rng.below(8);
-                }
-            }
-            2 => {
-                // Overwrite an 8-byte window (likely a length, count or offset) with an edge value.
-                let p = rng.below(b.len() - 8);
-                let v = interesting[rng.below(interesting.len())];
-                b[p..p + 8].copy_from_slice(&v.to_le_bytes());
-            }
-            _ => {
-                let p = rng.below(b.len());
-                b[p] = rng.next() as u8;
-                let cut = p + rng.below(b.len() - p);
-                b.truncate(cut);
-            }
-        }
+    for b in crate::tiny::mutations(&base, base.len(), 4000, 0x9E37_79B9_7F4A_7C15) {
         if Gguf::parse(b.as_slice()).is_ok() {
             parsed_ok += 1;
         }
