@@ -165,6 +165,7 @@ async fn live_handoff(decode: &WorkerHandle, tokens: usize) -> anyhow::Result<(f
                 secret: secret.clone(),
                 draining: Default::default(),
                 spans: None,
+                model: None,
             },
         ));
     }

@@ -66,6 +66,14 @@ impl ModelArgs {
         load().map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))
     }
 
+    /// BLAKE3 of the model file (`model::file_digest`): what a cluster's workers must serve.
+    pub fn file_digest(&self) -> anyhow::Result<[u8; 32]> {
+        let path = self.path();
+        let file = tokenpath_engine::gguf::GgufFile::open(&path)
+            .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+        Ok(tokenpath_engine::model::file_digest(file.bytes()))
+    }
+
     /// The same selection as arguments for a child `tokenpath worker`.
     pub fn to_args(&self) -> Vec<String> {
         let numerics = match self.numerics {

@@ -17,7 +17,7 @@ use std::time::Duration;
 use tokenpath_cli::cluster_file::{self, ClusterPlan};
 use tokenpath_gateway::cluster::{Cluster, Registry};
 use tokenpath_gateway::{AdminKey, ApiKeys, Gateway, GatewayConfig};
-use tokenpath_protocol::auth::ClusterSecret;
+use tokenpath_protocol::auth::{Bytes32, ClusterSecret};
 use tokenpath_timeline::WorkerId;
 use tokenpath_worker::{Role, Worker, WorkerConfig};
 
@@ -407,7 +407,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 }
             };
             let workers = start_workers(&args, plan.workers, &mut children, &text)?;
-            let registry = Registry::start(workers, secret);
+            // Workers serving another file than the one this gateway tokenizes for are refused.
+            let digest = Bytes32(args.model.file_digest()?);
+            let registry = Registry::start_for_model(workers, secret, Some(digest));
             if args.topology.prefill + args.topology.decode > 0 || args.topology.cluster.is_some() {
                 tracing::info!("waiting for the workers to come up");
                 if !registry.wait_ready(Duration::from_secs(300)).await {

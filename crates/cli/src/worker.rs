@@ -14,7 +14,7 @@ use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokenpath_protocol::auth::ClusterSecret;
+use tokenpath_protocol::auth::{Bytes32, ClusterSecret};
 use tokenpath_timeline::WorkerId;
 use tokenpath_worker::net::server::{serve, ServerConfig};
 use tokenpath_worker::net::KvTransport;
@@ -123,6 +123,8 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
         pin_to_cpus(cpus)?;
     }
     let engine = Arc::new(args.model.open_engine()?);
+    // What the gateway checks before it routes here (`StatsMsg::model`).
+    let model = Some(Bytes32(engine.model().weights_digest()));
     let threads = args.cpus.as_ref().map_or(2, CpuList::len).max(1);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
@@ -178,6 +180,7 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
             secret,
             draining: Arc::clone(&draining),
             spans: args.spans.exporter(),
+            model,
         };
         let handle = worker.handle();
         if let Some(addr) = args.metrics_listen {

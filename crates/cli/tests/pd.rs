@@ -337,6 +337,49 @@ fn workers_can_register_at_run_time() {
     s.stop();
 }
 
+/// A gateway routes only to workers serving the model file it tokenizes for: one serving
+/// another file registers, is polled and stays down with the reason on /admin/workers, and
+/// requests are refused as "no worker" until a worker with the right file comes.
+#[test]
+fn a_worker_serving_another_model_file_is_never_routed_to() {
+    let m = model("ours");
+    let other = std::env::temp_dir().join(format!("tp-pd-theirs-{}.gguf", std::process::id()));
+    std::fs::write(
+        &other,
+        tiny_model_bytes(&TinySpec { n_ctx: 4096, seed: 99, ..TinySpec::default() }).unwrap(),
+    )
+    .unwrap();
+    let s = serve(&m, &["--accept-workers"]);
+    let url = format!("http://127.0.0.1:{}", s.port());
+    let _theirs = worker(&other, "both", &["--register", &url]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let refused = loop {
+        let ws = workers(s.port());
+        if let Some(why) = ws.iter().find_map(|w| w["refused"].as_str().map(str::to_owned)) {
+            break (why, ws);
+        }
+        assert!(Instant::now() < deadline, "the other model's worker was never refused: {ws:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(refused.0.contains("another model file"), "{}", refused.0);
+    assert!(refused.1.iter().all(|w| w["up"] == false), "{:?}", refused.1);
+    let (status, body) =
+        http(s.port(), "POST", "/v1/completions", r#"{"model":"tiny","prompt":"hi","max_tokens":2}"#);
+    assert_eq!(status, 503, "{body}");
+    let _ours = worker(&m, "both", &["--register", &url]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while http(s.port(), "GET", "/ready", "").0 != 200 {
+        assert!(Instant::now() < deadline, "the right model's worker never became ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for _ in 0..4 {
+        ask(s.port(), "routed to the worker with this file", "");
+    }
+    s.stop();
+    let _ = std::fs::remove_file(&m);
+    let _ = std::fs::remove_file(&other);
+}
+
 /// A worker listening on every interface cannot register its bind address: it is told to name
 /// one the gateway can reach (`--advertise`), before it loads the model (regression: it
 /// registered `0.0.0.0:port`, which only a gateway on its own host could dial).

@@ -29,6 +29,7 @@ pub(crate) async fn list_workers(State(app): State<Arc<AppState>>) -> Response {
                 "up": w.up,
                 "in_flight": w.in_flight,
                 "stats": w.stats,
+                "refused": w.refused,
             })
         })
         .collect();

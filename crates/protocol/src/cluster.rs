@@ -209,6 +209,10 @@ pub struct StatsMsg {
     /// The worker is draining (stopping): it finishes what it runs and takes nothing new.
     #[serde(default)]
     pub draining: bool,
+    /// BLAKE3 of the model file the worker serves: a gateway that knows its own file's routes
+    /// only to workers that serve the same one (its tokens mean nothing to another vocabulary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<crate::auth::Bytes32>,
 }
 
 /// Messages from a worker.

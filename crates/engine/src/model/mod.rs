@@ -317,7 +317,7 @@ impl Model {
     /// BLAKE3 of the whole model file: what binds KV kept beyond this process (the KV pool) to
     /// these weights. Reads every page of the file, so computed only when asked.
     pub fn weights_digest(&self) -> [u8; 32] {
-        *blake3::hash(self.file.bytes()).as_bytes()
+        file_digest(self.file.bytes())
     }
 
     /// Size of the model file in bytes.
@@ -343,6 +343,12 @@ fn bf16_fits(need: usize) -> bool {
         );
     }
     fits
+}
+
+/// A model file's identity: BLAKE3 of all its bytes ([`Model::weights_digest`] of a loaded one;
+/// a cluster gateway's of the file it tokenizes for, which its workers must serve too).
+pub fn file_digest(bytes: &[u8]) -> [u8; 32] {
+    *blake3::hash(bytes).as_bytes()
 }
 
 /// This machine's physical memory in bytes (0 when unknown).

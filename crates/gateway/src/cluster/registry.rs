@@ -15,7 +15,7 @@ pub use crate::route::BALANCE_THRESHOLD;
 use crate::route::{cache_aware, decode_pick, Candidate, DecodeCandidate, PrefixIndex};
 use std::time::Duration;
 use tokenpath_kv::BlockHash;
-use tokenpath_protocol::auth::ClusterSecret;
+use tokenpath_protocol::auth::{Bytes32, ClusterSecret};
 use tokenpath_protocol::cluster::StatsMsg;
 use tokenpath_protocol::cluster::WorkerRole as Role;
 use tokenpath_protocol::ProtocolError;
@@ -46,6 +46,9 @@ pub struct WorkerView {
     pub stats: Option<StatsMsg>,
     /// Requests this gateway routed to it that have not ended.
     pub in_flight: usize,
+    /// Why its last answer was refused although it came (another model file): the worker is
+    /// kept down until it serves this gateway's.
+    pub refused: Option<String>,
 }
 
 /// Where one request goes.
@@ -117,6 +120,16 @@ impl Registry {
     /// Starts the registry task (on the current runtime) with `workers`, which must prove
     /// `secret` on every connection (polls included).
     pub fn start(workers: Vec<(String, Role)>, secret: ClusterSecret) -> Self {
+        Self::start_for_model(workers, secret, None)
+    }
+
+    /// [`Registry::start`] for the model file whose BLAKE3 is `model`: a worker serving another
+    /// file (or not saying which) is kept down, with the reason in `WorkerView::refused`.
+    pub fn start_for_model(
+        workers: Vec<(String, Role)>,
+        secret: ClusterSecret,
+        model: Option<Bytes32>,
+    ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let (view_tx, view) = watch::channel(Vec::new());
         let state = State {
@@ -126,6 +139,7 @@ impl Registry {
             tx: tx.clone(),
             secret: secret.clone(),
             polling: std::collections::HashSet::new(),
+            model,
         };
         tokio::spawn(state.run(rx));
         let reg = Self { tx, view, secret };
@@ -203,6 +217,9 @@ struct State {
     /// Workers whose poll is still out: never polled twice at once, so a worker that hangs
     /// (or an address that blackholes) holds one socket, not one per tick.
     polling: std::collections::HashSet<String>,
+    /// BLAKE3 of the model file this gateway tokenizes for, when it has one: a worker must
+    /// report the same (`StatsMsg::model`) to be routed to.
+    model: Option<Bytes32>,
 }
 
 impl State {
@@ -250,7 +267,14 @@ impl State {
                     None if self.workers.len() >= MAX_WORKERS => Registered::Full,
                     None => {
                         tracing::info!(addr = ?addr, %role, "worker registered");
-                        self.workers.push(WorkerView { addr, role, up: false, stats: None, in_flight: 0 });
+                        self.workers.push(WorkerView {
+                            addr,
+                            role,
+                            up: false,
+                            stats: None,
+                            in_flight: 0,
+                            refused: None,
+                        });
                         self.poll_all();
                         Registered::Added
                     }
@@ -262,8 +286,16 @@ impl State {
             Cmd::Polled { addr, result } => {
                 self.polling.remove(&addr);
                 let mut left_pool = None;
+                let refusal = result.as_ref().as_ref().ok().and_then(|s| other_model(self.model, s.model));
                 if let Some(w) = self.find(&addr) {
+                    if w.refused != refusal {
+                        if let Some(why) = &refusal {
+                            tracing::warn!(addr = ?addr, "worker refused: {why}");
+                        }
+                        w.refused = refusal.clone();
+                    }
                     match *result {
+                        Ok(_) if refusal.is_some() => w.up = false,
                         Ok(s) => {
                             if !w.up {
                                 tracing::info!(addr = ?addr, role = %w.role, "worker up");
@@ -394,6 +426,24 @@ fn pool_key(w: &WorkerView) -> Option<String> {
 /// A worker's stats with every count clamped to [`STAT_CAP`] and every figure finite and
 /// non-negative: whatever a worker (or something answering on its port) reports, routing and
 /// `/metrics` arithmetic stays in range.
+/// Why a worker serving the model file `got` may not take this gateway's requests (`want`),
+/// or `None` when it may: the same file, or a gateway that knows no file of its own.
+fn other_model(want: Option<Bytes32>, got: Option<Bytes32>) -> Option<String> {
+    let short = |d: &Bytes32| d.0[..6].iter().map(|b| format!("{b:02x}")).collect::<String>();
+    match (want, got) {
+        (Some(w), Some(g)) if w != g => Some(format!(
+            "it serves another model file (BLAKE3 {}…) than this gateway's ({}…)",
+            short(&g),
+            short(&w)
+        )),
+        (Some(w), None) => Some(format!(
+            "it does not say which model file it serves (an older build?); this gateway's is {}…",
+            short(&w)
+        )),
+        _ => None,
+    }
+}
+
 fn clamped(mut s: StatsMsg) -> StatsMsg {
     for v in [&mut s.n_ctx, &mut s.block_size, &mut s.in_flight] {
         *v = (*v).min(STAT_CAP);

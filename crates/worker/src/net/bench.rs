@@ -180,6 +180,7 @@ pub async fn kv_transfer(
         secret: secret.clone(),
         draining: Arc::default(),
         spans: None,
+        model: None,
     };
     let server = decode_side.spawn(serve(listener, decode.clone(), config));
     let l = decode.kv_layout();

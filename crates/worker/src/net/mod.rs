@@ -42,5 +42,6 @@ pub(crate) fn stats_msg(
         in_flight: in_flight as u64,
         stats: s.clone(),
         draining: false,
+        model: None,
     }
 }

@@ -18,7 +18,7 @@ use crate::{Role, Transfer, WorkEvent, WorkMode, WorkRequest, WorkerError, Worke
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokenpath_protocol::auth::ClusterSecret;
+use tokenpath_protocol::auth::{Bytes32, ClusterSecret};
 use tokenpath_protocol::cluster::{FromWorker, GenerateMsg, Mode, RejectKind, ToWorker};
 use tokenpath_protocol::ProtocolError;
 use tokenpath_timeline::{RequestId, ServerTiming, Stage, TraceParent};
@@ -50,6 +50,8 @@ pub struct ServerConfig {
     /// Where this worker's spans go (`--otlp-endpoint`): a span per stage it ran, for every
     /// request that came with a trace context.
     pub spans: Option<tokenpath_otlp::SpanExporter>,
+    /// BLAKE3 of the model file, reported in every stats answer (`StatsMsg::model`).
+    pub model: Option<Bytes32>,
 }
 
 /// Serves `handle` on `listener` for ever (accept errors — out of descriptors, a connection
@@ -140,6 +142,7 @@ async fn connection(
             );
             let msg = tokenpath_protocol::cluster::StatsMsg {
                 draining: config.draining.load(Ordering::Acquire),
+                model: config.model,
                 ..msg
             };
             write_control(&mut wr, &FromWorker::Stats(msg)).await

@@ -87,6 +87,7 @@ pub async fn listen_with(h: &WorkerHandle, role: Role, kv_transport: KvTransport
             secret: secret(),
             draining: Arc::default(),
             spans: None,
+            model: None,
         },
     ));
     addr
