@@ -54,24 +54,22 @@ impl ModelArgs {
         load().map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))
     }
 
-    /// What a gateway in front of workers needs of the model, from the file's metadata alone
-    /// (no weight is read or repacked): its limits and its tokenizer.
-    pub fn open_metadata(&self) -> anyhow::Result<(ModelInfo, ModelTokenizer)> {
+    /// What a gateway in front of workers needs of the model, from one opening of the file (no
+    /// weight is repacked): its limits, its tokenizer, and the file's BLAKE3
+    /// (`model::file_digest`), which its workers must serve too.
+    pub fn open_metadata(&self) -> anyhow::Result<(ModelInfo, ModelTokenizer, [u8; 32])> {
         let path = self.path();
-        let load = || -> tokenpath_engine::error::Result<(ModelInfo, ModelTokenizer)> {
+        let load = || -> tokenpath_engine::error::Result<(ModelInfo, ModelTokenizer, [u8; 32])> {
             let file = tokenpath_engine::gguf::GgufFile::open(&path)?;
             let c = tokenpath_engine::model::ModelConfig::from_gguf(file.index())?;
-            Ok((ModelInfo { n_ctx: c.n_ctx, n_vocab: c.n_vocab }, ModelTokenizer::from_gguf(file.index())?))
+            let info = ModelInfo { n_ctx: c.n_ctx, n_vocab: c.n_vocab };
+            Ok((
+                info,
+                ModelTokenizer::from_gguf(file.index())?,
+                tokenpath_engine::model::file_digest(file.bytes()),
+            ))
         };
         load().map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))
-    }
-
-    /// BLAKE3 of the model file (`model::file_digest`): what a cluster's workers must serve.
-    pub fn file_digest(&self) -> anyhow::Result<[u8; 32]> {
-        let path = self.path();
-        let file = tokenpath_engine::gguf::GgufFile::open(&path)
-            .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
-        Ok(tokenpath_engine::model::file_digest(file.bytes()))
     }
 
     /// The same selection as arguments for a child `tokenpath worker`.

@@ -381,9 +381,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             );
             args.upstream.gateway(upstreams, plan.tokenizer.clone(), path.clone(), gateway_config).await?
         } else if args.topology.is_cluster() {
-            // A cluster gateway reads only the file's tokenizer and limits: the weights stay
-            // with the workers.
-            let (model, tokenizer) = args.model.open_metadata()?;
+            // A cluster gateway reads only the file's tokenizer, limits and digest: the weights
+            // stay with the workers.
+            let (model, tokenizer, digest) = args.model.open_metadata()?;
             let (text, secret) = match args.secret.secret()? {
                 Some(s) => s,
                 None if args.topology.prefill + args.topology.decode > 0
@@ -408,8 +408,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             };
             let workers = start_workers(&args, plan.workers, &mut children, &text)?;
             // Workers serving another file than the one this gateway tokenizes for are refused.
-            let digest = Bytes32(args.model.file_digest()?);
-            let registry = Registry::start_for_model(workers, secret, Some(digest));
+            let registry = Registry::start_for_model(workers, secret, Some(Bytes32(digest)));
             if args.topology.prefill + args.topology.decode > 0 || args.topology.cluster.is_some() {
                 tracing::info!("waiting for the workers to come up");
                 if !registry.wait_ready(Duration::from_secs(300)).await {

@@ -130,6 +130,8 @@ pub struct Model {
     pool: rayon::ThreadPool,
     /// The arithmetic of the forward pass.
     numerics: Numerics,
+    /// [`Model::weights_digest`], once computed.
+    digest: std::sync::OnceLock<[u8; 32]>,
     /// Tests only: forward calls fail after their last layer (`forward.rs`'s invariant-11 test).
     #[cfg(test)]
     pub(crate) fail_at_the_head: std::sync::atomic::AtomicBool,
@@ -265,6 +267,7 @@ impl Model {
             file,
             pool,
             numerics: Numerics::Fast,
+            digest: std::sync::OnceLock::new(),
             #[cfg(test)]
             fail_at_the_head: Default::default(),
         })
@@ -315,9 +318,10 @@ impl Model {
     }
 
     /// BLAKE3 of the whole model file: what binds KV kept beyond this process (the KV pool) to
-    /// these weights. Reads every page of the file, so computed only when asked.
+    /// these weights, and what a cluster gateway checks its workers serve. Reads every page of
+    /// the file, so computed when first asked, once.
     pub fn weights_digest(&self) -> [u8; 32] {
-        file_digest(self.file.bytes())
+        *self.digest.get_or_init(|| file_digest(self.file.bytes()))
     }
 
     /// Size of the model file in bytes.
